@@ -1,0 +1,38 @@
+"""Named handle objects returned by dispatch and consumed by combine / cached dispatch.
+
+Both are tuples (so code that passes DeepEP handles around keeps working) with named fields
+(so our code never indexes them by position).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+
+class DispatchHandle(NamedTuple):
+    """Layout of one normal-mode dispatch, enough to repeat it (cached dispatch) or reverse it (combine).
+
+    Received rows are ordered by source rank, then source token index.
+    """
+
+    rank_prefix_matrix: torch.Tensor    # [R, R] int32: [i, j] = tokens ranks 0..i send to rank j
+    recv_src_idx: torch.Tensor          # [num_recv] int32: source token index of each received row
+    is_token_in_rank: torch.Tensor      # [num_tokens, R] bool: what this rank sent where
+    send_rows: torch.Tensor             # [num_tokens, R] int32: row at the destination, -1 if not sent
+    num_recv_tokens: int                # rows that hold real tokens (-1 when only the GPU knows)
+    num_recv_rows: int                  # rows of recv_x (== num_recv_tokens, or num_worst_tokens)
+    num_tokens: int
+    hidden: int
+    buffer_uid: int
+    transport_state: Optional[Any] = None   # backend-private extras (device counters etc.)
+
+
+class LowLatencyHandle(NamedTuple):
+    """Same five fields, in the same order, as DeepEP's low-latency handle."""
+
+    src_info: torch.Tensor              # [local_experts, R * max_tokens] int32: source token index per slot
+    layout_range: torch.Tensor          # [local_experts, R] int64: (begin << 32) | count per source rank
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int

@@ -1,0 +1,56 @@
+"""Transport registry: which backends exist, whether each can run here, and why not."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Type
+
+from .base import BufferContext, Transport
+
+# Preference order for transport="auto": the first usable one wins.
+TRANSPORT_NAMES: List[str] = ["nvshmem", "nccl_gin", "ibgda", "reference"]
+
+
+@dataclass
+class TransportStatus:
+    name: str
+    usable: bool
+    reason: str                                   # why not usable, or what it will use
+    details: Dict[str, str] = field(default_factory=dict)   # versions, library paths, devices
+
+    def __str__(self) -> str:
+        return f"{self.name}: {'usable' if self.usable else 'unusable'} ({self.reason})"
+
+
+def available_transports() -> Dict[str, TransportStatus]:
+    """For every transport: can it be used in this process, and if not, the exact reason."""
+    from . import probe
+
+    return {name: probe.probe(name) for name in TRANSPORT_NAMES}
+
+
+def resolve(name: str) -> str:
+    """Map a requested transport (or "auto") to a usable one, or raise with the reason."""
+    statuses = available_transports()
+    if name == "auto":
+        for candidate in TRANSPORT_NAMES:
+            if statuses[candidate].usable:
+                return candidate
+        raise RuntimeError("no usable transport: " + "; ".join(str(s) for s in statuses.values()))
+    if name not in statuses:
+        raise ValueError(f"unknown transport {name!r}; choose one of {['auto'] + TRANSPORT_NAMES}")
+    status = statuses[name]
+    if not status.usable:
+        raise RuntimeError(f"transport {name!r} is unavailable: {status.reason}")
+    return name
+
+
+def backend_class(name: str) -> Type[Transport]:
+    if name == "reference":
+        from .reference import ReferenceTransport
+
+        return ReferenceTransport
+    raise RuntimeError(f"transport {name!r} has no backend implementation in this build")
+
+
+__all__ = ["BufferContext", "Transport", "TransportStatus", "TRANSPORT_NAMES",
+           "available_transports", "resolve", "backend_class"]

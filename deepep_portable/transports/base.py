@@ -1,0 +1,132 @@
+"""The Python side of the transport contract: what every backend implements for `Buffer`.
+
+`Buffer` validates arguments, picks streams, allocates nothing itself and then calls exactly one of
+these methods. A backend allocates its outputs with the *current* torch stream (Buffer makes the
+right stream current) and enqueues device work on `ctx.launch_stream` (None on the CPU). All inputs
+arrive validated (dtypes, shapes, devices, expert ranges), so backends never re-check them.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from ..comm import Comm
+from ..handles import DispatchHandle, LowLatencyHandle
+
+
+@dataclass
+class BufferContext:
+    """What a backend knows about the Buffer it serves."""
+
+    comm: Comm
+    rank: int
+    num_ranks: int
+    device: torch.device                 # cuda:N, or cpu for the reference transport without GPU
+    num_nvl_bytes: int
+    num_rdma_bytes: int
+    low_latency_mode: bool
+    uid: int                             # unique per Buffer; stamped into handles
+    timeout_s: float
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class DispatchArgs:
+    x: torch.Tensor                       # [N, H] bf16 or fp8
+    x_scales: Optional[torch.Tensor]      # [N, S] fp32/int32 with fp8 x, else None
+    topk_idx: Optional[torch.Tensor]      # [N, K] int64 global expert ids, -1 = none
+    topk_weights: Optional[torch.Tensor]  # [N, K] fp32
+    num_tokens_per_rank: torch.Tensor     # [R] int32
+    is_token_in_rank: torch.Tensor        # [N, R] bool
+    num_tokens_per_expert: torch.Tensor   # [E] int32
+    num_experts: int
+    expert_alignment: int
+    num_worst_tokens: int
+    num_sms: int
+    config: Any
+
+
+@dataclass
+class DispatchResult:
+    recv_x: torch.Tensor
+    recv_x_scales: Optional[torch.Tensor]
+    recv_topk_idx: Optional[torch.Tensor]       # local expert ids, -1 elsewhere
+    recv_topk_weights: Optional[torch.Tensor]   # 0 where recv_topk_idx is -1
+    num_recv_tokens_per_expert_list: List[int]  # empty with num_worst_tokens
+    handle: DispatchHandle
+
+
+@dataclass
+class LowLatencyDispatchArgs:
+    x: torch.Tensor                       # [N, H] bf16, N <= num_max_dispatch_tokens_per_rank
+    topk_idx: torch.Tensor                # [N, K] int64
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    cumulative_local_expert_recv_stats: Optional[torch.Tensor]
+    dispatch_wait_recv_cost_stats: Optional[torch.Tensor]
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    return_recv_hook: bool
+
+
+@dataclass
+class LowLatencyDispatchResult:
+    recv_x: torch.Tensor                  # [E_local, R*T, H] bf16 or fp8
+    recv_x_scales: Optional[torch.Tensor] # [E_local, R*T, H/128] fp32 or [.., H/512] int32 (column-major)
+    recv_count: torch.Tensor              # [E_local] int32
+    handle: LowLatencyHandle
+    hook: Optional[Callable[[], None]]    # receive phase when return_recv_hook, else None
+
+
+@dataclass
+class LowLatencyCombineArgs:
+    x: torch.Tensor                       # [E_local, R*T, H] bf16
+    topk_idx: torch.Tensor                # [N, K] int64
+    topk_weights: torch.Tensor            # [N, K] fp32
+    handle: LowLatencyHandle
+    zero_copy: bool
+    return_recv_hook: bool
+    out: Optional[torch.Tensor]
+    combine_wait_recv_cost_stats: Optional[torch.Tensor]
+
+
+class Transport(abc.ABC):
+    """One backend serving one Buffer."""
+
+    name: str = "?"
+
+    def __init__(self, ctx: BufferContext) -> None:
+        self.ctx = ctx
+
+    # ---- normal (high-throughput) mode --------------------------------------------------------
+    @abc.abstractmethod
+    def dispatch(self, args: DispatchArgs) -> DispatchResult: ...
+
+    @abc.abstractmethod
+    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor],
+                        handle: DispatchHandle, num_sms: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+
+    @abc.abstractmethod
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                bias_0: Optional[torch.Tensor], bias_1: Optional[torch.Tensor],
+                num_sms: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+
+    # ---- low-latency mode ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def low_latency_dispatch(self, args: LowLatencyDispatchArgs) -> LowLatencyDispatchResult: ...
+
+    @abc.abstractmethod
+    def low_latency_combine(self, args: LowLatencyCombineArgs) -> Tuple[torch.Tensor, Optional[Callable[[], None]]]: ...
+
+    @abc.abstractmethod
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None: ...
+
+    def destroy(self) -> None:
+        pass
