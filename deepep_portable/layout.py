@@ -11,7 +11,9 @@ Normal mode (intranode): every rank owns a receive area with one fixed slot per
 Low-latency mode: two identical halves (double buffering, so consecutive calls need no cleaning);
 each half has a dispatch receive area with one slot per (local expert, source rank, token), a
 combine send area shaped `[local_experts, ranks * max_tokens, hidden]` (the zero-copy buffer) and a
-combine receive area with one slot per (global expert, token), plus a signal area.
+combine receive area with one slot per (global expert, token), plus a signal area. The dispatch
+receive area and the combine send area share bytes: the receive phase copies tokens out into the
+caller's `recv_x` before the caller can fill the combine buffer.
 """
 from __future__ import annotations
 
@@ -105,7 +107,7 @@ class LowLatencyLayout:
 
     @property
     def half_bytes(self) -> int:
-        return align_up(self.dispatch_recv_bytes + self.combine_send_bytes
+        return align_up(max(self.dispatch_recv_bytes, self.combine_send_bytes)
                         + self.combine_recv_bytes + self.signal_bytes, 128)
 
     @property

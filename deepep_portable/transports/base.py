@@ -2,8 +2,10 @@
 
 `Buffer` validates arguments, picks streams, allocates nothing itself and then calls exactly one of
 these methods. A backend allocates its outputs with the *current* torch stream (Buffer makes the
-right stream current) and enqueues device work on `ctx.launch_stream` (None on the CPU). All inputs
-arrive validated (dtypes, shapes, devices, expert ranges), so backends never re-check them.
+right stream current) and enqueues device work on `ctx.comm_stream` (None on the CPU). A backend that
+does its work synchronously (the reference) must have finished all of it, on every stream, when it
+returns, so the events Buffer records on `ctx.comm_stream` stay truthful. All inputs arrive validated
+(dtypes, shapes, devices, expert ranges), so backends never re-check them.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class BufferContext:
     low_latency_mode: bool
     uid: int                             # unique per Buffer; stamped into handles
     timeout_s: float
+    comm_stream: Optional[torch.cuda.Stream] = None   # where device work is enqueued (None on CPU)
     options: dict = field(default_factory=dict)
 
 

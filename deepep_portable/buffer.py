@@ -1,0 +1,493 @@
+"""`Buffer`: the DeepEP-compatible entry point.
+
+Buffer owns what every op shares (the group, the transport backend, the communication stream) and
+does the same three things for every op: validate the arguments (raising before anything is
+launched), order the streams (`previous_event`, `async_finish`, `allocate_on_comm_stream`), and call
+the backend. Backends (deepep_portable/transports/) never see an invalid argument.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+
+from . import _validate as check
+from .comm import Comm
+from .config import Config
+from .event import EventOverlap
+from .handles import DispatchHandle, LowLatencyHandle
+from .layout import MAX_TOPK, NormalLayout, low_latency_rdma_size_hint
+from .transports import BufferContext, backend_class, resolve
+from .transports.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
+
+topk_idx_t = torch.int64
+_uids = itertools.count(1)
+
+DEFAULT_TIMEOUT_S = 100.0
+
+
+class Buffer:
+    """Expert-parallel communication buffers for MoE dispatch and combine.
+
+    Same constructor and methods as `deep_ep.Buffer` (V1). Ours in addition:
+      transport: "auto" | "nvshmem" | "ibgda" | "nccl_gin" | "reference"
+      timeout_s: bound on every wait; a timeout raises an exception naming op, rank and peer.
+    `group` may be a torch ProcessGroup or (as first argument or `comm=`) an mpi4py communicator.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None,
+                 *, transport: str = "auto", timeout_s: Optional[float] = None) -> None:
+        self._comm = Comm(group, comm)
+        self.rank = self._comm.rank
+        self.group_size = self._comm.size
+        self.group = self._comm.raw
+        check.positive_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
+        check.positive_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
+        check.positive_int("num_qps_per_rank", num_qps_per_rank)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("DEEPEP_PORTABLE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+        self.transport = resolve(transport)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = device
+        self._comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._ctx = BufferContext(
+            comm=self._comm, rank=self.rank, num_ranks=self.group_size, device=device,
+            num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, low_latency_mode=low_latency_mode,
+            uid=next(_uids), timeout_s=timeout_s, comm_stream=self._comm_stream,
+            options=dict(num_qps_per_rank=num_qps_per_rank,
+                         allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
+                         allow_mnnvl=allow_mnnvl))
+        self._backend = backend_class(self.transport)(self._ctx)
+
+    # ---- lifetime / static helpers ------------------------------------------------------------
+    def destroy(self) -> None:
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy() needs the Buffer to be created with explicitly_destroy=True")
+        self._live().destroy()
+        self._backend = None
+
+    def _live(self):
+        if self._backend is None:
+            raise RuntimeError("this Buffer was destroyed")
+        return self._backend
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return True   # kernels are compiled on first use for the device's architecture
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        check.positive_int("new_num_sms", new_num_sms)
+        if new_num_sms % 2 != 0:
+            raise ValueError("The SM count must be even")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current stream (for `previous_event=`)."""
+        if not torch.cuda.is_available():
+            return EventOverlap(None)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return EventOverlap(event)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        return low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """A sound default for any rank count (no table of supported sizes)."""
+        check.positive_int("num_ranks", num_ranks)
+        return Config(Buffer.num_sms, 6 if num_ranks > 2 else 24, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        check.positive_int("num_ranks", num_ranks)
+        return Config(Buffer.num_sms, 4 if num_ranks > 4 else 9, 256, 6, 128)
+
+    def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
+        return self._comm_stream
+
+    @staticmethod
+    def _unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        if bias is None:
+            return None, None
+        if isinstance(bias, torch.Tensor):
+            return bias, None
+        if isinstance(bias, tuple) and len(bias) == 2:
+            return bias
+        raise TypeError("bias must be None, a tensor, or a tuple of two tensors")
+
+    # ---- stream ordering ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _op(self, previous_event: Optional[EventOverlap], async_finish: bool, allocate_on_comm_stream: bool,
+            result: list):
+        """Order the op against the caller's stream, then record `result[0]` = EventOverlap.
+
+        The body allocates outputs on the current stream (the comm stream if allocate_on_comm_stream)
+        and enqueues device work on the comm stream. Tensors in `result[1:]` are protected from the
+        caching allocator across streams when the caller does not wait (async_finish)."""
+        if allocate_on_comm_stream and (previous_event is None or not async_finish):
+            raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True")
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError("previous_event must be an EventOverlap (e.g. from Buffer.capture())")
+        if self._comm_stream is None:
+            yield
+            result.insert(0, EventOverlap(None))
+            return
+        compute = torch.cuda.current_stream()
+        comm = self._comm_stream
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:
+            comm.wait_stream(compute)
+        with torch.cuda.stream(comm if allocate_on_comm_stream else compute):
+            yield
+        tensors = [t for t in _flatten(result) if isinstance(t, torch.Tensor) and t.is_cuda]
+        if async_finish:
+            event = torch.cuda.Event()
+            event.record(comm)
+            for t in tensors:
+                t.record_stream(comm)
+                if allocate_on_comm_stream:
+                    t.record_stream(compute)
+            result.insert(0, EventOverlap(event, tuple(tensors)))
+        else:
+            compute.wait_stream(comm)
+            result.insert(0, EventOverlap(None))
+
+    # ---- normal mode --------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """Returns (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank (None: one NVLink domain),
+        num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)."""
+        self._live()
+        check.tensor("topk_idx", topk_idx, topk_idx_t, (None, None), self.device)
+        check.num_experts(num_experts, self.group_size)
+        _check_topk_width(topk_idx)
+        check.expert_indices("topk_idx", topk_idx, num_experts)
+        result: list = [topk_idx]
+        with self._op(previous_event, async_finish, allocate_on_comm_stream, result):
+            per_rank, per_expert, in_rank = _dispatch_layout(topk_idx, num_experts, self.group_size, self._comm_stream)
+            result += [per_rank, per_expert, in_rank]
+        return per_rank, None, per_expert, in_rank, result[0]
+
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+                 handle: Optional[DispatchHandle] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token to every rank that holds one of its experts.
+
+        Returns (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event),
+        as DeepEP. With `handle` (cached dispatch) only recv_x is computed and the rest are None.
+        """
+        backend = self._live()
+        x_data, x_scales = self._check_dispatch_x(x)
+        num_tokens, hidden = x_data.shape
+        config = self._check_config(config, self.get_dispatch_config)
+        check.positive_int("expert_alignment", expert_alignment)
+        check.positive_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        if num_tokens_per_rdma_rank is not None:
+            raise ValueError("num_tokens_per_rdma_rank must be None: every rank of this group is in one NVLink domain")
+
+        if handle is not None:
+            self._check_dispatch_handle(handle, num_tokens, hidden)
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("cached dispatch (handle given) takes no topk_idx / topk_weights")
+            self._check_capacity(x_data, x_scales, 0)
+            result: list = [x_data, x_scales]
+            with self._op(previous_event, async_finish, allocate_on_comm_stream, result):
+                recv_x, recv_scales = backend.cached_dispatch(x_data, x_scales, handle, config.num_sms)
+                result += [recv_x, recv_scales]
+            out_x = (recv_x, recv_scales) if x_scales is not None else recv_x
+            return out_x, None, None, None, None, result[0]
+
+        R = self.group_size
+        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ValueError("dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
+                             "num_tokens_per_expert (from get_dispatch_layout)")
+        check.tensor("num_tokens_per_rank", num_tokens_per_rank, torch.int32, (R,), self.device)
+        check.tensor("is_token_in_rank", is_token_in_rank, torch.bool, (num_tokens, R), self.device)
+        check.tensor("num_tokens_per_expert", num_tokens_per_expert, torch.int32, (None,), self.device)
+        num_experts = check.num_experts(num_tokens_per_expert.size(0), R)
+        num_topk = 0
+        if topk_idx is not None:
+            check.tensor("topk_idx", topk_idx, topk_idx_t, (num_tokens, None), self.device)
+            num_topk = _check_topk_width(topk_idx)
+            check.expert_indices("topk_idx", topk_idx, num_experts)
+            if topk_weights is None:
+                raise ValueError("topk_weights must be given with topk_idx")
+            check.tensor("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk), self.device)
+        elif topk_weights is not None:
+            raise ValueError("topk_weights given without topk_idx")
+        self._check_capacity(x_data, x_scales, num_topk)
+
+        args = DispatchArgs(x=x_data, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                            num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+                            num_tokens_per_expert=num_tokens_per_expert, num_experts=num_experts,
+                            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                            num_sms=config.num_sms, config=config)
+        result = [x_data, x_scales, topk_idx, topk_weights, is_token_in_rank]
+        with self._op(previous_event, async_finish, allocate_on_comm_stream, result):
+            res = backend.dispatch(args)
+            result += [res.recv_x, res.recv_x_scales, res.recv_topk_idx, res.recv_topk_weights]
+        out_x = (res.recv_x, res.recv_x_scales) if x_scales is not None else res.recv_x
+        return (out_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
+                res.handle, result[0])
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Sum each token's expert outputs back on its source rank (no weights applied).
+
+        Returns (combined_x [num_tokens, hidden] bf16, combined_topk_weights or None, event)."""
+        backend = self._live()
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError("handle must be the DispatchHandle returned by this Buffer's dispatch")
+        self._check_handle_owner(handle)
+        check.tensor("x", x, torch.bfloat16, (handle.num_recv_rows, None), self.device)
+        hidden = x.size(1)
+        _check_hidden(hidden, fp8=False)
+        if topk_weights is not None:
+            check.tensor("topk_weights", topk_weights, torch.float32, (handle.num_recv_rows, None), self.device)
+            _check_topk_width(topk_weights)
+        bias_0, bias_1 = self._unpack_bias(bias)
+        for name, b in (("bias[0]", bias_0), ("bias[1]", bias_1)):
+            if b is not None:
+                check.tensor(name, b, torch.bfloat16, (handle.num_tokens, hidden), self.device)
+        config = self._check_config(config, self.get_combine_config)
+        layout = NormalLayout(self.group_size, hidden * 2, 0, 0 if topk_weights is None else topk_weights.size(1))
+        if layout.max_tokens_per_rank(self.num_nvl_bytes) < handle.num_tokens:
+            raise ValueError(self._capacity_message("combine", handle.num_tokens, layout))
+        result: list = [x, topk_weights, bias_0, bias_1]
+        with self._op(previous_event, async_finish, allocate_on_comm_stream, result):
+            combined_x, combined_w = backend.combine(x, handle, topk_weights, bias_0, bias_1, config.num_sms)
+            result += [combined_x, combined_w]
+        return combined_x, combined_w, result[0]
+
+    # ---- low-latency mode ---------------------------------------------------------------------
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._live().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Send each (token, expert) pair to the expert's rank, packed per local expert.
+
+        Returns (recv_x, recv_count, handle, event, hook) as DeepEP; recv_x is (fp8, scales) with use_fp8."""
+        backend = self._live()
+        check.tensor("x", x, torch.bfloat16, (None, None), self.device)
+        num_tokens, hidden = x.shape
+        self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if num_tokens > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{num_max_dispatch_tokens_per_rank}")
+        check.tensor("topk_idx", topk_idx, topk_idx_t, (num_tokens, None), self.device)
+        _check_topk_width(topk_idx)
+        check.expert_indices("topk_idx", topk_idx, num_experts)
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True")
+        if use_ue8m0 and (hidden // 128) % 4 != 0:
+            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden/128 ({hidden // 128}) must be divisible by 4")
+        num_local_experts = num_experts // self.group_size
+        if cumulative_local_expert_recv_stats is not None:
+            check.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32,
+                         (num_local_experts,), self.device)
+        if dispatch_wait_recv_cost_stats is not None:
+            check.tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64,
+                         (self.group_size,), self.device)
+        args = LowLatencyDispatchArgs(x=x, topk_idx=topk_idx,
+                                      num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                                      num_experts=num_experts,
+                                      cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                                      dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
+                                      use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                      return_recv_hook=return_recv_hook)
+        result: list = [x, topk_idx]
+        with self._op(None, async_finish, False, result):
+            res = backend.low_latency_dispatch(args)
+            result += [res.recv_x, res.recv_x_scales, res.recv_count]
+        out_x = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
+        return out_x, res.recv_count, res.handle, result[0], res.hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """Weighted sum of each token's expert outputs. Returns (combined_x, event, hook)."""
+        backend = self._live()
+        handle = self._check_low_latency_handle(handle)
+        T, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        self._check_low_latency(T, hidden, num_experts)
+        if use_logfmt:
+            raise ValueError("use_logfmt is not supported by deepep_portable")
+        num_local_experts = num_experts // self.group_size
+        check.tensor("x", x, torch.bfloat16, (num_local_experts, self.group_size * T, hidden), self.device)
+        check.tensor("topk_idx", topk_idx, topk_idx_t, (None, None), self.device)
+        num_tokens, num_topk = topk_idx.shape
+        _check_topk_width(topk_idx)
+        if num_tokens > T:
+            raise ValueError(f"topk_idx has {num_tokens} tokens, more than the handle's maximum {T}")
+        check.expert_indices("topk_idx", topk_idx, num_experts)
+        check.tensor("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk), self.device)
+        if out is not None:
+            check.tensor("out", out, torch.bfloat16, (num_tokens, hidden), self.device)
+        if combine_wait_recv_cost_stats is not None:
+            check.tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64,
+                         (self.group_size,), self.device)
+        args = LowLatencyCombineArgs(x=x, topk_idx=topk_idx, topk_weights=topk_weights, handle=handle,
+                                     zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out,
+                                     combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
+        result: list = [x, topk_idx, topk_weights]
+        with self._op(None, async_finish, False, result):
+            combined_x, hook = backend.low_latency_combine(args)
+            result.append(combined_x)
+        return combined_x, result[0], hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        handle = self._check_low_latency_handle(handle)
+        self._check_low_latency(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        return self._live().get_next_low_latency_combine_buffer(handle)
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _check_dispatch_x(self, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise TypeError("FP8 x must be a tuple (data, scales)")
+            data, scales = x
+            check.tensor("x[0]", data, shape=(None, None), device=self.device, dtypes=check.FP8_DTYPES)
+            _check_hidden(data.size(1), fp8=True)
+            check.tensor("x[1] (scales)", scales, shape=(data.size(0), None), device=self.device,
+                         dtypes=(torch.float32, torch.int32))
+            return data, scales
+        check.tensor("x", x, torch.bfloat16, (None, None), self.device)
+        _check_hidden(x.size(1), fp8=False)
+        return x, None
+
+    def _check_config(self, config: Optional[Config], default) -> Config:
+        if config is None:
+            return default(self.group_size)
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a deepep_portable.Config, got {type(config).__name__}")
+        return config
+
+    def _check_capacity(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_topk: int) -> None:
+        layout = NormalLayout(self.group_size, x.size(1) * x.element_size(),
+                              0 if x_scales is None else x_scales.size(1), num_topk)
+        if layout.max_tokens_per_rank(self.num_nvl_bytes) < x.size(0):
+            raise ValueError(self._capacity_message("dispatch", x.size(0), layout))
+
+    def _capacity_message(self, op: str, num_tokens: int, layout: NormalLayout) -> str:
+        need = layout.slot_bytes * layout.num_ranks * num_tokens
+        return (f"{op} of {num_tokens} tokens needs a larger buffer: this Buffer has num_nvl_bytes="
+                f"{self.num_nvl_bytes}, room for {layout.max_tokens_per_rank(self.num_nvl_bytes)} tokens per rank "
+                f"({layout.slot_bytes} bytes per token and source rank); create it with num_nvl_bytes >= "
+                f"{need + (1 << 16)} (Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, num_tokens))")
+
+    def _check_handle_owner(self, handle: DispatchHandle) -> None:
+        if handle.buffer_uid != self._ctx.uid:
+            raise ValueError("handle was produced by another Buffer; pass the handle from this Buffer's dispatch")
+
+    def _check_dispatch_handle(self, handle, num_tokens: int, hidden: int) -> None:
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError("handle must be the DispatchHandle returned by this Buffer's dispatch")
+        self._check_handle_owner(handle)
+        if handle.num_tokens != num_tokens:
+            raise ValueError(f"x has {num_tokens} tokens, but the handle was made for {handle.num_tokens}")
+
+    def _check_low_latency(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        if not self.low_latency_mode:
+            raise ValueError("low-latency ops need a Buffer created with low_latency_mode=True")
+        check.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+        check.num_experts(num_experts, self.group_size)
+        if hidden % 128 != 0:
+            raise ValueError(f"low-latency hidden must be a multiple of 128, got {hidden}")
+        need = low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
+        if self.num_rdma_bytes < need:
+            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for {num_max_dispatch_tokens_per_rank} "
+                             f"tokens x hidden {hidden} x {num_experts} experts: need >= {need} "
+                             f"(Buffer.get_low_latency_rdma_size_hint)")
+
+    def _check_low_latency_handle(self, handle) -> LowLatencyHandle:
+        if isinstance(handle, tuple) and not isinstance(handle, LowLatencyHandle) and len(handle) == 5:
+            handle = LowLatencyHandle(*handle)
+        if not isinstance(handle, LowLatencyHandle):
+            raise TypeError("handle must be the handle returned by low_latency_dispatch")
+        return handle
+
+
+def _check_hidden(hidden: int, fp8: bool) -> None:
+    if hidden <= 0:
+        raise ValueError(f"hidden must be positive, got {hidden}")
+    if fp8 and hidden % 128 != 0:
+        raise ValueError(f"FP8 dispatch needs hidden to be a multiple of 128 (one scale per 128 channels), got {hidden}")
+    if not fp8 and hidden % 8 != 0:
+        raise ValueError(f"BF16 hidden must be a multiple of 8 elements (16 bytes), got {hidden}")
+
+
+def _check_topk_width(t: torch.Tensor) -> int:
+    k = t.size(1)
+    if not 1 <= k <= MAX_TOPK:
+        raise ValueError(f"top-k must be in [1, {MAX_TOPK}], got {k}")
+    return k
+
+
+def _dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                     stream: Optional[torch.cuda.Stream]):
+    """Per-rank and per-expert token counts and the token->rank mask (a local computation)."""
+    if topk_idx.is_cuda:
+        from ._kernels import dispatch_layout_cuda
+
+        return dispatch_layout_cuda(topk_idx, num_experts, num_ranks, stream)
+    return dispatch_layout_torch(topk_idx, num_experts, num_ranks)
+
+
+def dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    experts_per_rank = num_experts // num_ranks
+    valid = topk_idx >= 0
+    per_expert = torch.bincount(topk_idx[valid].flatten(), minlength=num_experts).to(torch.int32)
+    rank_of = torch.where(valid, topk_idx // experts_per_rank, torch.full_like(topk_idx, num_ranks))
+    in_rank = torch.zeros(topk_idx.size(0), num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
+    in_rank.scatter_(1, rank_of, True)
+    in_rank = in_rank[:, :num_ranks].contiguous()
+    per_rank = in_rank.sum(0, dtype=torch.int32)
+    return per_rank, per_expert, in_rank
+
+
+def _flatten(items: List) -> List:
+    out = []
+    for t in items:
+        if isinstance(t, (tuple, list)):
+            out.extend(_flatten(list(t)))
+        elif t is not None:
+            out.append(t)
+    return out
