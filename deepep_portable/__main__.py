@@ -1,0 +1,33 @@
+"""Command line: `python -m deepep_portable {bench,doctor,precompile}`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deepep_portable")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from . import bench
+
+    bench.add_arguments(sub.add_parser("bench", help="dispatch/combine round trip across local ranks: check, time, ceiling"))
+    sub.add_parser("doctor", help="GPUs, links, CUDA/NCCL/NVSHMEM, RDMA devices, and each transport's status")
+    pre = sub.add_parser("precompile", help="compile every kernel family into the JIT cache")
+    pre.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
+    args = parser.parse_args(argv)
+
+    if args.command == "bench":
+        return bench.main(args)
+    if args.command == "doctor":
+        from .doctor import run_doctor
+
+        return run_doctor()
+    from . import jit
+
+    for name, arch, seconds, hit in jit.precompile(tuple(args.arch)):
+        print(f"{name:40s} {arch:6s} {'cached' if hit else f'{seconds:.1f} s'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

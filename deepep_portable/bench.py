@@ -1,0 +1,277 @@
+"""The main job: a dispatch -> combine round trip across local ranks, checked, timed, with its ceiling.
+
+Every measured op is printed beside the ceiling from the same run: one plain copy of exactly the
+same bytes on the same device (a device-to-device copy on the GPU, a memcpy on the CPU). Logical
+bandwidth follows DeepEP: payload bytes a rank sends (dispatch) or receives (combine), its own copy
+included, over the op's time; the time reported is the slowest rank's median.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import deepep_portable as deep_ep
+
+from .launch import run_local
+
+
+@dataclass
+class Row:
+    op: str
+    tokens: int
+    hidden: int
+    topk: int
+    experts: int
+    precision: str
+    time_us: float
+    gbps: float
+    ceiling_us: float
+    ceiling_gbps: float
+    transport: str
+    sms: int
+
+    def cells(self) -> List[str]:
+        ratio = self.ceiling_us / self.time_us if self.time_us > 0 else 0.0
+        return [self.op, str(self.tokens), str(self.hidden), str(self.topk), str(self.experts), self.precision,
+                f"{self.time_us:.1f}", f"{self.gbps:.2f}", f"{self.ceiling_gbps:.2f}", f"{100 * ratio:.1f}%",
+                str(self.sms), self.transport]
+
+
+HEADER = ["op", "tokens", "hidden", "topk", "experts", "prec", "time_us", "GB/s", "ceil_GB/s", "of_ceil",
+          "SMs", "transport"]
+
+
+def _timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int) -> float:
+    """Median seconds of fn (events on CUDA; perf_counter on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _slowest(seconds: float, group) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int, group) -> float:
+    """Seconds for one plain copy of num_bytes on this device, every rank copying at once."""
+    src = torch.randint(0, 255, (max(num_bytes, 16),), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dist.barrier(group=group)
+    return _slowest(_timer(device, lambda: dst.copy_(src), warmup, iters), group)
+
+
+def _random_topk(num_tokens: int, num_experts: int, topk: int, device: torch.device, gen: torch.Generator):
+    scores = torch.rand(num_tokens, num_experts, generator=gen).to(device)
+    idx = torch.topk(scores, topk, dim=-1, sorted=False).indices.to(deep_ep.topk_idx_t)
+    # Some tokens drop an expert (-1), as real routers with capacity limits do.
+    drop = torch.rand(num_tokens, topk, generator=gen).to(device) < 0.05
+    return idx.masked_fill(drop, -1).contiguous()
+
+
+def _fp8_cast(x: torch.Tensor):
+    h = x.size(1)
+    xv = x.float().view(x.size(0), h // 128, 128)
+    scales = (xv.abs().amax(-1).clamp(min=1e-4) / 448.0)
+    data = (xv / scales.unsqueeze(-1)).view(x.size(0), h).to(torch.float8_e4m3fn)
+    return data, scales.contiguous()
+
+
+def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: int, rows: List[Row]) -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    gen = torch.Generator().manual_seed(1000 * rank + tokens)
+    hidden, topk, experts = cfg.hidden, cfg.topk, cfg.experts
+    nvl_bytes = deep_ep.Config().get_nvl_buffer_size_hint(hidden * 2, world, tokens)
+    buf = deep_ep.Buffer(group, nvl_bytes, 0, transport=cfg.transport)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    topk_idx = _random_topk(tokens, experts, topk, device, gen)
+    topk_weights = torch.rand(tokens, topk, generator=gen).to(device)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, experts)
+    x_in = _fp8_cast(x) if cfg.fp8 else x
+
+    def dispatch():
+        return buf.dispatch(x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+
+    recv_x, recv_idx, recv_w, counts, handle, _ = dispatch()
+    # Check: the rows received are what every source sent here; the round trip sums each token
+    # once per destination rank (identity experts), exactly.
+    all_per_rank = [torch.zeros_like(per_rank) for _ in range(world)]
+    dist.all_gather(all_per_rank, per_rank, group=group)
+    expected_rows = int(sum(int(t[rank]) for t in all_per_rank))
+    got_rows = (recv_x[0] if cfg.fp8 else recv_x).size(0)
+    if got_rows != expected_rows:
+        raise AssertionError(f"rank {rank}: received {got_rows} rows, expected {expected_rows}")
+    combine_in = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=1)).to(torch.bfloat16) \
+        if cfg.fp8 else recv_x
+    combined, _, _ = buf.combine(combine_in, handle)
+    ref_src = (x_in[0].float() * x_in[1].repeat_interleave(128, dim=1)).to(torch.bfloat16) if cfg.fp8 else x
+    expected = (ref_src.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
+    if not torch.equal(combined, expected):
+        bad = (combined != expected).any(1).nonzero().flatten()[:5].tolist()
+        raise AssertionError(f"rank {rank}: combine differs from the oracle at tokens {bad}")
+
+    sent_rows = int(in_rank.sum())
+    dispatch_bytes = sent_rows * (hidden * (1 if cfg.fp8 else 2) + (hidden // 128 * 4 if cfg.fp8 else 0))
+    combine_bytes = sent_rows * hidden * 2
+    t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters), group)
+    t_combine = _slowest(_timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters), group)
+    c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group)
+    c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group)
+    prec = "fp8" if cfg.fp8 else "bf16"
+    for op, t, c, nbytes, p in (("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
+                                ("combine", t_combine, c_combine, combine_bytes, "bf16")):
+        rows.append(Row(op, tokens, hidden, topk, experts, p, t * 1e6, nbytes / t / 1e9, c * 1e6,
+                        nbytes / c / 1e9, buf.transport, deep_ep.Buffer.num_sms))
+
+
+def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tokens: int, rows: List[Row]) -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    gen = torch.Generator().manual_seed(2000 * rank + tokens)
+    hidden, topk, experts = cfg.hidden, cfg.topk, cfg.experts
+    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world, experts)
+    buf = deep_ep.Buffer(group, 0, rdma_bytes, low_latency_mode=True, num_qps_per_rank=max(1, experts // world),
+                         transport=cfg.transport)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    topk_idx = _random_topk(tokens, experts, topk, device, gen)
+    topk_weights = torch.rand(tokens, topk, generator=gen).to(device)
+
+    def dispatch():
+        return buf.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=cfg.fp8)
+
+    recv_x, recv_count, handle, _, _ = dispatch()
+    # Identity experts in BF16: combine returns sum_k w_k * x exactly as the oracle computes it.
+    recv_bf16 = recv_x if not cfg.fp8 else None
+    if recv_bf16 is None:
+        data, scales = recv_x
+        recv_bf16 = (data.float() * scales.repeat_interleave(128, dim=2)).to(torch.bfloat16)
+        src = _fp8_cast(x)
+        ref_x = (src[0].float() * src[1].repeat_interleave(128, dim=1)).to(torch.bfloat16)
+    else:
+        ref_x = x
+    combined, _, _ = buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle)
+    w = torch.where(topk_idx >= 0, topk_weights, torch.zeros_like(topk_weights))
+    expected = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
+    for k in range(topk):
+        expected += w[:, k:k + 1] * ref_x.float()
+    err = (combined.float() - expected).abs().max().item() if tokens else 0.0
+    scale = expected.abs().max().item() if tokens else 1.0
+    if err > 1e-2 * max(scale, 1e-6):
+        raise AssertionError(f"rank {rank}: low-latency combine differs from the oracle (max abs err {err})")
+
+    pairs = int((topk_idx >= 0).sum())
+    dispatch_bytes = pairs * (hidden + hidden // 128 * 4 if cfg.fp8 else hidden * 2)
+    combine_bytes = pairs * hidden * 2
+    t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters), group)
+    t_combine = _slowest(_timer(device, lambda: buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle),
+                                cfg.warmup, cfg.iters), group)
+    c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group)
+    c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group)
+    prec = "fp8" if cfg.fp8 else "bf16"
+    for op, t, c, nbytes, p in (("ll_dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
+                                ("ll_combine", t_combine, c_combine, combine_bytes, "bf16")):
+        rows.append(Row(op, tokens, hidden, topk, experts, p, t * 1e6, nbytes / t / 1e9, c * 1e6,
+                        nbytes / c / 1e9, buf.transport, deep_ep.Buffer.num_sms))
+
+
+def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
+    rows: List[Row] = []
+    sweep = cfg.tokens
+    progress = sweep
+    if rank == 0 and not cfg.no_progress:
+        try:
+            from tqdm import tqdm
+
+            progress = tqdm(sweep, desc=f"bench {cfg.mode} x{world}", file=sys.stderr)
+        except ImportError:
+            pass
+    for tokens in progress:
+        (bench_normal if cfg.mode == "normal" else bench_low_latency)(rank, world, group, cfg, tokens, rows)
+    if rank == 0:
+        print_table(rows, world)
+        if cfg.plot:
+            plot(rows, cfg.plot, world)
+
+
+def print_table(rows: List[Row], world: int) -> None:
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"\n{world} ranks on {dev}; ceiling = one plain copy of the same bytes on the same device, same run")
+    cells = [HEADER] + [r.cells() for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    for line in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    sys.stdout.flush()
+
+
+def plot(rows: List[Row], path: str, world: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for op in sorted({r.op for r in rows}):
+        pts = [r for r in rows if r.op == op]
+        ax.plot([r.tokens for r in pts], [r.gbps for r in pts], marker="o", label=f"{op} ({pts[0].transport})")
+        ax.plot([r.tokens for r in pts], [r.ceiling_gbps for r in pts], linestyle="--", label=f"{op} ceiling")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("logical GB/s per rank")
+    ax.set_title(f"deepep_portable bench, {world} ranks")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    gpu = torch.cuda.is_available()
+    p.add_argument("--mode", choices=["normal", "low_latency"], default="normal")
+    p.add_argument("--ranks", type=int, default=4, help="local ranks to spawn (ignored under torchrun/mpirun)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="tokens per rank, several values make a sweep (default: GPU 512 4096, CPU 64 256)")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
+                   help="FP8 dispatch (default: on for normal mode and low-latency)")
+    p.add_argument("--transport", default="auto")
+    p.add_argument("--num-sms", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=3 if gpu else 1)
+    p.add_argument("--iters", type=int, default=20 if gpu else 3)
+    p.add_argument("--plot", default=None, metavar="FILE.png")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def main(cfg: argparse.Namespace) -> int:
+    if cfg.tokens is None:
+        cfg.tokens = ([128] if cfg.mode == "low_latency" else [512, 4096]) if torch.cuda.is_available() \
+            else ([32, 128] if cfg.mode == "low_latency" else [64, 256])
+    if cfg.fp8 is None:
+        cfg.fp8 = True
+    if cfg.num_sms is not None:
+        deep_ep.Buffer.set_num_sms(cfg.num_sms)
+    run_local(_worker, cfg.ranks, cfg)
+    return 0

@@ -1,0 +1,222 @@
+"""Bad input raises a clear error before anything is launched, and the Buffer keeps working.
+
+Single process (a one-rank gloo group); tests/mpi/test_validation_mpi.py covers the multi-rank cases.
+"""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import deepep_portable as deep_ep
+
+HIDDEN, TOKENS, EXPERTS, TOPK = 256, 8, 8, 2
+
+
+@pytest.fixture(scope="module")
+def group():
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield dist.group.WORLD
+
+
+@pytest.fixture(scope="module")
+def device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def buffer(group):
+    nvl = deep_ep.Config().get_nvl_buffer_size_hint(HIDDEN * 2, 1, TOKENS)
+    return deep_ep.Buffer(group, nvl, 0, transport="reference")
+
+
+@pytest.fixture(scope="module")
+def ll_buffer(group):
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, 1, EXPERTS)
+    return deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, transport="reference")
+
+
+def make_inputs(device, tokens=TOKENS, hidden=HIDDEN):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    idx = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(tokens)]).to(device)
+    w = torch.rand(tokens, TOPK, generator=gen).to(device)
+    return x, idx.to(deep_ep.topk_idx_t), w
+
+
+def round_trip(buf, device):
+    """A valid dispatch + combine: proves the Buffer is still usable after a rejected call."""
+    x, idx, w = make_inputs(device)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=idx, topk_weights=w)
+    assert torch.equal(recv_x, x)
+    out, out_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    assert torch.equal(out, x)
+
+
+def layout_kwargs(buf, idx, experts=EXPERTS):
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+
+BAD_DISPATCH = {
+    "x float32": (lambda x, idx, w: dict(x=x.float()), TypeError, "dtype"),
+    "x 1-D": (lambda x, idx, w: dict(x=x.flatten()), ValueError, "shape"),
+    "x not contiguous": (lambda x, idx, w: dict(x=x.t().contiguous().t()), ValueError, "contiguous"),
+    "x list": (lambda x, idx, w: dict(x=[x]), TypeError, "torch.Tensor"),
+    "hidden not multiple of 8": (lambda x, idx, w: dict(x=x[:, :100].contiguous()), ValueError, "multiple of 8"),
+    "topk_idx int32": (lambda x, idx, w: dict(topk_idx=idx.int()), TypeError, "dtype"),
+    "expert index too large": (lambda x, idx, w: dict(topk_idx=idx.masked_fill(idx == idx[0, 0], EXPERTS)),
+                               ValueError, "outside"),
+    "expert index below -1": (lambda x, idx, w: dict(topk_idx=idx.masked_fill(idx == idx[0, 0], -2)),
+                              ValueError, "outside"),
+    "weights missing": (lambda x, idx, w: dict(topk_weights=None), ValueError, "topk_weights"),
+    "weights shape": (lambda x, idx, w: dict(topk_weights=w[:, :1].contiguous()), ValueError, "shape"),
+    "weights bf16": (lambda x, idx, w: dict(topk_weights=w.bfloat16()), TypeError, "dtype"),
+    "is_token_in_rank int": (lambda x, idx, w: dict(is_token_in_rank=torch.ones(TOKENS, 1, dtype=torch.int32,
+                                                                                 device=x.device)), TypeError, "dtype"),
+    "rdma counts given": (lambda x, idx, w: dict(num_tokens_per_rdma_rank=torch.zeros(1, dtype=torch.int32)),
+                          ValueError, "NVLink domain"),
+    "alignment zero": (lambda x, idx, w: dict(expert_alignment=0), ValueError, "expert_alignment"),
+    "worst tokens negative": (lambda x, idx, w: dict(num_worst_tokens=-1), ValueError, "num_worst_tokens"),
+    "config wrong type": (lambda x, idx, w: dict(config=(20, 6, 256, 6, 128)), TypeError, "Config"),
+    "fp8 hidden not multiple of 128": (
+        lambda x, idx, w: dict(x=(torch.zeros(TOKENS, 200, device=x.device).to(torch.float8_e4m3fn),
+                                  torch.ones(TOKENS, 2, device=x.device))), ValueError, "multiple of 128"),
+    "fp8 scales rows": (
+        lambda x, idx, w: dict(x=(x.to(torch.float8_e4m3fn), torch.ones(TOKENS + 1, 2, device=x.device))),
+        ValueError, "scales"),
+    "fp8 scales dtype": (
+        lambda x, idx, w: dict(x=(x.to(torch.float8_e4m3fn), torch.ones(TOKENS, 2, device=x.device).half())),
+        TypeError, "dtype"),
+    "async on comm stream without event": (lambda x, idx, w: dict(allocate_on_comm_stream=True), ValueError,
+                                           "previous_event"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DISPATCH))
+def test_bad_dispatch_rejected_then_buffer_works(buffer, device, case):
+    make_bad, exc, words = BAD_DISPATCH[case]
+    x, idx, w = make_inputs(device)
+    kwargs = dict(x=x, topk_idx=idx, topk_weights=w, **layout_kwargs(buffer, idx))
+    kwargs.update(make_bad(x, idx, w))
+    with pytest.raises(exc, match=words):
+        buffer.dispatch(**kwargs)
+    round_trip(buffer, device)
+
+
+def test_too_many_tokens_for_buffer(buffer, device):
+    x, idx, w = make_inputs(device, tokens=TOKENS * 64)
+    with pytest.raises(ValueError, match="needs a larger buffer"):
+        buffer.dispatch(x, topk_idx=idx, topk_weights=w, **layout_kwargs(buffer, idx))
+    round_trip(buffer, device)
+
+
+def test_buffer_without_nvl_bytes_rejects_dispatch(group, device):
+    buf = deep_ep.Buffer(group, 0, 0, transport="reference")
+    x, idx, w = make_inputs(device)
+    with pytest.raises(ValueError, match="num_nvl_bytes=0"):
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout_kwargs(buf, idx))
+
+
+def test_layout_rejects_bad_experts(buffer, device):
+    _, idx, _ = make_inputs(device)
+    with pytest.raises(ValueError, match="outside"):
+        buffer.get_dispatch_layout(idx, EXPERTS - 1)
+    with pytest.raises(TypeError, match="int"):
+        buffer.get_dispatch_layout(idx, float(EXPERTS))
+    with pytest.raises(ValueError, match="top-k"):
+        buffer.get_dispatch_layout(idx[:, :0].contiguous(), EXPERTS)
+    round_trip(buffer, device)
+
+
+def test_handle_checks(buffer, group, device):
+    x, idx, w = make_inputs(device)
+    _, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, **layout_kwargs(buffer, idx))
+    other = deep_ep.Buffer(group, buffer.num_nvl_bytes, 0, transport="reference")
+    with pytest.raises(ValueError, match="another Buffer"):
+        other.combine(x, handle)
+    with pytest.raises(ValueError, match="another Buffer"):
+        other.dispatch(x, handle=handle)
+    with pytest.raises(TypeError, match="DispatchHandle"):
+        buffer.combine(x, tuple(handle)[:6])
+    with pytest.raises(ValueError, match="tokens"):
+        buffer.dispatch(x[:-1].contiguous(), handle=handle)
+    with pytest.raises(ValueError, match="no topk_idx"):
+        buffer.dispatch(x, handle=handle, topk_idx=idx)
+    with pytest.raises(ValueError, match="shape"):
+        buffer.combine(x[:-1].contiguous(), handle)
+    with pytest.raises(ValueError, match="shape"):
+        buffer.combine(x, handle, bias=torch.zeros(TOKENS, HIDDEN + 8, dtype=torch.bfloat16, device=device))
+    with pytest.raises(TypeError, match="bias"):
+        buffer.combine(x, handle, bias=[x])
+    round_trip(buffer, device)
+
+
+def test_low_latency_checks(ll_buffer, buffer, device):
+    x, idx, w = make_inputs(device)
+    with pytest.raises(ValueError, match="low_latency_mode=True"):
+        buffer.low_latency_dispatch(x, idx, TOKENS, EXPERTS)
+    with pytest.raises(ValueError, match="more than num_max_dispatch_tokens_per_rank"):
+        ll_buffer.low_latency_dispatch(x, idx, TOKENS - 1, EXPERTS)
+    with pytest.raises(ValueError, match="too small"):
+        ll_buffer.low_latency_dispatch(x, idx, TOKENS, EXPERTS * 4)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ll_buffer.low_latency_dispatch(x[:, :200].contiguous(), idx, TOKENS, EXPERTS)
+    with pytest.raises(ValueError, match="use_ue8m0"):
+        ll_buffer.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=True, round_scale=False, use_ue8m0=True)
+    with pytest.raises(ValueError, match="outside"):
+        ll_buffer.low_latency_dispatch(x, idx + EXPERTS, TOKENS, EXPERTS)
+    with pytest.raises(ValueError, match="shape"):
+        ll_buffer.low_latency_dispatch(x, idx, TOKENS, EXPERTS,
+                                       cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32, device=device))
+    recv_x, count, handle, _, _ = ll_buffer.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=False)
+    with pytest.raises(ValueError, match="shape"):
+        ll_buffer.low_latency_combine(recv_x[:, :-1].contiguous(), idx, w, handle)
+    with pytest.raises(ValueError, match="use_logfmt"):
+        ll_buffer.low_latency_combine(recv_x, idx, w, handle, use_logfmt=True)
+    with pytest.raises(ValueError, match="shape"):
+        ll_buffer.low_latency_combine(recv_x, idx, w, handle, out=torch.empty(1, HIDDEN, dtype=torch.bfloat16,
+                                                                                 device=device))
+    with pytest.raises(TypeError, match="handle"):
+        ll_buffer.low_latency_combine(recv_x, idx, w, handle[:3])
+    out, _, _ = ll_buffer.low_latency_combine(recv_x, idx, w, handle)
+    expected = (w.sum(1, keepdim=True) * x.float()).to(torch.bfloat16)
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_config_and_hints():
+    cfg = deep_ep.Buffer.get_dispatch_config(6)          # any rank count, no whitelist
+    assert isinstance(cfg, deep_ep.Config)
+    assert cfg.get_nvl_buffer_size_hint(7168 * 2, 8, 4096) >= 8 * 4096 * 7168 * 2
+    assert cfg.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    with pytest.raises(ValueError):
+        deep_ep.Config(20, 300, 256, 6, 128)
+    with pytest.raises(ValueError, match="even"):
+        deep_ep.Buffer.set_num_sms(7)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+    assert hint >= 2 * 256 * 128 * 7168 * 2     # two halves of at least the combine receive area
+
+
+def test_unavailable_transport_raises_reason(group):
+    status = deep_ep.available_transports()
+    for name in ("nvshmem", "ibgda", "nccl_gin"):
+        if not status[name].usable:
+            with pytest.raises(RuntimeError, match=name):
+                deep_ep.Buffer(group, 1 << 20, 0, transport=name)
+    with pytest.raises(ValueError, match="unknown transport"):
+        deep_ep.Buffer(group, 1 << 20, 0, transport="carrier_pigeon")
+
+
+def test_group_type_checked():
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        deep_ep.Buffer(object(), 1 << 20, 0, transport="reference")
+    with pytest.raises(ValueError, match="group"):
+        deep_ep.Buffer(None, 1 << 20, 0, transport="reference")
