@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# GPU test suite + benchmarks, for a machine with CUDA GPUs (the lent H200 or a real node).
+# Builds _C in place, runs the single-process GPU tests, then N ranks that share the GPU(s) under
+# MPS (no thread-percentage cap: each kernel's grid is the SM budget), then the benchmarks.
+# Logs go to $OUT (or .gpu_out); a summary table is printed last.
+#   usage: bash scripts/gpu_tests.sh [ranks=4] [steps="build doctor single mpi bench"]
+set -uo pipefail
+RANKS=${1:-4}
+STEPS=${2:-"build doctor single mpi bench"}
+OUT=${OUT:-$PWD/.gpu_out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export DEEPEP_PORTABLE_CACHE_DIR=${DEEPEP_PORTABLE_CACHE_DIR:-$PWD/.jit_cache}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then      # wheels the machine lacks (pytest-mpi)
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+
+declare -a SUMMARY
+step() {   # step NAME CMD... : run, log to $OUT/NAME.log, remember the outcome
+    local name=$1; shift
+    local t0=$SECONDS
+    echo "=== $name: $*"
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    SUMMARY+=("$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -E 'passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-80)")")
+    return 0
+}
+
+start_mps() {
+    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+    nvidia-cuda-mps-control -d && echo "MPS started"
+}
+stop_mps() { echo quit | nvidia-cuda-mps-control 2>/dev/null || true; }
+
+MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x PYTHONPATH -x CUDA_HOME -x DEEPEP_PORTABLE_CACHE_DIR
+        -x NCCL_NVLS_ENABLE -x NVSHMEM_DISABLE_NVLS -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x PYTHONUNBUFFERED
+        -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x DEEPEP_TEST_DEVICE=cuda"
+
+for s in $STEPS; do
+    case $s in
+    build)  step build $PY setup.py build_ext --inplace ;;
+    doctor) step doctor $PY -m deepep_portable doctor ;;
+    single) step single $PY -m pytest -q -p no:cacheprovider tests/test_jit.py tests/test_validation.py tests/gpu ;;
+    mpi)    start_mps; step mpi $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi; stop_mps ;;
+    bench)  start_mps
+            step bench_normal $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --mode normal --tokens 512 4096
+            step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --mode low_latency --tokens 128
+            stop_mps ;;
+    *) echo "unknown step $s" ;;
+    esac
+done
+echo; echo "=== summary ($RANKS ranks; logs in $OUT)"
+printf '%s\n' "${SUMMARY[@]}"
