@@ -215,8 +215,8 @@ def combine(rank: int, combine_x_all: Sequence[torch.Tensor], is_token_in_rank_a
 # ---- low-latency dispatch / combine --------------------------------------------------------------
 @dataclass
 class LowLatencyDispatchExpect:
-    recv_x: torch.Tensor                 # [E_local, R*T, H]; rows >= recv_count[e] are zero
-    recv_x_scales: Optional[torch.Tensor]  # [E_local, R*T, S] (row-major); rows >= recv_count[e] zero
+    recv_x: torch.Tensor                 # [E_local, R*T, H]; only rows < recv_count[e] are defined
+    recv_x_scales: Optional[torch.Tensor]  # [E_local, R*T, S] (row-major); only rows < recv_count[e]
     recv_count: torch.Tensor             # [E_local] int32
     src_info: torch.Tensor               # [E_local, R*T] int32; -1 past recv_count[e]
     layout_range: torch.Tensor           # [E_local, R] int64: (begin << 32) | count
@@ -227,7 +227,8 @@ def low_latency_dispatch(rank: int, num_experts: int, num_max_dispatch_tokens_pe
                          use_fp8: bool = False, round_scale: bool = False,
                          use_ue8m0: bool = False) -> LowLatencyDispatchExpect:
     """Low-latency dispatch as seen by `rank`: for each local expert, the tokens that selected it,
-    source rank 0 first (source token order), then rank 1, ..., packed from slot 0."""
+    source rank 0 first (source token order), then rank 1, ..., packed from slot 0. Slots past
+    recv_count are left uninitialized (like the real buffers): compare only rows < recv_count[e]."""
     num_ranks = len(x_all)
     local = num_experts // num_ranks
     slots = num_ranks * num_max_dispatch_tokens_per_rank
@@ -236,12 +237,12 @@ def low_latency_dispatch(rank: int, num_experts: int, num_max_dispatch_tokens_pe
     if use_fp8:
         cast = [fp8_cast(x, round_scale, use_ue8m0) for x in x_all]
         payload_all, scales_all = [c[0] for c in cast], [c[1] for c in cast]
-        recv_x = torch.zeros(local, slots, hidden, dtype=torch.uint8, device=device)
-        recv_x_scales = torch.zeros(local, slots, scales_all[rank].shape[1], dtype=scales_all[rank].dtype,
+        recv_x = torch.empty(local, slots, hidden, dtype=torch.uint8, device=device)
+        recv_x_scales = torch.empty(local, slots, scales_all[rank].shape[1], dtype=scales_all[rank].dtype,
                                     device=device)
     else:
         payload_all, scales_all = list(x_all), None
-        recv_x = torch.zeros(local, slots, hidden, dtype=torch.bfloat16, device=device)
+        recv_x = torch.empty(local, slots, hidden, dtype=torch.bfloat16, device=device)
         recv_x_scales = None
     recv_count = torch.zeros(local, dtype=torch.int32, device=device)
     src_info = torch.full((local, slots), -1, dtype=torch.int32, device=device)
