@@ -1,0 +1,252 @@
+"""`python -m deepep_portable doctor`: what this machine has, and what each transport makes of it.
+
+Every section prints what it found or exactly why it could not look; nothing here needs a GPU,
+a NIC or any optional library, and a failing section never stops the others.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import traceback
+from typing import List, Optional, TextIO
+
+_ENV_VARS = ["CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_HOME",
+             "NVSHMEM_HOME", "LD_LIBRARY_PATH", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS",
+             "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME",
+             "NVSHMEM_HCA_LIST", "NVSHMEM_IB_GID_INDEX", "NVSHMEM_IB_TRAFFIC_CLASS"]
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _run(cmd: List[str], timeout: float = 30.0) -> tuple:
+    try:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=timeout, stdin=subprocess.DEVNULL)
+        return r.returncode, r.stdout
+    except Exception as e:
+        return -1, f"{type(e).__name__}: {e}"
+
+
+class _Out:
+    def __init__(self, file: TextIO):
+        self.file = file
+
+    def section(self, title: str) -> None:
+        print(f"\n== {title} " + "=" * max(0, 72 - len(title)), file=self.file)
+
+    def line(self, text: str = "", indent: int = 2) -> None:
+        for ln in str(text).splitlines() or [""]:
+            print(" " * indent + ln, file=self.file)
+
+    def kv(self, key: str, value, indent: int = 2) -> None:
+        self.line(f"{key + ':':22s} {value}", indent)
+
+
+def _python(o: _Out) -> None:
+    o.kv("python", f"{platform.python_version()} ({sys.executable})")
+    o.kv("platform", f"{platform.platform()} {platform.machine()}")
+    try:
+        import torch
+        o.kv("torch", f"{torch.__version__} ({os.path.dirname(torch.__file__)})")
+        o.kv("torch CUDA", torch.version.cuda or "none (CPU build)")
+        o.kv("torch.cuda available", torch.cuda.is_available())
+        try:
+            import torch.distributed as dist
+            backends = [b for b, f in (("gloo", "is_gloo_available"), ("nccl", "is_nccl_available"),
+                                       ("mpi", "is_mpi_available"))
+                        if getattr(dist, f, lambda: False)()]
+            o.kv("torch.distributed", ", ".join(backends) or "no backends")
+        except Exception as e:
+            o.kv("torch.distributed", f"unavailable: {e}")
+    except Exception as e:
+        o.kv("torch", f"not importable: {type(e).__name__}: {e}")
+    try:
+        import deepep_portable
+        o.kv("deepep_portable", f"{getattr(deepep_portable, '__version__', '?')} "
+                                f"({os.path.dirname(deepep_portable.__file__)})")
+    except Exception as e:
+        o.kv("deepep_portable", f"import failed: {type(e).__name__}: {e}")
+    try:
+        from . import _C  # type: ignore[attr-defined]
+        o.kv("deepep_portable._C", getattr(_C, "__file__", "imported"))
+    except Exception as e:
+        o.kv("deepep_portable._C", f"not importable: {type(e).__name__}: {e}")
+    try:
+        import mpi4py
+        from mpi4py import MPI
+        o.kv("mpi4py", f"{mpi4py.__version__}, {MPI.Get_library_version().splitlines()[0].strip()}")
+    except Exception as e:
+        o.kv("mpi4py", f"not importable: {type(e).__name__}: {e}")
+
+
+def _driver_and_gpus(o: _Out) -> None:
+    from .transports import probe
+
+    ok, reason, source = probe.driver_status()
+    o.kv("driver", ("OK: " if ok else "") + reason)
+    o.kv("checked via", source)
+    gpus = probe.gpu_info()
+    if not gpus:
+        o.kv("GPUs", "none visible")
+    for g in gpus:
+        o.line(f"GPU {g['index']}: {g['name']}, cc {g['cc']}, {g['sms']} SMs, "
+               f"{_fmt_bytes(g['memory_bytes'])}, {g.get('uuid') or 'uuid ?'}"
+               + (f", PCI {g['pci_bus_id']}" if g.get("pci_bus_id") else "")
+               + (f"  [nvidia-smi {g['nvidia_smi_name']}]" if g.get("nvidia_smi_name") else ""))
+        if g.get("links"):
+            o.line("links: " + ", ".join(f"{k}={v}" for k, v in g["links"].items()), indent=4)
+    text, why = probe.nvidia_smi_topology()
+    if text:
+        o.line("nvidia-smi topo -m:")
+        o.line(text.rstrip(), indent=4)
+    else:
+        o.kv("topology", why)
+
+
+def _own_nvcc_search() -> Optional[str]:
+    cands = []
+    if os.environ.get("CUDA_HOME"):
+        cands.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
+    w = shutil.which("nvcc")
+    if w:
+        cands.append(w)
+    cands.append("/usr/local/cuda/bin/nvcc")
+    return next((c for c in cands if os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def _release(version_text: str) -> str:
+    rel = [ln.strip() for ln in version_text.splitlines() if "release" in ln]
+    return rel[-1] if rel else version_text.strip().splitlines()[-1] if version_text.strip() else "?"
+
+
+def _compiler(o: _Out) -> None:
+    o.kv("CUDA_HOME", os.environ.get("CUDA_HOME", "<unset>"))
+    try:
+        from . import jit
+    except Exception as e:
+        o.kv("deepep_portable.jit", f"not importable: {type(e).__name__}: {e}")
+        jit = None
+    if jit is not None:
+        try:
+            nvcc = jit.find_nvcc()
+            o.kv("nvcc (jit)", f"{nvcc}: {_release(jit.nvcc_version(nvcc))}")
+        except Exception as e:
+            o.kv("nvcc (jit)", f"{type(e).__name__}: {e}")
+        try:
+            o.kv("JIT cache", jit.cache_dir())
+        except Exception as e:
+            o.kv("JIT cache", f"{type(e).__name__}: {e}")
+        return
+    nvcc = _own_nvcc_search()
+    if nvcc is None:
+        o.kv("nvcc", "not found ($CUDA_HOME/bin, PATH, /usr/local/cuda/bin); "
+                     "bash scripts/setup_env.sh installs the CUDA 13 compiler wheels")
+        return
+    rc, out = _run([nvcc, "--version"])
+    o.kv("nvcc", f"{nvcc}: " + (_release(out) if rc == 0 else f"--version failed: {out.strip()[:200]}"))
+
+
+def _libraries(o: _Out) -> None:
+    from .transports import probe
+
+    n = probe.nccl_info()
+    if n["lib"]:
+        o.kv("NCCL", f"{n['version'] or 'version unknown: ' + str(n.get('version_error'))} "
+                     f"at {n['lib']}")
+        o.kv("nccl_device.h", n["device_header"] or "not found")
+    else:
+        o.kv("NCCL", "libnccl.so.2 not found; searched " + ", ".join(n["searched"]))
+    for dist, ver in n["pip"].items():
+        o.kv(f"  pip {dist}", ver)
+    try:
+        import torch
+        if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
+            o.kv("torch's NCCL", ".".join(map(str, torch.cuda.nccl.version())))
+    except Exception:
+        pass
+    s = probe.nvshmem_info()
+    if s["host_lib"]:
+        o.kv("NVSHMEM", f"{s.get('version') or 'version unknown: ' + str(s.get('version_error'))} "
+                        f"at {s['host_lib']}")
+        o.kv("device library", ", ".join(os.path.basename(p) for p in s["device_libs"])
+             or "not found; searched " + ", ".join(s["device_searched"]))
+    else:
+        o.kv("NVSHMEM", "libnvshmem_host.so.3 not found; searched " + ", ".join(s["searched"]))
+    for dist, ver in s["pip"].items():
+        o.kv(f"  pip {dist}", ver)
+
+
+def _rdma(o: _Out) -> None:
+    from .transports import probe
+
+    devs, source = probe.rdma_devices()
+    o.kv("source", source)
+    if not devs:
+        o.kv("devices", f"none ({probe.SYSFS_INFINIBAND} "
+                        + ("is empty)" if os.path.isdir(probe.SYSFS_INFINIBAND) else "does not exist)"))
+    for d in devs:
+        extra = ", ".join(f"{k} {d[k]}" for k in ("driver", "hca_type", "fw_ver") if d.get(k))
+        o.line(f"{d['name']}" + (f" ({extra})" if extra else ""))
+        for p in d["ports"]:
+            o.line(f"port {p['port']}: state {p.get('state')}, phys {p.get('phys_state')}, "
+                   f"link layer {p.get('link_layer')}" + (f", rate {p['rate']}" if p.get("rate") else ""),
+                   indent=4)
+            for g in p["gids"]:
+                o.line(f"gid[{g['index']}] {g['gid']}"
+                       + (f" {g['type']}" if g.get("type") else "")
+                       + (f" on {g['netdev']}" if g.get("netdev") else ""), indent=6)
+            if not p["gids"]:
+                o.line("no non-zero GIDs", indent=6)
+
+
+def _transports(o: _Out) -> None:
+    from .transports import available_transports
+
+    for name, st in available_transports().items():
+        o.line(f"{name:10s} {'USABLE' if st.usable else 'unusable'}: {st.reason}")
+        for k, v in st.details.items():
+            o.line(f"{k}: {v}", indent=14)
+
+
+def _environment(o: _Out) -> None:
+    for k in _ENV_VARS:
+        if k in os.environ:
+            o.kv(k, os.environ[k])
+    others = sorted(k for k in os.environ if k.startswith("DEEPEP_"))
+    for k in others:
+        o.kv(k, os.environ[k])
+
+
+_SECTIONS: List[tuple] = [
+    ("Python / torch", _python),
+    ("CUDA driver and GPUs", _driver_and_gpus),
+    ("CUDA compiler (JIT)", _compiler),
+    ("NCCL / NVSHMEM", _libraries),
+    ("RDMA devices", _rdma),
+    ("Transports", _transports),
+    ("Environment", _environment),
+]
+
+
+def run_doctor(file: TextIO = sys.stdout) -> int:
+    """Print the report to `file`. Returns 0 (a missing component is a finding, not an error)."""
+    o = _Out(file)
+    print("deepep_portable doctor", file=file)
+    for title, fn in _SECTIONS:
+        o.section(title)
+        try:
+            fn(o)
+        except Exception as e:  # one broken section must not hide the others
+            o.line(f"section failed: {type(e).__name__}: {e}")
+            o.line(traceback.format_exc().rstrip(), indent=4)
+    file.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_doctor())

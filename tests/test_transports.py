@@ -1,0 +1,330 @@
+"""Transport registry and capability probing (CPU only).
+
+On a machine without GPU / RDMA NIC (CI) every accelerated transport must be unusable with a
+reason naming the missing thing; the probe logic itself is exercised against fake library trees,
+a fake sysfs and a fake backend module, so its "usable" paths are tested here too.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import io
+import os
+import sys
+import types
+
+import pytest
+
+import deepep_portable.transports as transports
+from deepep_portable.transports import TRANSPORT_NAMES, TransportStatus, available_transports
+from deepep_portable.transports import probe
+
+ACCELERATED = ["nvshmem", "ibgda", "nccl_gin"]
+HAS_GPU = probe.driver_status()[0]
+needs_no_gpu = pytest.mark.skipif(HAS_GPU, reason="this machine has a usable CUDA GPU")
+
+
+@pytest.fixture
+def fresh_probe():
+    probe.clear_cache()
+    yield probe
+    probe.clear_cache()
+
+
+def _backend_exists(name: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(f"deepep_portable.transports.{name}") is not None
+
+
+# ---------------------------------------------------------------------------- the registry
+
+def test_available_transports_lists_all_four():
+    st = available_transports()
+    assert set(st) == {"reference", "nvshmem", "ibgda", "nccl_gin"} == set(TRANSPORT_NAMES)
+    for name, s in st.items():
+        assert isinstance(s, TransportStatus)
+        assert s.name == name
+        assert isinstance(s.reason, str) and s.reason
+        assert all(isinstance(k, str) and isinstance(v, str) for k, v in s.details.items())
+
+
+def test_reference_is_usable():
+    s = available_transports()["reference"]
+    assert s.usable, s.reason
+    assert s.details["cuda_visible"] in ("True", "False")
+    assert "gloo" in s.details["process_group_backends"]
+
+
+@needs_no_gpu
+@pytest.mark.parametrize("name", ACCELERATED)
+def test_accelerated_unusable_without_gpu(name):
+    s = available_transports()[name]
+    assert not s.usable
+    assert "no CUDA GPU" in s.reason, s.reason
+    assert name in str(s)
+
+
+@pytest.mark.parametrize("name", ACCELERATED)
+def test_unimplemented_backend_is_named(name):
+    if _backend_exists(name):
+        pytest.skip(f"the {name} backend exists in this build")
+    s = available_transports()[name]
+    assert not s.usable
+    assert f"the {name} backend is not implemented in this build yet" in s.reason
+
+
+@pytest.mark.skipif(os.path.isdir(probe.SYSFS_INFINIBAND), reason="this machine has RDMA devices")
+def test_ibgda_names_missing_rdma_device():
+    s = available_transports()["ibgda"]
+    assert not s.usable
+    assert "no RDMA device in /sys/class/infiniband" in s.reason
+
+
+def test_probe_is_cached():
+    assert probe.probe("reference") is probe.probe("reference")
+
+
+def test_resolve():
+    assert transports.resolve("reference") == "reference"
+    assert transports.resolve("auto") in TRANSPORT_NAMES
+    with pytest.raises(ValueError, match="unknown transport 'bogus'"):
+        transports.resolve("bogus")
+    with pytest.raises(ValueError):
+        probe.probe("bogus")
+    for name in ACCELERATED:
+        s = available_transports()[name]
+        if not s.usable:
+            with pytest.raises(RuntimeError, match="unavailable") as e:
+                transports.resolve(name)
+            assert s.reason in str(e.value)
+
+
+@needs_no_gpu
+def test_driver_status_reason():
+    ok, reason, source = probe.driver_status()
+    assert not ok
+    assert reason.startswith("no CUDA GPU: "), reason
+    assert source
+    assert probe.gpu_info() == []
+
+
+# ------------------------------------------------------------------- NVSHMEM against fakes
+
+def _fake_nvshmem(tmp_path):
+    lib = tmp_path / "nvshmem" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libnvshmem_host.so.3").write_bytes(b"")
+    return lib
+
+
+def test_nvshmem_not_found_lists_search_path(fresh_probe, monkeypatch, tmp_path):
+    monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path / "nowhere"))
+    monkeypatch.setattr(probe, "_site_dirs", lambda: [str(tmp_path / "site")])
+    monkeypatch.setattr(probe, "_SYSTEM_LIB_DIRS", [])
+    monkeypatch.setattr(probe, "_ldconfig_cache", lambda: {})
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    s = probe._probe_nvshmem()
+    assert not s.usable
+    assert "libnvshmem_host.so.3 not found" in s.reason
+    assert str(tmp_path / "nowhere" / "lib" / "libnvshmem_host.so.3") in s.reason
+    assert str(tmp_path / "site" / "nvidia/nvshmem/lib" / "libnvshmem_host.so.3") in s.reason
+
+
+def test_nvshmem_needs_device_library(fresh_probe, monkeypatch, tmp_path):
+    lib = _fake_nvshmem(tmp_path)
+    monkeypatch.setenv("NVSHMEM_HOME", str(lib.parent))
+    s = probe._probe_nvshmem()
+    assert not s.usable
+    assert f"found at {lib / 'libnvshmem_host.so.3'} but no device library" in s.reason
+    assert s.details["host_lib"] == str(lib / "libnvshmem_host.so.3")
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """Pretend deepep_portable.transports.<name> exists."""
+    def make(name):
+        mod_name = f"deepep_portable.transports.{name}"
+        mod = types.ModuleType(mod_name)
+        mod.__spec__ = importlib.machinery.ModuleSpec(mod_name, None)
+        monkeypatch.setitem(sys.modules, mod_name, mod)
+    return make
+
+
+def test_nvshmem_usable_path(fresh_probe, monkeypatch, tmp_path, fake_backend):
+    lib = _fake_nvshmem(tmp_path)
+    (lib / "libnvshmem_device.a").write_bytes(b"")
+    monkeypatch.setenv("NVSHMEM_HOME", str(lib.parent))
+    monkeypatch.setattr(probe, "driver_status", lambda: (True, "test GPU", "test"))
+    gpus = [{"index": 0, "name": "Fake H200", "cc": "9.0", "sms": 132}]
+    monkeypatch.setattr(probe, "gpu_info", lambda: gpus)
+
+    if not _backend_exists("nvshmem"):
+        s = probe._probe_nvshmem()
+        assert not s.usable
+        assert s.reason == (f"libraries found at {lib} but the nvshmem backend is not implemented "
+                            "in this build yet")
+    fake_backend("nvshmem")
+    s = probe._probe_nvshmem()
+    assert s.usable, s.reason
+    assert s.details["device_libs"] == str(lib / "libnvshmem_device.a")
+
+    gpus[0] = {"index": 0, "name": "Fake P100", "cc": "6.0", "sms": 56}
+    s = probe._probe_nvshmem()
+    assert not s.usable
+    assert "GPU 0 (Fake P100) has compute capability 6.0; NVSHMEM needs >= 7.0" in s.reason
+
+
+def test_real_nvshmem_wheel_layout(fresh_probe):
+    info = probe.nvshmem_info()
+    if not info["pip"]:
+        pytest.skip("nvidia-nvshmem-cu1x is not installed")
+    if os.environ.get("NVSHMEM_HOME"):
+        pytest.skip("NVSHMEM_HOME overrides the pip package")
+    assert info["host_lib"] and info["host_lib"].endswith("nvidia/nvshmem/lib/libnvshmem_host.so.3")
+    assert any(p.endswith(".a") or p.endswith(".bc") for p in info["device_libs"])
+    assert info["version"] and info["version"].split(".")[0] == "3", info
+
+
+# ---------------------------------------------------------------------------------- NCCL
+
+def test_nccl_version_code():
+    assert probe._nccl_version_tuple(22803) == (2, 28, 3)
+    assert probe._nccl_version_tuple(23203) == (2, 32, 3)
+    assert probe._nccl_version_tuple(2708) == (2, 7, 8)
+
+
+def test_nccl_not_found_lists_search_path(fresh_probe, monkeypatch, tmp_path):
+    monkeypatch.setenv("NCCL_HOME", str(tmp_path / "nccl"))
+    monkeypatch.setattr(probe, "_site_dirs", lambda: [])
+    monkeypatch.setattr(probe, "_SYSTEM_LIB_DIRS", [])
+    monkeypatch.setattr(probe, "_ldconfig_cache", lambda: {})
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    s = probe._probe_nccl_gin()
+    assert not s.usable
+    assert f"libnccl.so.2 not found (searched: {tmp_path / 'nccl' / 'lib' / 'libnccl.so.2'}" in s.reason
+
+
+def test_real_nccl_wheel(fresh_probe):
+    info = probe.nccl_info()
+    if not info["pip"] or os.environ.get("NCCL_HOME"):
+        pytest.skip("nvidia-nccl-cu1x not installed or NCCL_HOME overrides it")
+    assert info["lib"].endswith("nvidia/nccl/lib/libnccl.so.2")
+    assert info["version"], info
+    s = probe._probe_nccl_gin()
+    assert s.details["version"] == info["version"]
+    if probe._nccl_version_tuple(info["version_code"]) >= (2, 28, 0):
+        assert info["device_header"] and info["device_header"].endswith("nccl_device.h")
+        if not _backend_exists("nccl_gin"):
+            assert f"libraries found at {info['lib']} (NCCL {info['version']}" in s.reason
+
+
+# ---------------------------------------------------------------------------- RDMA / IBGDA
+
+def _fake_sysfs(root, name="mlx5_0", driver="mlx5_core", state="4: ACTIVE", link="Ethernet"):
+    dev = root / name
+    (root / "drivers" / driver).mkdir(parents=True, exist_ok=True)
+    (dev / "device").mkdir(parents=True)
+    os.symlink(root / "drivers" / driver, dev / "device" / "driver")
+    (dev / "fw_ver").write_text("28.39.1002\n")
+    (dev / "hca_type").write_text("MT4129\n" if driver == "mlx5_core" else "\n")
+    port = dev / "ports" / "1"
+    (port / "gids").mkdir(parents=True)
+    (port / "gid_attrs" / "types").mkdir(parents=True)
+    (port / "gid_attrs" / "ndevs").mkdir(parents=True)
+    (port / "state").write_text(state + "\n")
+    (port / "phys_state").write_text("5: LinkUp\n")
+    (port / "link_layer").write_text(link + "\n")
+    (port / "rate").write_text("400 Gb/sec (4X NDR)\n")
+    zero = "0000:0000:0000:0000:0000:0000:0000:0000"
+    gids = {0: "fe80:0000:0000:0000:0e42:a1ff:fe00:0001", 1: zero,
+            3: "0000:0000:0000:0000:0000:ffff:0a00:0001"}
+    for i, g in gids.items():
+        (port / "gids" / str(i)).write_text(g + "\n")
+    (port / "gid_attrs" / "types" / "0").write_text("IB/RoCE v1\n")
+    (port / "gid_attrs" / "types" / "3").write_text("RoCE v2\n")
+    (port / "gid_attrs" / "ndevs" / "3").write_text("eth0\n")
+    return root
+
+
+def test_sysfs_parsing(tmp_path):
+    root = _fake_sysfs(tmp_path / "ib")
+    (tmp_path / "ib" / "drivers").rename(tmp_path / "drivers")  # keep only devices under root
+    os.remove(root / "mlx5_0" / "device" / "driver")
+    os.symlink(tmp_path / "drivers" / "mlx5_core", root / "mlx5_0" / "device" / "driver")
+    devs = probe.rdma_devices_sysfs(str(root))
+    assert [d["name"] for d in devs] == ["mlx5_0"]
+    d = devs[0]
+    assert d["driver"] == "mlx5_core" and d["fw_ver"] == "28.39.1002" and probe.is_mlx5(d)
+    (p,) = d["ports"]
+    assert p["port"] == 1 and p["state"] == "4: ACTIVE" and p["link_layer"] == "Ethernet"
+    assert [g["index"] for g in p["gids"]] == [0, 3]          # the all-zero entry is dropped
+    assert p["gids"][1] == {"index": 3, "gid": "0000:0000:0000:0000:0000:ffff:0a00:0001",
+                            "type": "RoCE v2", "netdev": "eth0"}
+
+
+def test_ibgda_probe_with_fake_devices(tmp_path, fake_backend, monkeypatch):
+    root = tmp_path / "ib"
+    _fake_sysfs(root, name="rxe0", driver="rdma_rxe")
+    os.rename(root / "drivers", tmp_path / "drivers")
+    s = probe._probe_ibgda(str(root))
+    assert not s.usable
+    assert "no RDMA device" not in s.reason
+    assert "no mlx5 RDMA device (IBGDA writes mlx5 WQEs)" in s.reason and "rxe0" in s.reason
+
+    root2 = tmp_path / "ib2"
+    _fake_sysfs(root2, state="1: DOWN")
+    s = probe._probe_ibgda(str(root2))
+    assert "no mlx5 port is ACTIVE: mlx5_0:1 1: DOWN" in s.reason
+
+    root3 = tmp_path / "ib3"
+    _fake_sysfs(root3)
+    monkeypatch.setattr(probe, "driver_status", lambda: (True, "test GPU", "test"))
+    fake_backend("ibgda")
+    s = probe._probe_ibgda(str(root3))
+    libs_ok = "libibverbs.so.1" in s.details and "libmlx5.so.1" in s.details
+    assert s.usable == libs_ok, s.reason
+    assert s.details["active_mlx5_ports"] == "mlx5_0:1"
+
+
+def test_ibgda_no_sysfs_dir(tmp_path):
+    s = probe._probe_ibgda(str(tmp_path / "absent"))
+    assert not s.usable
+    assert f"no RDMA device in {tmp_path / 'absent'} (directory does not exist)" in s.reason
+
+
+def test_pyverbs_answer():
+    mod, why = probe.pyverbs_module()
+    assert (mod is None) == bool(why)
+    if mod is None:
+        assert why.startswith("pyverbs not importable")
+    devs, source = probe.rdma_devices()
+    assert isinstance(devs, list) and source
+
+
+# ------------------------------------------------------------------------------- topology
+
+TOPO = ("\x1b[4mGPU0\tGPU1\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+        "GPU0\t X \tNV18\tPIX\t0-47\t0\t\tN/A\n"
+        "GPU1\tNV18\t X \tSYS\t0-47\t0\t\tN/A\n"
+        "NIC0\tPIX\tSYS\t X \t\t\t\t\n\nLegend:\n\n  X    = Self\n")
+
+
+def test_topology_parse():
+    links = probe._parse_topology(TOPO)
+    assert links == {"GPU0": {"GPU1": "NV18", "NIC0": "PIX"},
+                     "GPU1": {"GPU0": "NV18", "NIC0": "SYS"}}
+
+
+# ---------------------------------------------------------------------------------- doctor
+
+def test_doctor_prints_every_section():
+    from deepep_portable.doctor import run_doctor
+
+    buf = io.StringIO()
+    assert run_doctor(file=buf) == 0
+    text = buf.getvalue()
+    for title in ("Python / torch", "CUDA driver and GPUs", "CUDA compiler", "NCCL / NVSHMEM",
+                  "RDMA devices", "Transports"):
+        assert f"== {title}" in text
+    assert "section failed" not in text, text
+    for name in TRANSPORT_NAMES:
+        assert f"\n  {name:10s} " in text
