@@ -83,8 +83,8 @@ fi
 
 # 2. venv, torch -----------------------------------------------------------------------
 stamp_of() {
-    { cat pyproject.toml scripts/setup_env.sh; [[ -f setup.py ]] && cat setup.py;
-      find csrc/common/runtime -type f 2>/dev/null | LC_ALL=C sort | xargs -r cat;
+    { cat pyproject.toml scripts/setup_env.sh; if [[ -f setup.py ]]; then cat setup.py; fi
+      if [[ -d csrc/common/runtime ]]; then find csrc/common/runtime -type f | LC_ALL=C sort | xargs -r cat; fi
       echo "$TORCH_SPEC|${DEEPEP_IGNORE_SYSTEM_NVCC:-0}|$("$VENV/bin/python" -V 2>&1)"; } | sha256sum | cut -c1-16
 }
 if [[ ! -x "$VENV/bin/python" ]]; then
