@@ -79,7 +79,8 @@ def _python(o: _Out) -> None:
     try:
         import mpi4py
         from mpi4py import MPI
-        o.kv("mpi4py", f"{mpi4py.__version__}, {MPI.Get_library_version().splitlines()[0].strip()}")
+        lib = MPI.Get_library_version().replace("\x00", "").strip().splitlines()
+        o.kv("mpi4py", f"{mpi4py.__version__}, {lib[0] if lib else '?'}")
     except Exception as e:
         o.kv("mpi4py", f"not importable: {type(e).__name__}: {e}")
 
