@@ -1,0 +1,131 @@
+// The CUDA driver, opened at run time.
+//
+// deepep_portable._C never links against libcuda: it must import on machines without a GPU (CI)
+// and one build must serve every driver. `cuda.h` is included for types and prototypes only;
+// the entry points are resolved with dlsym from libcuda.so.1 the first time anything asks for
+// them. Symbol names come from the header's own versioning macros (cuMemAlloc -> cuMemAlloc_v2,
+// ...), so the prototype we call through always matches the symbol we resolved.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#if CUDA_VERSION < 12000
+#error "deepep_portable needs cuda.h from CUDA 12.0 or newer (cuLaunchKernelEx)"
+#endif
+
+namespace deepep_portable {
+
+// Every driver entry point we use. `decltype(&::name)` follows the header's macro, so the type
+// is the prototype of the versioned symbol.
+#define DEEPEP_DRIVER_REQUIRED(X)                      \
+    X(cuInit)                                          \
+    X(cuDriverGetVersion)                              \
+    X(cuGetErrorName)                                  \
+    X(cuGetErrorString)                                \
+    X(cuDeviceGet)                                     \
+    X(cuDeviceGetCount)                                \
+    X(cuDeviceGetName)                                 \
+    X(cuDeviceGetAttribute)                            \
+    X(cuDevicePrimaryCtxRetain)                        \
+    X(cuCtxGetCurrent)                                 \
+    X(cuCtxSetCurrent)                                 \
+    X(cuModuleLoadData)                                \
+    X(cuModuleUnload)                                  \
+    X(cuModuleGetFunction)                             \
+    X(cuFuncGetAttribute)                              \
+    X(cuFuncSetAttribute)                              \
+    X(cuLaunchKernelEx)                                \
+    X(cuOccupancyMaxActiveBlocksPerMultiprocessor)     \
+    X(cuMemAlloc)                                      \
+    X(cuMemFree)                                       \
+    X(cuMemHostAlloc)                                  \
+    X(cuMemFreeHost)                                   \
+    X(cuMemHostGetDevicePointer)                       \
+    X(cuMemGetAddressRange)                            \
+    X(cuMemsetD8Async)                                 \
+    X(cuIpcGetMemHandle)                               \
+    X(cuIpcOpenMemHandle)                              \
+    X(cuIpcCloseMemHandle)                             \
+    X(cuStreamQuery)                                   \
+    X(cuStreamSynchronize)
+
+#if CUDA_VERSION >= 12040
+#define DEEPEP_DRIVER_OPTIONAL(X) X(cuFuncGetParamInfo)
+#else
+#define DEEPEP_DRIVER_OPTIONAL(X)
+#endif
+
+struct DriverApi {
+#define DEEPEP_DECLARE_FN(name) decltype(&::name) name = nullptr;
+    DEEPEP_DRIVER_REQUIRED(DEEPEP_DECLARE_FN)
+    DEEPEP_DRIVER_OPTIONAL(DEEPEP_DECLARE_FN)  // may stay null on older drivers
+#undef DEEPEP_DECLARE_FN
+};
+
+// (ok, reason). Loads the driver and calls cuInit(0) once; never throws.
+// The reason names what failed, e.g. "libcuda.so.1 not found: <dlerror>" or
+// "cuInit failed: CUDA_ERROR_NO_DEVICE (no CUDA-capable device is detected)".
+std::pair<bool, std::string> driver_status();
+
+// The resolved API; throws std::runtime_error with driver_status()'s reason when unusable.
+const DriverApi& driver();
+
+// "CUDA_ERROR_X (text)" for a result code (works before/without a driver, too).
+std::string error_text(CUresult result);
+
+// Throws std::runtime_error("<what> failed: CUDA_ERROR_X (text)") unless result is CUDA_SUCCESS.
+void check(CUresult result, const char* what);
+#define DEEPEP_CU_CHECK(call_name, ...) \
+    ::deepep_portable::check(::deepep_portable::driver().call_name(__VA_ARGS__), #call_name)
+
+int device_count();
+CUdevice device_handle(int device);
+int device_attribute(int device, CUdevice_attribute attr);
+std::string device_name(int device);
+
+// The device's primary context (the one the CUDA runtime and torch use), retained once and
+// kept for the life of the process.
+CUcontext primary_context(int device);
+
+// Makes `device`'s primary context current for the scope and restores whatever was current
+// before (the runtime infers its "current device" from the current context, so leaving another
+// device's context current would silently move torch to that device).
+class ContextGuard {
+public:
+    explicit ContextGuard(int device);
+    ~ContextGuard();
+    ContextGuard(const ContextGuard&) = delete;
+    ContextGuard& operator=(const ContextGuard&) = delete;
+
+private:
+    CUcontext previous_ = nullptr;
+    bool switched_ = false;
+};
+
+// ---- memory helpers (all take the device whose primary context owns the memory) --------------
+std::uintptr_t mem_alloc(int device, std::size_t bytes);
+void mem_free(int device, std::uintptr_t ptr);
+// Page-locked host memory mapped into the device: returns (host pointer, device pointer).
+std::pair<std::uintptr_t, std::uintptr_t> host_alloc_mapped(int device, std::size_t bytes);
+void host_free(int device, std::uintptr_t host_ptr);
+// (base, size) of the allocation that contains ptr.
+std::pair<std::uintptr_t, std::size_t> mem_get_address_range(int device, std::uintptr_t ptr);
+void memset_d8_async(int device, std::uintptr_t ptr, unsigned char value, std::size_t bytes,
+                     std::uintptr_t stream);
+bool stream_query(int device, std::uintptr_t stream);  // true when all work is done
+void stream_synchronize(int device, std::uintptr_t stream);
+
+// ---- CUDA IPC -------------------------------------------------------------------------------
+constexpr std::size_t kIpcHandleBytes = sizeof(CUipcMemHandle);
+// Handle of the allocation containing ptr (the handle names the whole cuMemAlloc block).
+std::string ipc_get_mem_handle(int device, std::uintptr_t ptr);
+// Maps a peer's allocation (LAZY_ENABLE_PEER_ACCESS); returns the base of the mapping.
+std::uintptr_t ipc_open_mem_handle(int device, const std::string& handle);
+void ipc_close_mem_handle(int device, std::uintptr_t ptr);
+
+}  // namespace deepep_portable
