@@ -260,7 +260,7 @@ def compile_cached(source_relpath: str, defines: Optional[Defines] = None, arch:
     nvcc = find_nvcc()
     defs = _normalize_defines(defines)
     flags = [*BASE_FLAGS, *_target_flags(arch, ptx), f"-I{root}", *extra_flags, *_extra_flags()]
-    key_flags = [f for f in flags if not f.startswith("-I")]  # the tree's location is not part of the key
+    key_flags = [f for f in flags if f != f"-I{root}"]  # the tree's contents are hashed, not its location
     key = _cache_key(source, root, defs, key_flags, nvcc_version(nvcc))
     stem = os.path.splitext(os.path.basename(source_relpath))[0]
     directory = cache or cache_dir()
