@@ -19,13 +19,14 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 failed_steps=()
+color=(); [[ -t 1 ]] || color=(--color=no)   # mpirun gives ranks a pty: keep CI logs plain
 
 has_tests() { [[ -d "$1" ]] && [[ -n "$(find "$1" -name 'test_*.py' -o -name '*_test.py' | head -n1)" ]]; }
 
 echo "=== [1/2] CPU tests: pytest tests (without tests/mpi, tests/gpu)"
 t=$SECONDS
 timeout --kill-after=30 "$TMO" python -m pytest -q tests --ignore=tests/mpi --ignore=tests/gpu \
-    -p no:cacheprovider --junitxml="$out/cpu.xml" "$@"
+    -p no:cacheprovider "${color[@]}" --junitxml="$out/cpu.xml" "$@"
 rc=$?
 echo "--- CPU tests: exit code $rc, $((SECONDS - t)) s"
 ((rc == 0)) || failed_steps+=("cpu(rc=$rc$( ((rc == 5)) && echo ': no tests collected')$( ((rc == 124 || rc == 137)) && echo ": timed out after ${TMO}s"))")
@@ -38,7 +39,7 @@ if has_tests tests/mpi; then
         bash -c 'r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
                  args=(python -m pytest --with-mpi -q tests/mpi -p no:cacheprovider --junitxml="$0/mpi_$r.xml" "$@")
                  if [[ $r == 0 ]]; then exec "${args[@]}"; else exec "${args[@]}" >"$0/mpi_$r.log" 2>&1; fi' \
-        "$out" "$@"
+        "$out" "${color[@]}" "$@"
     rc=$?
     echo "--- MPI tests: exit code $rc, $((SECONDS - t)) s"
     if ((rc != 0)); then
