@@ -22,7 +22,7 @@ def _gen(seed):
 
 
 def _topk(n, k, e, gen, p_none=0.15, all_none_token=True):
-    idx = torch.rand(n, e, generator=gen).argsort(dim=1)[:, :k].to(torch.int64)
+    idx = torch.rand(n, e, generator=gen).argsort(dim=1)[:, :k].to(torch.int64).contiguous()
     idx[torch.rand(n, k, generator=gen) < p_none] = -1
     if all_none_token and n > 1:
         idx[n // 2] = -1
