@@ -17,7 +17,7 @@ class DispatchHandle(NamedTuple):
     """
 
     rank_prefix_matrix: torch.Tensor    # [R, R] int32: [i, j] = tokens ranks 0..i send to rank j
-    recv_src_idx: torch.Tensor          # [num_recv] int32: source token index of each received row
+    recv_src_idx: torch.Tensor          # [num_recv_rows] int32: source token index of each row (-1: padding)
     is_token_in_rank: torch.Tensor      # [num_tokens, R] bool: what this rank sent where
     send_rows: torch.Tensor             # [num_tokens, R] int32: row at the destination, -1 if not sent
     num_recv_tokens: int                # rows that hold real tokens (-1 when only the GPU knows)
