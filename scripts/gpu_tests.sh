@@ -26,7 +26,7 @@ step() {   # step NAME CMD... : run, log to $OUT/NAME.log, remember the outcome
     echo "=== $name: $*"
     "$@" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
-    SUMMARY+=("$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -E 'passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-80)")")
+    SUMMARY+=("$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -a -E 'passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-80)")")
     return 0
 }
 
