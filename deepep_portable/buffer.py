@@ -19,7 +19,7 @@ from .comm import Comm
 from .config import Config
 from .event import EventOverlap
 from .handles import DispatchHandle, LowLatencyHandle
-from .layout import MAX_TOPK, NormalLayout, low_latency_rdma_size_hint
+from .layout import CONTROL_BYTES, MAX_TOPK, NormalLayout, low_latency_rdma_size_hint
 from .transports import BufferContext, backend_class, resolve
 from .transports.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 
@@ -280,7 +280,7 @@ class Buffer:
             if b is not None:
                 check.tensor(name, b, torch.bfloat16, (handle.num_tokens, hidden), self.device)
         config = self._check_config(config, self.get_combine_config)
-        layout = NormalLayout(self.group_size, hidden * 2, 0, 0 if topk_weights is None else topk_weights.size(1))
+        layout = NormalLayout(self.group_size, hidden, 2, 0, 0 if topk_weights is None else topk_weights.size(1))
         if layout.max_tokens_per_rank(self.num_nvl_bytes) < handle.num_tokens:
             raise ValueError(self._capacity_message("combine", handle.num_tokens, layout))
         result: list = [x, topk_weights, bias_0, bias_1]
@@ -401,17 +401,17 @@ class Buffer:
         return config
 
     def _check_capacity(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_topk: int) -> None:
-        layout = NormalLayout(self.group_size, x.size(1) * x.element_size(),
+        layout = NormalLayout(self.group_size, x.size(1), x.element_size(),
                               0 if x_scales is None else x_scales.size(1), num_topk)
         if layout.max_tokens_per_rank(self.num_nvl_bytes) < x.size(0):
             raise ValueError(self._capacity_message("dispatch", x.size(0), layout))
 
     def _capacity_message(self, op: str, num_tokens: int, layout: NormalLayout) -> str:
-        need = layout.slot_bytes * layout.num_ranks * num_tokens
+        need = CONTROL_BYTES + 128 + layout.bytes_per_token * num_tokens
         return (f"{op} of {num_tokens} tokens needs a larger buffer: this Buffer has num_nvl_bytes="
                 f"{self.num_nvl_bytes}, room for {layout.max_tokens_per_rank(self.num_nvl_bytes)} tokens per rank "
-                f"({layout.slot_bytes} bytes per token and source rank); create it with num_nvl_bytes >= "
-                f"{need + (1 << 16)} (Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, num_tokens))")
+                f"({layout.bytes_per_token} bytes per token); create it with num_nvl_bytes >= {need} "
+                f"(Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, num_tokens))")
 
     def _check_handle_owner(self, handle: DispatchHandle) -> None:
         if handle.buffer_uid != self._ctx.uid:

@@ -459,3 +459,15 @@ register_family(
     variants=[dict(NUM_TOPK=8, NUM_RANKS=8, NUM_EXPERTS=256),
               dict(NUM_TOPK=8, NUM_RANKS=16, NUM_EXPERTS=256),
               dict(NUM_TOPK=6, NUM_RANKS=4, NUM_EXPERTS=64)])
+
+register_family(
+    "intranode_dispatch", "common/kernels/intranode/dispatch.cu",
+    ["intranode_dispatch_stage", "intranode_dispatch_pull"],
+    variants=[dict(NUM_RANKS=8, HIDDEN_BYTES=7168, NUM_TOPK=8),        # FP8 headline
+              dict(NUM_RANKS=8, HIDDEN_BYTES=7168 * 2, NUM_TOPK=8),    # BF16 headline
+              dict(NUM_RANKS=4, HIDDEN_BYTES=4096 * 2, NUM_TOPK=0)])   # cached dispatch
+register_family(
+    "intranode_combine", "common/kernels/intranode/combine.cu",
+    ["intranode_combine_stage", "intranode_combine_pull"],
+    variants=[dict(NUM_RANKS=8, HIDDEN=7168, NUM_TOPK=8),
+              dict(NUM_RANKS=4, HIDDEN=4096, NUM_TOPK=0)])

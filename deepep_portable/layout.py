@@ -3,10 +3,17 @@
 Both the Python validation (is the buffer big enough?) and the kernels (which receive these
 offsets as launch parameters) use these objects, so the arithmetic exists once.
 
-Normal mode (intranode): every rank owns a receive area with one fixed slot per
-(source rank, source token). A slot holds the token's payload and its metadata:
+Normal mode (intranode, pull-based): every rank owns one buffer shared with its peers by CUDA IPC:
 
-    [ payload (hidden bytes, 16-aligned) | scales (fp32, 16-aligned) | topk idx (int32) + weights (fp32) | src idx (16 B) ]
+    [ control (signals, counts; CONTROL_BYTES) | send lists [R][cap] int32 | send area ]
+
+An op first copies what it sends into its *own* send area (once per token, whatever the fan-out),
+then signals; receivers pull the rows they need from the peers' send areas straight into their
+outputs. Dispatch slots (one per source token) and combine slots (one per received row) share the
+send area, because a rank only restages after every peer has finished pulling the previous op.
+
+    dispatch slot: [ payload | scales (4 B each) | top-k ids (int32) | top-k weights (fp32) ]
+    combine slot:  [ bf16 row | top-k weights (fp32) ]          (each part 16-byte aligned)
 
 Low-latency mode: two identical halves (double buffering, so consecutive calls need no cleaning);
 each half has a dispatch receive area with one slot per (local expert, source rank, token), a
@@ -29,44 +36,82 @@ def align_up(x: int, a: int = ALIGN) -> int:
     return (x + a - 1) // a * a
 
 
-def normal_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
-    """Bytes of one (source rank, token) receive slot in normal mode."""
-    return (align_up(hidden_bytes) + align_up(num_scales * 4)
-            + align_up(num_topk * 8) + ALIGN)
+def dispatch_slot_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
+    return align_up(hidden_bytes) + align_up(num_scales * 4) + 2 * align_up(num_topk * 4)
 
 
-def normal_buffer_bytes(num_max_tokens_per_rank: int, hidden_bytes: int, num_ranks: int,
-                        num_scales: int = -1, num_topk: int = HINT_TOPK) -> int:
-    """NVLink buffer bytes for dispatching up to `num_max_tokens_per_rank` tokens from each rank.
-
-    With `num_scales=-1` room is reserved for FP8 scales of a hidden of `hidden_bytes` elements,
-    so one hint covers a BF16 call and an FP8 call of the same hidden.
-    """
-    if num_scales < 0:
-        num_scales = hidden_bytes // 128
-    slot = normal_slot_bytes(hidden_bytes, num_scales, num_topk)
-    return CONTROL_BYTES + num_ranks * num_max_tokens_per_rank * slot
+def combine_slot_bytes(hidden: int, num_topk: int) -> int:
+    return align_up(hidden * 2) + align_up(num_topk * 4)
 
 
 @dataclass(frozen=True)
 class NormalLayout:
-    """Receive-slot geometry of one normal-mode call."""
+    """Where things live in a normal-mode buffer for one call shape (identical on every rank)."""
 
     num_ranks: int
-    hidden_bytes: int
+    hidden: int
+    elem_bytes: int          # 2 for BF16 dispatch, 1 for FP8
     num_scales: int
     num_topk: int
 
     @property
-    def slot_bytes(self) -> int:
-        return normal_slot_bytes(self.hidden_bytes, self.num_scales, self.num_topk)
+    def dispatch_slot(self) -> int:
+        return dispatch_slot_bytes(self.hidden * self.elem_bytes, self.num_scales, self.num_topk)
+
+    @property
+    def combine_slot(self) -> int:
+        return combine_slot_bytes(self.hidden, self.num_topk)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Buffer bytes one token per rank costs: its send-list entries and the larger of its
+        dispatch slot or the combine slots of the rows it can cause on one receiver."""
+        return self.num_ranks * 4 + max(self.dispatch_slot, self.num_ranks * self.combine_slot)
 
     def max_tokens_per_rank(self, buffer_bytes: int) -> int:
-        """How many tokens per rank a buffer of `buffer_bytes` can take in one call."""
-        usable = buffer_bytes - CONTROL_BYTES
-        if usable <= 0:
-            return 0
-        return usable // (self.num_ranks * self.slot_bytes)
+        usable = buffer_bytes - CONTROL_BYTES - 128
+        return max(0, usable // self.bytes_per_token)
+
+    def send_list_offset(self) -> int:
+        return CONTROL_BYTES
+
+    def send_area_offset(self, capacity: int) -> int:
+        return CONTROL_BYTES + align_up(self.num_ranks * capacity * 4, 128)
+
+
+def normal_buffer_bytes(num_max_tokens_per_rank: int, hidden_bytes: int, num_ranks: int,
+                        num_topk: int = HINT_TOPK) -> int:
+    """Buffer bytes for normal-mode calls of up to `num_max_tokens_per_rank` tokens per rank.
+
+    `hidden_bytes` is DeepEP's `hidden * max(element_size, 2)`: the hint covers a BF16 call and an
+    FP8 call (with its scales) of that hidden, and their combines, with top-k up to `num_topk`.
+    """
+    hidden = max(1, hidden_bytes // 2)
+    layout = NormalLayout(num_ranks, hidden, 2, hidden // 128, num_topk)
+    return CONTROL_BYTES + 128 + num_max_tokens_per_rank * layout.bytes_per_token
+
+
+# Control area of a normal-mode buffer (byte offsets; u64 signals are single-writer sequence numbers).
+CTRL_ROUND = 0          # u64: last completed op of this rank (written by its last kernel)
+CTRL_CURRENT = 8        # u64: op in progress (written by its first kernel)
+CTRL_READY = 16         # u64: "my send area holds op n"  (written by me, read by peers)
+CTRL_ERROR = 24         # u32: first error code of this buffer (device-side claim)
+CTRL_NUM_TOKENS = 28    # i32: tokens staged by the current dispatch
+CTRL_DONE = 64          # u64[R]: DONE[p] = last op whose data peer p finished pulling from me
+
+
+def ctrl_count_to(num_ranks: int) -> int:
+    """i32[R]: tokens I send to each rank in the current dispatch."""
+    return align_up(CTRL_DONE + 8 * num_ranks, 16)
+
+
+def ctrl_expert_count(num_ranks: int) -> int:
+    """i32[E]: my num_tokens_per_expert for the current dispatch."""
+    return align_up(ctrl_count_to(num_ranks) + 4 * num_ranks, 16)
+
+
+def max_experts_in_control(num_ranks: int) -> int:
+    return (CONTROL_BYTES - ctrl_expert_count(num_ranks)) // 4
 
 
 def low_latency_message_bytes(hidden: int) -> int:

@@ -37,9 +37,9 @@ def _backend_exists(name: str) -> bool:
 
 # ---------------------------------------------------------------------------- the registry
 
-def test_available_transports_lists_all_four():
+def test_available_transports_lists_every_transport():
     st = available_transports()
-    assert set(st) == {"reference", "nvshmem", "ibgda", "nccl_gin"} == set(TRANSPORT_NAMES)
+    assert set(st) == {"reference", "nvshmem", "ibgda", "nccl_gin", "nvlink"} == set(TRANSPORT_NAMES)
     for name, s in st.items():
         assert isinstance(s, TransportStatus)
         assert s.name == name

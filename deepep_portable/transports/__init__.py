@@ -7,7 +7,8 @@ from typing import Dict, List, Type
 from .base import BufferContext, Transport
 
 # Preference order for transport="auto": the first usable one wins.
-TRANSPORT_NAMES: List[str] = ["nvshmem", "nccl_gin", "ibgda", "reference"]
+# "nvlink" (intranode CUDA IPC, no library needed) is ours, beside DESIGN.md's four.
+TRANSPORT_NAMES: List[str] = ["nvshmem", "nccl_gin", "ibgda", "nvlink", "reference"]
 
 
 @dataclass
@@ -49,6 +50,10 @@ def backend_class(name: str) -> Type[Transport]:
         from .reference import ReferenceTransport
 
         return ReferenceTransport
+    if name == "nvlink":
+        from .nvlink import NvlinkTransport
+
+        return NvlinkTransport
     raise RuntimeError(f"transport {name!r} has no backend implementation in this build")
 
 

@@ -787,7 +787,32 @@ def _probe_ibgda(sysfs_root: str = SYSFS_INFINIBAND) -> TransportStatus:
                    details)
 
 
-_PROBES = {"reference": _probe_reference, "nvshmem": _probe_nvshmem,
+def _probe_nvlink() -> TransportStatus:
+    """Intranode kernels over CUDA IPC: a GPU (sm_80+), the host module and a CUDA compiler for
+    the JIT. Whether every rank of a group shares one node is checked when a Buffer is made."""
+    problems: List[str] = []
+    details: Dict = {"low_latency_ops": "reference implementation (low-latency kernels not built yet)"}
+    gpu = _gpu_check((8, 0), "the nvlink kernels")
+    if gpu:
+        problems.append(gpu)
+    try:
+        from .. import _C  # noqa: F401
+    except Exception as e:
+        problems.append(f"host module deepep_portable._C not importable: {type(e).__name__}: {e}")
+    try:
+        from .. import jit
+
+        details["nvcc"] = jit.find_nvcc()
+    except Exception as e:
+        problems.append(f"no CUDA compiler for the kernels: {e}")
+    if not problems:
+        backend = _backend_check("nvlink", None)
+        if backend:
+            problems.append(backend)
+    return _status("nvlink", problems, "CUDA IPC load/store between ranks of one node", details)
+
+
+_PROBES = {"reference": _probe_reference, "nvshmem": _probe_nvshmem, "nvlink": _probe_nvlink,
            "ibgda": _probe_ibgda, "nccl_gin": _probe_nccl_gin}
 
 

@@ -1,0 +1,169 @@
+// Intranode combine, pull-based (see protocol.cuh for the round protocol).
+//
+//   intranode_combine_stage: copy the rows I received in the dispatch (now expert outputs) and
+//                            their top-k weights once into my send area, row i at slot i.
+//   intranode_combine_pull:  for each of my tokens, read its row from every rank it was sent to
+//                            (row index from the dispatch handle) and sum in float32 in a fixed
+//                            order: 0, + bias_0, + bias_1, + rows of ranks 0..R-1. Plain adds (no
+//                            multiply, so no FMA contraction): bit-identical to the torch oracle.
+//
+// Compile-time (-D): NUM_RANKS, HIDDEN (bf16 elements, multiple of 8), NUM_TOPK (0 for none).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "common/kernels/common.cuh"
+#include "common/kernels/intranode/protocol.cuh"
+#include "common/kernels/signal.cuh"
+
+#ifndef NUM_RANKS
+#error "intranode/combine.cu needs -DNUM_RANKS"
+#endif
+#ifndef HIDDEN
+#error "intranode/combine.cu needs -DHIDDEN"
+#endif
+#ifndef NUM_TOPK
+#error "intranode/combine.cu needs -DNUM_TOPK (0 for none)"
+#endif
+
+using namespace deepep_portable;
+using namespace deepep_portable::intranode;
+
+namespace {
+constexpr int kNumRanks = NUM_RANKS;
+constexpr int kHiddenInt4 = HIDDEN / 8;   // 8 bf16 per 16-byte word
+constexpr int kNumTopk = NUM_TOPK;
+static_assert(HIDDEN % 8 == 0, "hidden must be a multiple of 8 bf16");
+constexpr int kOpCombine = 2;
+constexpr int kRankGroup = kNumRanks < 8 ? kNumRanks : 8;   // loads in flight per lane
+}  // namespace
+
+struct CombineParams {
+    const uint64_t* peer_bases;
+    int64_t rank;
+    ControlLayout ctrl;
+    int64_t send_area_offset;
+    int64_t slot_bytes;
+    int64_t weights_offset;          // byte offset of the top-k weights inside a slot
+    // stage inputs
+    const int4* x;                   // [num_rows, HIDDEN] bf16: the rows this rank received
+    const float* topk_weights;       // [num_rows, NUM_TOPK], or null
+    const int* num_rows;             // device count of real rows (padding rows are not staged)
+    // pull
+    const int* send_rows;            // [num_tokens, R]: row of my token at rank r, -1 = not sent
+    const int4* bias_0;              // [num_tokens, HIDDEN] bf16, or null
+    const int4* bias_1;
+    int4* out;                       // [num_tokens, HIDDEN] bf16
+    float* out_topk_weights;         // [num_tokens, NUM_TOPK], or null
+    int64_t num_tokens;
+    unsigned int* error_claim;
+    int* error_host;
+    int64_t timeout_ns;
+};
+
+namespace {
+
+DEEPEP_DEVICE PeerBuffers bufs_of(const CombineParams& p) {
+    return PeerBuffers{p.peer_bases, static_cast<int>(p.rank), kNumRanks};
+}
+
+DEEPEP_DEVICE void add_bf16x8(float (&acc)[8], const int4& v) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        acc[2 * i] = __fadd_rn(acc[2 * i], f.x);
+        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], f.y);
+    }
+}
+
+DEEPEP_DEVICE int4 pack_bf16x8(const float (&acc)[8]) {
+    int4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    return v;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256) intranode_combine_stage(const __grid_constant__ CombineParams p) {
+    const PeerBuffers bufs = bufs_of(p);
+    const uint64_t n = begin_round(bufs, p.ctrl, p.timeout_ns,
+                                   ErrorSink{p.error_claim, p.error_host, kOpCombine, static_cast<int>(p.rank)});
+    if (n == 0)
+        return;
+    char* send_area = bufs.at<char>(bufs.rank, p.send_area_offset);
+    const int num_rows = *p.num_rows;
+    const int lane = threadIdx.x % 32;
+    const int warps = gridDim.x * (blockDim.x / 32);
+    for (int64_t i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < num_rows; i += warps) {
+        char* slot = send_area + i * p.slot_bytes;
+        warp_copy_int4(reinterpret_cast<int4*>(slot), p.x + i * kHiddenInt4, kHiddenInt4, lane);
+        if constexpr (kNumTopk > 0) {
+            if (p.topk_weights != nullptr)
+                warp_copy_words(reinterpret_cast<int*>(slot + p.weights_offset),
+                                reinterpret_cast<const int*>(p.topk_weights + i * kNumTopk), kNumTopk, lane);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) intranode_combine_pull(const __grid_constant__ CombineParams p) {
+    const PeerBuffers bufs = bufs_of(p);
+    const uint64_t n = await_peers_ready(bufs, p.ctrl, p.timeout_ns,
+                                         ErrorSink{p.error_claim, p.error_host, kOpCombine, static_cast<int>(p.rank)});
+    if (n == 0)
+        return;
+    const int lane = threadIdx.x % 32;
+    const int warps = gridDim.x * (blockDim.x / 32);
+    for (int64_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < p.num_tokens; t += warps) {
+        // Where token t sits on each rank (lane r holds rank r's row while R <= 32).
+        const int4* src[kNumRanks];
+#pragma unroll
+        for (int r = 0; r < kNumRanks; ++r) {
+            const int row = p.send_rows[t * kNumRanks + r];
+            src[r] = row >= 0 ? reinterpret_cast<const int4*>(bufs.at<const char>(r, p.send_area_offset) +
+                                                              static_cast<int64_t>(row) * p.slot_bytes)
+                              : nullptr;
+        }
+        for (int c = lane; c < kHiddenInt4; c += 32) {
+            float acc[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                acc[i] = 0.0f;
+            if (p.bias_0 != nullptr)
+                add_bf16x8(acc, p.bias_0[t * kHiddenInt4 + c]);
+            if (p.bias_1 != nullptr)
+                add_bf16x8(acc, p.bias_1[t * kHiddenInt4 + c]);
+            // Ranks in ascending order, a group's loads all in flight before its first add.
+#pragma unroll
+            for (int r0 = 0; r0 < kNumRanks; r0 += kRankGroup) {
+                int4 v[kRankGroup];
+#pragma unroll
+                for (int g = 0; g < kRankGroup; ++g)
+                    if (r0 + g < kNumRanks && src[r0 + g] != nullptr)
+                        v[g] = src[r0 + g][c];
+#pragma unroll
+                for (int g = 0; g < kRankGroup; ++g)
+                    if (r0 + g < kNumRanks && src[r0 + g] != nullptr)
+                        add_bf16x8(acc, v[g]);
+            }
+            p.out[t * kHiddenInt4 + c] = pack_bf16x8(acc);
+        }
+        if constexpr (kNumTopk > 0) {
+            if (p.out_topk_weights != nullptr) {
+                for (int k = lane; k < kNumTopk; k += 32) {
+                    float w = 0.0f;
+#pragma unroll
+                    for (int r = 0; r < kNumRanks; ++r)
+                        if (src[r] != nullptr)
+                            w = __fadd_rn(w, reinterpret_cast<const float*>(
+                                                 reinterpret_cast<const char*>(src[r]) + p.weights_offset)[k]);
+                    p.out_topk_weights[t * kNumTopk + k] = w;
+                }
+            }
+        }
+    }
+    end_round(bufs, p.ctrl, n);
+}

@@ -1,0 +1,246 @@
+// Intranode dispatch, pull-based (see protocol.cuh for the round protocol).
+//
+//   intranode_dispatch_stage:  copy my tokens once into my send area (payload, scales, top-k),
+//                              write the per-destination send lists and my counts.
+//   intranode_dispatch_pull:   wait for every peer's READY, derive the receive layout from the
+//                              peers' counts (rows ordered by source rank, then source token),
+//                              and copy my rows straight from the peers' send areas into recv_x.
+//                              With notify_only it stops after publishing the counts (the host
+//                              then allocates exactly num_recv rows and launches it again).
+//
+// Compile-time (-D): NUM_RANKS, HIDDEN_BYTES (payload bytes per token, multiple of 16),
+// NUM_TOPK (0 when the call has no top-k). Everything else is a run-time parameter.
+#include <cstdint>
+
+#include "common/kernels/common.cuh"
+#include "common/kernels/intranode/protocol.cuh"
+#include "common/kernels/signal.cuh"
+
+#ifndef NUM_RANKS
+#error "intranode/dispatch.cu needs -DNUM_RANKS"
+#endif
+#ifndef HIDDEN_BYTES
+#error "intranode/dispatch.cu needs -DHIDDEN_BYTES"
+#endif
+#ifndef NUM_TOPK
+#error "intranode/dispatch.cu needs -DNUM_TOPK (0 for none)"
+#endif
+
+using namespace deepep_portable;
+using namespace deepep_portable::intranode;
+
+namespace {
+constexpr int kNumRanks = NUM_RANKS;
+constexpr int kHiddenInt4 = HIDDEN_BYTES / 16;
+constexpr int kNumTopk = NUM_TOPK;
+static_assert(HIDDEN_BYTES % 16 == 0, "payload rows must be 16-byte multiples");
+static_assert(kNumRanks >= 1 && kNumTopk >= 0 && kNumTopk <= 128, "bad compile-time shape");
+}  // namespace
+
+// All fields 64-bit so the ctypes mirror (deepep_portable/intranode.py) needs no padding rules.
+struct DispatchParams {
+    const uint64_t* peer_bases;
+    int64_t rank;
+    ControlLayout ctrl;
+    int64_t send_list_offset;       // int32 [R][capacity]
+    int64_t send_area_offset;
+    int64_t slot_bytes;
+    int64_t capacity;               // send-list stride (tokens)
+    int64_t scales_offset;          // byte offsets inside a slot
+    int64_t topk_idx_offset;
+    int64_t topk_weights_offset;
+    // stage inputs
+    const int4* x;                  // [num_tokens, HIDDEN_BYTES]
+    const int* x_scales;            // [num_tokens, num_scales] (4-byte words), or null
+    const int64_t* topk_idx;        // [num_tokens, NUM_TOPK] global expert ids, or null
+    const float* topk_weights;      // [num_tokens, NUM_TOPK], or null
+    const int* send_pos;            // [num_tokens, R]: index in my send list to rank r, -1 = not sent
+    const int* num_tokens_per_rank; // [R]
+    const int* num_tokens_per_expert;  // [num_experts], or null (cached dispatch)
+    int64_t num_tokens;
+    int64_t num_scales;
+    int64_t num_experts;
+    // pull outputs
+    int4* recv_x;                   // [max_recv_rows, HIDDEN_BYTES]
+    int* recv_scales;               // [max_recv_rows, num_scales], or null
+    int64_t* recv_topk_idx;         // [max_recv_rows, NUM_TOPK] local expert ids, -1 elsewhere
+    float* recv_topk_weights;       // [max_recv_rows, NUM_TOPK]
+    int* recv_src_idx;              // [max_recv_rows]
+    int* rank_prefix_matrix;        // [R, R]: [i][j] = rows ranks 0..i send to rank j (or null)
+    int* my_offset_at;              // [R]: first row of my tokens in rank j's receive layout (or null)
+    int* num_recv_out;              // [1] (or null)
+    int* expert_counts_out;         // [num_experts / R], aligned to expert_alignment (or null)
+    int* host_out;                  // mapped: [0] = ready flag, [1] = num_recv, [2..] expert counts (or null)
+    int64_t max_recv_rows;
+    int64_t expert_alignment;
+    int64_t notify_only;
+    // errors
+    unsigned int* error_claim;
+    int* error_host;
+    int64_t timeout_ns;
+};
+
+namespace {
+
+DEEPEP_DEVICE ErrorSink sink_of(const DispatchParams& p, int op) {
+    return ErrorSink{p.error_claim, p.error_host, op, static_cast<int>(p.rank)};
+}
+
+DEEPEP_DEVICE PeerBuffers bufs_of(const DispatchParams& p) {
+    return PeerBuffers{p.peer_bases, static_cast<int>(p.rank), kNumRanks};
+}
+
+constexpr int kOpDispatch = 1;
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256) intranode_dispatch_stage(const __grid_constant__ DispatchParams p) {
+    const PeerBuffers bufs = bufs_of(p);
+    const uint64_t n = begin_round(bufs, p.ctrl, p.timeout_ns, sink_of(p, kOpDispatch));
+    if (n == 0)
+        return;
+    if (blockIdx.x == 0) {
+        int* count_to = bufs.at<int>(bufs.rank, p.ctrl.count_to);
+        for (int r = threadIdx.x; r < kNumRanks; r += blockDim.x)
+            count_to[r] = p.num_tokens_per_rank[r];
+        int* expert_count = bufs.at<int>(bufs.rank, p.ctrl.expert_count);
+        for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x)
+            expert_count[e] = p.num_tokens_per_expert != nullptr ? p.num_tokens_per_expert[e] : 0;
+    }
+    int* send_list = bufs.at<int>(bufs.rank, p.send_list_offset);
+    char* send_area = bufs.at<char>(bufs.rank, p.send_area_offset);
+    const int lane = threadIdx.x % 32;
+    const int warps = gridDim.x * (blockDim.x / 32);
+    for (int64_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < p.num_tokens; t += warps) {
+        char* slot = send_area + t * p.slot_bytes;
+        warp_copy_int4(reinterpret_cast<int4*>(slot), p.x + t * kHiddenInt4, kHiddenInt4, lane);
+        if (p.x_scales != nullptr)
+            warp_copy_words(reinterpret_cast<int*>(slot + p.scales_offset), p.x_scales + t * p.num_scales,
+                            static_cast<int>(p.num_scales), lane);
+        if constexpr (kNumTopk > 0) {
+            if (p.topk_idx != nullptr) {
+                int* ids = reinterpret_cast<int*>(slot + p.topk_idx_offset);
+                float* weights = reinterpret_cast<float*>(slot + p.topk_weights_offset);
+                for (int k = lane; k < kNumTopk; k += 32) {
+                    ids[k] = static_cast<int>(p.topk_idx[t * kNumTopk + k]);
+                    weights[k] = p.topk_weights[t * kNumTopk + k];
+                }
+            }
+        }
+        for (int r = lane; r < kNumRanks; r += 32) {
+            const int pos = p.send_pos[t * kNumRanks + r];
+            if (pos >= 0)
+                send_list[r * p.capacity + pos] = static_cast<int>(t);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) intranode_dispatch_pull(const __grid_constant__ DispatchParams p) {
+    const PeerBuffers bufs = bufs_of(p);
+    const ErrorSink sink = sink_of(p, kOpDispatch);
+    const uint64_t n = await_peers_ready(bufs, p.ctrl, p.timeout_ns, sink);
+    if (n == 0)
+        return;
+    const int me = bufs.rank;
+
+    // Receive layout: my rows from source s start at src_offset[s].
+    __shared__ int src_offset[kNumRanks + 1];
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int s = 0; s < kNumRanks; ++s) {
+            src_offset[s] = acc;
+            acc += bufs.at<const volatile int>(s, p.ctrl.count_to)[me];
+        }
+        src_offset[kNumRanks] = acc;
+    }
+    __syncthreads();
+    const int num_recv_all = src_offset[kNumRanks];
+    const int num_recv = num_recv_all <= p.max_recv_rows ? num_recv_all : static_cast<int>(p.max_recv_rows);
+
+    if (blockIdx.x == 0) {
+        if (threadIdx.x == 0 && num_recv_all > p.max_recv_rows)
+            report_error(sink, kErrorCapacity, -1, num_recv_all);
+        if (p.rank_prefix_matrix != nullptr || p.my_offset_at != nullptr) {
+            for (int j = threadIdx.x; j < kNumRanks; j += blockDim.x) {
+                int acc = 0;
+                for (int i = 0; i < kNumRanks; ++i) {
+                    if (i == me && p.my_offset_at != nullptr)
+                        p.my_offset_at[j] = acc;
+                    acc += bufs.at<const volatile int>(i, p.ctrl.count_to)[j];
+                    if (p.rank_prefix_matrix != nullptr)
+                        p.rank_prefix_matrix[i * kNumRanks + j] = acc;
+                }
+            }
+        }
+        const int experts_per_rank = static_cast<int>(p.num_experts / kNumRanks);
+        for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
+            int count = 0;
+            for (int s = 0; s < kNumRanks; ++s)
+                count += bufs.at<const volatile int>(s, p.ctrl.expert_count)[me * experts_per_rank + e];
+            count = align_up<int>(count, static_cast<int>(p.expert_alignment));
+            if (p.expert_counts_out != nullptr)
+                p.expert_counts_out[e] = count;
+            if (p.host_out != nullptr)
+                reinterpret_cast<volatile int*>(p.host_out)[2 + e] = count;
+        }
+        if (threadIdx.x == 0 && p.num_recv_out != nullptr)
+            *p.num_recv_out = num_recv;
+        __syncthreads();
+        if (threadIdx.x == 0 && p.host_out != nullptr) {
+            volatile int* host = p.host_out;
+            host[1] = num_recv_all;
+            __threadfence_system();
+            host[0] = 1;   // the host reset it to 0 before the launch
+            __threadfence_system();
+        }
+    }
+    if (p.notify_only)
+        return;
+
+    const int lane = threadIdx.x % 32;
+    const int warps = gridDim.x * (blockDim.x / 32);
+    const int experts_per_rank = static_cast<int>(p.num_experts / kNumRanks);
+    for (int64_t i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < p.max_recv_rows; i += warps) {
+        int4* out = p.recv_x + i * kHiddenInt4;
+        if (i >= num_recv) {   // padding row of num_worst_tokens mode
+            for (int c = lane; c < kHiddenInt4; c += 32)
+                out[c] = make_int4(0, 0, 0, 0);
+            for (int c = lane; c < p.num_scales && p.recv_scales != nullptr; c += 32)
+                p.recv_scales[i * p.num_scales + c] = 0;
+            if constexpr (kNumTopk > 0) {
+                for (int k = lane; k < kNumTopk && p.recv_topk_idx != nullptr; k += 32) {
+                    p.recv_topk_idx[i * kNumTopk + k] = -1;
+                    p.recv_topk_weights[i * kNumTopk + k] = 0.0f;
+                }
+            }
+            if (lane == 0)
+                p.recv_src_idx[i] = -1;
+            continue;
+        }
+        int s = 0;
+        while (src_offset[s + 1] <= i)
+            ++s;
+        const int j = static_cast<int>(i) - src_offset[s];
+        const int t = bufs.at<const int>(s, p.send_list_offset)[me * p.capacity + j];
+        const char* slot = bufs.at<const char>(s, p.send_area_offset) + static_cast<int64_t>(t) * p.slot_bytes;
+        warp_copy_int4(out, reinterpret_cast<const int4*>(slot), kHiddenInt4, lane);
+        if (p.recv_scales != nullptr)
+            warp_copy_words(p.recv_scales + i * p.num_scales, reinterpret_cast<const int*>(slot + p.scales_offset),
+                            static_cast<int>(p.num_scales), lane);
+        if constexpr (kNumTopk > 0) {
+            if (p.recv_topk_idx != nullptr) {
+                const int* ids = reinterpret_cast<const int*>(slot + p.topk_idx_offset);
+                const float* weights = reinterpret_cast<const float*>(slot + p.topk_weights_offset);
+                for (int k = lane; k < kNumTopk; k += 32) {
+                    const int local = ids[k] - me * experts_per_rank;
+                    const bool mine = ids[k] >= 0 && local >= 0 && local < experts_per_rank;
+                    p.recv_topk_idx[i * kNumTopk + k] = mine ? local : -1;
+                    p.recv_topk_weights[i * kNumTopk + k] = mine ? weights[k] : 0.0f;
+                }
+            }
+        }
+        if (lane == 0)
+            p.recv_src_idx[i] = t;
+    }
+    end_round(bufs, p.ctrl, n);
+}

@@ -1,0 +1,122 @@
+// The round protocol shared by intranode dispatch and combine (pull-based).
+//
+// Every op is one "round" n on a rank's buffer, in two kernels:
+//   stage kernel: tell every peer "I finished pulling round n-1 from you" (DONE), wait until every
+//                 peer said the same to me (so nobody still reads my send area), copy my outgoing
+//                 rows into my own send area.
+//   pull kernel:  announce READY = n (my send area holds round n), wait for READY >= n of every
+//                 peer, pull the rows I need from the peers' send areas into my outputs.
+// Round numbers live in device memory (CTRL_ROUND / CTRL_CURRENT), so a captured CUDA graph that
+// replays the kernels keeps counting. Deadlock freedom: each kernel signals before it waits, and
+// every wait is on a signal that a peer's *same* round emits unconditionally; with all blocks of
+// all ranks resident (the SM budget guarantees it), every wait is eventually satisfied.
+#pragma once
+
+#include <cstdint>
+
+#include "common/kernels/common.cuh"
+#include "common/kernels/signal.cuh"
+
+namespace deepep_portable::intranode {
+
+// Byte offsets of the control area (mirrors deepep_portable/layout.py).
+struct ControlLayout {
+    int64_t round, current, ready, error, num_tokens, done, count_to, expert_count;
+};
+
+// One rank's view of every buffer of the group.
+struct PeerBuffers {
+    const uint64_t* bases;   // [num_ranks] base address of each rank's buffer, mapped here (own included)
+    int rank;
+    int num_ranks;
+
+    template <typename T>
+    DEEPEP_DEVICE T* at(int peer, int64_t offset) const {
+        return reinterpret_cast<T*>(bases[peer] + static_cast<uint64_t>(offset));
+    }
+};
+
+// Stage-kernel prologue. Returns the round number n, or 0 when a wait timed out.
+DEEPEP_DEVICE uint64_t begin_round(const PeerBuffers& bufs, const ControlLayout& ctrl, uint64_t timeout_ns,
+                                   const ErrorSink& sink) {
+    __shared__ uint64_t s_round;
+    __shared__ int s_ok;
+    const uint64_t prev = *bufs.at<volatile uint64_t>(bufs.rank, ctrl.round);   // written only by the last kernel of round n-1
+    if (threadIdx.x == 0)
+        s_ok = 1;
+    __syncthreads();
+    if (blockIdx.x == 0) {
+        // My pulls of round prev finished with the previous kernel on this stream.
+        for (int p = threadIdx.x; p < bufs.num_ranks; p += blockDim.x)
+            st_release_sys(bufs.at<uint64_t>(p, ctrl.done + 8 * bufs.rank), prev);
+        if (threadIdx.x == 0)
+            *bufs.at<volatile uint64_t>(bufs.rank, ctrl.current) = prev + 1;
+    }
+    const uint64_t deadline = globaltimer_ns() + timeout_ns;
+    for (int p = threadIdx.x; p < bufs.num_ranks; p += blockDim.x)
+        if (!wait_ge(bufs.at<const uint64_t>(bufs.rank, ctrl.done + 8 * p), prev, deadline, sink, p))
+            s_ok = 0;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        s_round = s_ok ? prev + 1 : 0;
+    __syncthreads();
+    return s_round;
+}
+
+// Pull-kernel prologue: announce READY = n and wait for every peer's READY >= n.
+// Returns n, or 0 when a wait timed out.
+DEEPEP_DEVICE uint64_t await_peers_ready(const PeerBuffers& bufs, const ControlLayout& ctrl, uint64_t timeout_ns,
+                                         const ErrorSink& sink) {
+    __shared__ uint64_t s_round;
+    __shared__ int s_ok;
+    const uint64_t n = *bufs.at<volatile uint64_t>(bufs.rank, ctrl.current);
+    if (threadIdx.x == 0) {
+        s_ok = 1;
+        // The stage kernel's writes to my send area completed at the kernel boundary; the
+        // release store makes them visible to any peer that acquires READY >= n.
+        __threadfence_system();
+        st_release_sys(bufs.at<uint64_t>(bufs.rank, ctrl.ready), n);
+    }
+    __syncthreads();
+    const uint64_t deadline = globaltimer_ns() + timeout_ns;
+    for (int p = threadIdx.x; p < bufs.num_ranks; p += blockDim.x)
+        if (!wait_ge(bufs.at<const uint64_t>(p, ctrl.ready), n, deadline, sink, p))
+            s_ok = 0;
+    __syncthreads();
+    // Other threads of the block read peer data next: order their loads after the acquires.
+    __threadfence_system();
+    if (threadIdx.x == 0)
+        s_round = s_ok ? n : 0;
+    __syncthreads();
+    return s_round;
+}
+
+// Last kernel of a round: record it as complete (read by the next round's stage kernel only).
+DEEPEP_DEVICE void end_round(const PeerBuffers& bufs, const ControlLayout& ctrl, uint64_t n) {
+    if (blockIdx.x == 0 && threadIdx.x == 0 && n != 0)
+        *bufs.at<volatile uint64_t>(bufs.rank, ctrl.round) = n;
+}
+
+// Copy `num_int4` 16-byte words with a warp, several loads in flight per lane.
+DEEPEP_DEVICE void warp_copy_int4(int4* __restrict__ dst, const int4* __restrict__ src, int num_int4, int lane) {
+    constexpr int kUnroll = 4;
+    int i = lane;
+    for (; i + 32 * (kUnroll - 1) < num_int4; i += 32 * kUnroll) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            v[u] = src[i + 32 * u];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            dst[i + 32 * u] = v[u];
+    }
+    for (; i < num_int4; i += 32)
+        dst[i] = src[i];
+}
+
+DEEPEP_DEVICE void warp_copy_words(int* __restrict__ dst, const int* __restrict__ src, int num_words, int lane) {
+    for (int i = lane; i < num_words; i += 32)
+        dst[i] = src[i];
+}
+
+}  // namespace deepep_portable::intranode

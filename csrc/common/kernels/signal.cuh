@@ -1,0 +1,83 @@
+// Signals between ranks: single-writer, monotonically increasing 64-bit sequence numbers.
+//
+// Ordering rules (the part of the transport contract that load/store peers implement):
+//  * signal_set(addr, v): a system-scope release store. Every write this thread made before it,
+//    and every write it observed (cumulativity: e.g. a previous kernel's writes, complete at the
+//    kernel boundary), is visible to a thread that reads v with an acquire.
+//  * wait_ge(addr, v, ...): system-scope acquire loads until *addr >= v or the deadline passes.
+//    Setting the same value twice is harmless (SET, not ADD), so no protocol needs remote atomics.
+//  * A timed-out wait records (op, rank, peer, channel) once per buffer and returns false; the
+//    caller skips the rest of its work instead of hanging or trapping (a trap would kill the
+//    CUDA context of every rank sharing it). The host turns the record into an exception.
+#pragma once
+
+#include <cstdint>
+
+#include "common/kernels/common.cuh"
+
+namespace deepep_portable {
+
+DEEPEP_DEVICE uint64_t ld_acquire_sys(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+DEEPEP_DEVICE void st_release_sys(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+DEEPEP_DEVICE int ld_acquire_sys_i32(const int* p) {
+    int v;
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+DEEPEP_DEVICE uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Where a failed wait is reported. `claim` is a word in device memory (first writer wins);
+// `host` is mapped pinned memory the host polls: [code, op, rank, peer, channel, detail].
+struct ErrorSink {
+    unsigned int* claim;
+    int* host;
+    int op;
+    int rank;
+};
+
+enum ErrorCode : int {
+    kErrorNone = 0,
+    kErrorTimeout = 1,
+    kErrorCapacity = 2,   // more rows than the output can hold (e.g. num_worst_tokens too small)
+};
+
+DEEPEP_DEVICE void report_error(const ErrorSink& sink, int code, int peer, int detail) {
+    if (atomicCAS(sink.claim, 0u, static_cast<unsigned int>(code)) != 0u)
+        return;  // someone already reported: keep the first cause
+    volatile int* h = sink.host;
+    h[1] = sink.op;
+    h[2] = sink.rank;
+    h[3] = peer;
+    h[4] = static_cast<int>(blockIdx.x);
+    h[5] = detail;
+    __threadfence_system();
+    h[0] = code;  // written last: the host reads the record only once the code is set
+    __threadfence_system();
+}
+
+// Spin until *addr >= v; false (and an error record naming `peer`) once `deadline_ns` passes.
+DEEPEP_DEVICE bool wait_ge(const uint64_t* addr, uint64_t v, uint64_t deadline_ns, const ErrorSink& sink,
+                           int peer) {
+    while (ld_acquire_sys(addr) < v) {
+        if (globaltimer_ns() > deadline_ns) {
+            report_error(sink, kErrorTimeout, peer, static_cast<int>(v));
+            return false;
+        }
+    }
+    return true;
+}
+
+}  // namespace deepep_portable

@@ -1,0 +1,314 @@
+"""Host side of the intranode (NVLink / CUDA IPC) high-throughput kernels.
+
+`IntranodeEngine` owns one IPC-shared buffer per rank, the table of peer addresses, the mapped
+host words the kernels report through, and the launch sequence of each op (see
+csrc/common/kernels/intranode/protocol.cuh for the device protocol). All device work goes on the
+Buffer's communication stream; outputs are allocated on the current stream (Buffer._op sets it).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import time
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import jit
+from . import layout as L
+from ._kernels import launch, stream_handle
+from .handles import DispatchHandle
+from .transports.base import BufferContext, DispatchArgs, DispatchResult
+
+DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
+COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
+THREADS = 256
+OP_NAMES = {1: "dispatch", 2: "combine"}
+ERROR_WORDS = 8
+
+
+class CommTimeoutError(RuntimeError):
+    """A wait for a peer ran past the Buffer's timeout. The Buffer is unusable afterwards."""
+
+    def __init__(self, op: str, rank: int, peer: int, channel: int, timeout_s: float) -> None:
+        super().__init__(f"{op} timed out on rank {rank} waiting for peer {peer} (channel {channel}) after "
+                         f"{timeout_s:g} s: the peer did not reach the same call (or is stuck); "
+                         f"this Buffer cannot be used again, create a new one")
+        self.op, self.rank, self.peer, self.channel = op, rank, peer, channel
+
+
+def _struct(name: str, fields: List[str]) -> type:
+    """A ctypes struct of 64-bit fields (the kernels' params are all 64-bit: no padding rules)."""
+    return type(name, (ctypes.Structure,), {"_fields_": [(f, ctypes.c_int64) for f in fields]})
+
+
+_CONTROL = ["round", "current", "ready", "error", "num_tokens", "done", "count_to", "expert_count"]
+DispatchParams = _struct("DispatchParams", [
+    "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
+    "send_list_offset", "send_area_offset", "slot_bytes", "capacity", "scales_offset", "topk_idx_offset",
+    "topk_weights_offset", "x", "x_scales", "topk_idx", "topk_weights", "send_pos", "num_tokens_per_rank",
+    "num_tokens_per_expert", "num_tokens", "num_scales", "num_experts", "recv_x", "recv_scales",
+    "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "rank_prefix_matrix", "my_offset_at",
+    "num_recv_out", "expert_counts_out", "host_out", "max_recv_rows", "expert_alignment", "notify_only",
+    "error_claim", "error_host", "timeout_ns"])
+CombineParams = _struct("CombineParams", [
+    "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
+    "send_area_offset", "slot_bytes", "weights_offset", "x", "topk_weights", "num_rows", "send_rows",
+    "bias_0", "bias_1", "out", "out_topk_weights", "num_tokens", "error_claim", "error_host", "timeout_ns"])
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class _Mapped:
+    """Pinned host words the GPU writes and the host polls."""
+
+    def __init__(self, device: int, words: int) -> None:
+        from . import _C
+
+        self._device = device
+        self.host, self.dev = _C.host_alloc_mapped(device, words * 4)
+        self.words = (ctypes.c_int * words).from_address(self.host)
+        for i in range(words):
+            self.words[i] = 0
+
+    def free(self) -> None:
+        from . import _C
+
+        if self.host:
+            _C.host_free(self._device, self.host)
+            self.host = 0
+
+
+class IntranodeEngine:
+    def __init__(self, ctx: BufferContext) -> None:
+        from . import _C
+
+        if ctx.device.type != "cuda":
+            raise RuntimeError("the nvlink transport needs a CUDA device")
+        if ctx.num_nvl_bytes <= L.CONTROL_BYTES:
+            raise ValueError(f"the nvlink transport needs num_nvl_bytes > {L.CONTROL_BYTES} "
+                             f"(Config.get_nvl_buffer_size_hint), got {ctx.num_nvl_bytes}")
+        self.ctx = ctx
+        self.dev = ctx.device.index
+        self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
+        self.broken: Optional[str] = None
+        self.base = _C.mem_alloc(self.dev, ctx.num_nvl_bytes)
+        _C.memset_d8_async(self.dev, self.base, 0, L.CONTROL_BYTES, 0)
+        _C.stream_synchronize(self.dev, 0)
+        me = dict(host=socket.gethostname(), pid=os.getpid(), nvl_bytes=ctx.num_nvl_bytes,
+                  uuid=str(torch.cuda.get_device_properties(self.dev).uuid),
+                  handle=_C.ipc_get_mem_handle(self.dev, self.base))
+        peers = ctx.comm.allgather_object(me)
+        hosts = {p["host"] for p in peers}
+        if len(hosts) != 1:
+            raise RuntimeError(f"the nvlink transport needs every rank on one node; ranks are on {sorted(hosts)}")
+        sizes = {p["nvl_bytes"] for p in peers}
+        if len(sizes) != 1:
+            raise ValueError(f"every rank must create its Buffer with the same num_nvl_bytes; got {sorted(sizes)}")
+        self._opened: List[int] = []
+        bases = []
+        for r, p in enumerate(peers):
+            if r == self.rank:
+                bases.append(self.base)
+            else:
+                b = _C.ipc_open_mem_handle(self.dev, p["handle"])
+                self._opened.append(b)
+                bases.append(b)
+        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=ctx.device)
+        self.errors = _Mapped(self.dev, ERROR_WORDS)
+        self.notify = _Mapped(self.dev, 2 + 65536 // 4)
+        self.error_claim = self.base + L.CTRL_ERROR
+        self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
+                     L.ctrl_count_to(self.num_ranks), L.ctrl_expert_count(self.num_ranks)]
+        torch.cuda.synchronize(self.dev)
+        ctx.comm.barrier()   # every peer mapped everyone's zeroed buffer before any kernel runs
+
+    # ---- errors --------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise what a kernel reported (or what made this Buffer unusable before)."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+        w = self.errors.words
+        code = w[0]
+        if code == 0:
+            return
+        op, rank, peer, channel, detail = OP_NAMES.get(w[1], "?"), w[2], w[3], w[4], w[5]
+        if code == 1:
+            err: Exception = CommTimeoutError(op, rank, peer, channel, self.ctx.timeout_s)
+        elif code == 2:
+            err = RuntimeError(f"{op} on rank {rank}: {detail} rows arrived but the output holds fewer "
+                               f"(num_worst_tokens too small); this Buffer cannot be used again")
+        else:
+            err = RuntimeError(f"{op} on rank {rank}: kernel error code {code}")
+        self.broken = str(err)
+        raise err
+
+    def _wait_notify(self, op: str) -> int:
+        """Spin (GIL held, no sleep: this is the latency-critical path) until the notify kernel
+        published the receive count, a kernel reported an error, or the timeout passed."""
+        deadline = time.monotonic() + self.ctx.timeout_s + 5.0
+        w = self.notify.words
+        while w[0] == 0:
+            if self.errors.words[0] != 0:
+                self.check()
+            if time.monotonic() > deadline:
+                self.broken = (f"{op} timed out on rank {self.rank}: the GPU did not report the receive count "
+                               f"within {self.ctx.timeout_s:g} s (kernel never ran?)")
+                raise CommTimeoutError(op, self.rank, -1, -1, self.ctx.timeout_s)
+        self.check()
+        return w[1]
+
+    # ---- shared parameter setup ------------------------------------------------------------------
+    def _common(self, params) -> None:
+        params.peer_bases = self.peer_bases.data_ptr()
+        params.rank = self.rank
+        for name, off in zip(_CONTROL, self.ctrl):
+            setattr(params, f"ctrl_{name}", off)
+        params.error_claim = self.error_claim
+        params.error_host = self.errors.dev
+        params.timeout_ns = int(self.ctx.timeout_s * 1e9)
+
+    def _capacity(self, lay: L.NormalLayout) -> int:
+        return lay.max_tokens_per_rank(self.ctx.num_nvl_bytes)
+
+    # ---- dispatch ---------------------------------------------------------------------------------
+    def dispatch(self, args: DispatchArgs, handle: Optional[DispatchHandle] = None) -> DispatchResult:
+        self.check()
+        comm = self.ctx.comm_stream
+        x, x_scales = args.x, args.x_scales
+        N, hidden = x.shape
+        R = self.num_ranks
+        cached = handle is not None
+        topk = 0 if cached or args.topk_idx is None else args.topk_idx.size(1)
+        num_scales = 0 if x_scales is None else x_scales.size(1)
+        lay = L.NormalLayout(R, hidden, x.element_size(), num_scales, topk)
+        cap = self._capacity(lay)
+        num_experts = args.num_experts
+        if num_experts > L.max_experts_in_control(R):
+            raise ValueError(f"the nvlink transport supports up to {L.max_experts_in_control(R)} experts")
+
+        if cached:
+            state = handle.transport_state
+            send_pos, per_rank = state["send_pos"], state["num_tokens_per_rank"]
+        else:
+            per_rank = args.num_tokens_per_rank
+            with torch.cuda.stream(comm):
+                in_rank = args.is_token_in_rank
+                send_pos = torch.where(in_rank, in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1,
+                                       torch.full_like(in_rank, -1, dtype=torch.int32)).contiguous()
+
+        p = DispatchParams()
+        self._common(p)
+        slot_scales = L.align_up(hidden * x.element_size())
+        slot_topk = slot_scales + L.align_up(num_scales * 4)
+        p.send_list_offset, p.send_area_offset = lay.send_list_offset(), lay.send_area_offset(cap)
+        p.slot_bytes, p.capacity = lay.dispatch_slot, cap
+        p.scales_offset, p.topk_idx_offset = slot_scales, slot_topk
+        p.topk_weights_offset = slot_topk + L.align_up(topk * 4)
+        p.x, p.x_scales = x.data_ptr(), _ptr(x_scales)
+        p.topk_idx = 0 if cached else _ptr(args.topk_idx)
+        p.topk_weights = 0 if cached else _ptr(args.topk_weights)
+        p.send_pos, p.num_tokens_per_rank = send_pos.data_ptr(), per_rank.data_ptr()
+        p.num_tokens_per_expert = 0 if cached else args.num_tokens_per_expert.data_ptr()
+        p.num_tokens, p.num_scales, p.num_experts = N, num_scales, num_experts
+        p.expert_alignment = args.expert_alignment
+        defines = dict(NUM_RANKS=R, HIDDEN_BYTES=hidden * x.element_size(), NUM_TOPK=topk)
+        stage = jit.load(DISPATCH_SOURCE, "intranode_dispatch_stage", defines, self.dev)
+        pull = jit.load(DISPATCH_SOURCE, "intranode_dispatch_pull", defines, self.dev)
+        s = stream_handle(comm)
+        grid = max(1, args.num_sms)
+        launch(stage, grid, THREADS, p, s)
+
+        dev = self.ctx.device
+        experts_per_rank = num_experts // R
+        with torch.cuda.stream(comm):
+            num_recv_dev = torch.empty(1, dtype=torch.int32, device=dev)
+            rank_prefix = torch.empty(R, R, dtype=torch.int32, device=dev)
+            my_offset_at = torch.empty(R, dtype=torch.int32, device=dev)
+        p.num_recv_out, p.rank_prefix_matrix, p.my_offset_at = (num_recv_dev.data_ptr(), rank_prefix.data_ptr(),
+                                                                 my_offset_at.data_ptr())
+        counts_list: List[int] = []
+        if cached:
+            rows, num_recv = handle.num_recv_rows, handle.num_recv_tokens
+        elif args.num_worst_tokens > 0:
+            rows, num_recv = args.num_worst_tokens, -1
+        else:
+            # Learn the receive count on the host (as DeepEP does): a one-block notify launch.
+            self.notify.words[0] = 0
+            p.host_out, p.notify_only, p.max_recv_rows = self.notify.dev, 1, 1 << 30
+            launch(pull, 1, THREADS, p, s)
+            num_recv = self._wait_notify("dispatch")
+            counts_list = [self.notify.words[2 + e] for e in range(experts_per_rank)]
+            rows = num_recv
+            p.host_out, p.rank_prefix_matrix, p.my_offset_at = 0, 0, 0
+
+        recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
+        recv_scales = None if x_scales is None else torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
+        recv_idx = recv_w = None
+        if topk:
+            recv_idx = torch.empty(rows, topk, dtype=torch.int64, device=dev)
+            recv_w = torch.empty(rows, topk, dtype=torch.float32, device=dev)
+        recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        p.recv_x, p.recv_scales, p.recv_topk_idx, p.recv_topk_weights, p.recv_src_idx = (
+            recv_x.data_ptr(), _ptr(recv_scales), _ptr(recv_idx), _ptr(recv_w), recv_src.data_ptr())
+        p.notify_only, p.max_recv_rows = 0, rows
+        launch(pull, grid, THREADS, p, s)
+        if cached:
+            return DispatchResult(recv_x, recv_scales, None, None, [], handle)
+
+        with torch.cuda.stream(comm):
+            send_rows = torch.where(send_pos >= 0, send_pos + my_offset_at.unsqueeze(0), send_pos).contiguous()
+        new_handle = DispatchHandle(
+            rank_prefix_matrix=rank_prefix, recv_src_idx=recv_src, is_token_in_rank=args.is_token_in_rank,
+            send_rows=send_rows, num_recv_tokens=num_recv, num_recv_rows=rows, num_tokens=N, hidden=hidden,
+            buffer_uid=self.ctx.uid,
+            transport_state=dict(send_pos=send_pos, num_tokens_per_rank=per_rank, num_recv=num_recv_dev))
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_list, new_handle)
+
+    # ---- combine ----------------------------------------------------------------------------------
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                bias_0: Optional[torch.Tensor], bias_1: Optional[torch.Tensor],
+                num_sms: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self.check()
+        comm = self.ctx.comm_stream
+        hidden = x.size(1)
+        topk = 0 if topk_weights is None else topk_weights.size(1)
+        R = self.num_ranks
+        lay = L.NormalLayout(R, hidden, 2, 0, topk)
+        cap = self._capacity(lay)
+        p = CombineParams()
+        self._common(p)
+        p.send_area_offset, p.slot_bytes = lay.send_area_offset(cap), lay.combine_slot
+        p.weights_offset = L.align_up(hidden * 2)
+        p.x, p.topk_weights = x.data_ptr(), _ptr(topk_weights)
+        p.num_rows = handle.transport_state["num_recv"].data_ptr()
+        p.send_rows = handle.send_rows.data_ptr()
+        p.bias_0, p.bias_1 = _ptr(bias_0), _ptr(bias_1)
+        out = torch.empty(handle.num_tokens, hidden, dtype=torch.bfloat16, device=x.device)
+        out_w = None if topk == 0 else torch.empty(handle.num_tokens, topk, dtype=torch.float32, device=x.device)
+        p.out, p.out_topk_weights, p.num_tokens = out.data_ptr(), _ptr(out_w), handle.num_tokens
+        defines = dict(NUM_RANKS=R, HIDDEN=hidden, NUM_TOPK=topk)
+        s = stream_handle(comm)
+        grid = max(1, num_sms)
+        launch(jit.load(COMBINE_SOURCE, "intranode_combine_stage", defines, self.dev), grid, THREADS, p, s)
+        launch(jit.load(COMBINE_SOURCE, "intranode_combine_pull", defines, self.dev), grid, THREADS, p, s)
+        return out, out_w
+
+    def destroy(self) -> None:
+        from . import _C
+
+        if self.base is None:
+            return
+        torch.cuda.synchronize(self.dev)
+        try:
+            self.ctx.comm.barrier()   # no peer may still read my buffer
+        finally:
+            for b in self._opened:
+                _C.ipc_close_mem_handle(self.dev, b)
+            _C.mem_free(self.dev, self.base)
+            self.errors.free()
+            self.notify.free()
+            self.base = None

@@ -1,0 +1,50 @@
+"""Host-side checks of the intranode kernels that need no GPU: parameter structs against the
+compiled kernels, and the buffer layout arithmetic."""
+import ctypes
+import os
+import re
+import subprocess
+
+import pytest
+
+from deepep_portable import intranode, jit
+from deepep_portable import layout as L
+
+try:
+    NVCC = jit.find_nvcc()
+except Exception:   # pragma: no cover - CI installs a compiler
+    NVCC = None
+
+
+@pytest.mark.skipif(NVCC is None, reason="no nvcc")
+@pytest.mark.parametrize("source,kernel,struct,defines", [
+    (intranode.DISPATCH_SOURCE, "intranode_dispatch_pull", intranode.DispatchParams,
+     dict(NUM_RANKS=3, HIDDEN_BYTES=256, NUM_TOPK=5)),
+    (intranode.COMBINE_SOURCE, "intranode_combine_pull", intranode.CombineParams,
+     dict(NUM_RANKS=3, HIDDEN=128, NUM_TOPK=0)),
+])
+def test_param_struct_matches_kernel(tmp_path, source, kernel, struct, defines):
+    out = tmp_path / "k.ptx"
+    cmd = [NVCC, "-ptx", "-arch=sm_80", *jit.BASE_FLAGS, f"-I{jit.kernel_root()}",
+           *(f"-D{k}={v}" for k, v in defines.items()), os.path.join(jit.kernel_root(), source), "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    sizes = re.findall(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{kernel}_param_0\[(\d+)\]", out.read_text())
+    assert sizes == [str(ctypes.sizeof(struct))]
+
+
+def test_layout_capacity_is_consistent_with_hint():
+    for ranks, tokens, hidden in ((2, 1, 128), (8, 4096, 7168), (5, 37, 7680)):
+        hint = L.normal_buffer_bytes(tokens, hidden * 2, ranks)
+        for elem, scales, topk in ((2, 0, 8), (1, hidden // 128, 8), (2, 0, 0), (2, 0, 32)):
+            lay = L.NormalLayout(ranks, hidden, elem, scales, topk)
+            cap = lay.max_tokens_per_rank(hint)
+            assert cap >= tokens
+            # the send area at that capacity holds both the dispatch slots and the combine slots
+            end = lay.send_area_offset(cap) + max(cap * lay.dispatch_slot, ranks * cap * lay.combine_slot)
+            assert end <= hint
+
+
+def test_control_area_fits():
+    for ranks in (1, 8, 72):
+        assert L.ctrl_expert_count(ranks) + 4 * 256 <= L.CONTROL_BYTES
+        assert L.max_experts_in_control(ranks) >= 256
