@@ -161,3 +161,22 @@ def dispatch_layout_cuda(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
     ptr = counts.data_ptr()
     _launch_layout(topk_idx, num_experts, num_ranks, dev, h, ptr, ptr + 4 * num_ranks, in_rank.data_ptr())
     return counts[:num_ranks], counts[num_ranks:], in_rank
+
+
+# ---- plain copy (the benchmark's ceiling) -------------------------------------------------------
+
+COPY_SOURCE = "common/kernels/copy.cu"
+
+
+class CopyParams(ctypes.Structure):
+    """Mirror of `struct CopyParams` in copy.cu."""
+
+    _fields_ = [("src", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("num_int4", ctypes.c_int64)]
+
+
+def copy_with_blocks(dst: torch.Tensor, src: torch.Tensor, num_blocks: int, stream: StreamLike = None) -> None:
+    """dst <- src (same byte size, multiple of 16) with exactly `num_blocks` blocks of 256 threads."""
+    nbytes = src.numel() * src.element_size()
+    assert nbytes == dst.numel() * dst.element_size() and nbytes % 16 == 0
+    fn = jit.load(COPY_SOURCE, "copy_int4", {}, device_index(src))
+    launch(fn, max(1, num_blocks), 256, CopyParams(src.data_ptr(), dst.data_ptr(), nbytes // 16), stream)

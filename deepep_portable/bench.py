@@ -76,11 +76,21 @@ def _slowest(seconds: float, group) -> float:
 
 
 def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int, group) -> float:
-    """Seconds for one plain copy of num_bytes on this device, every rank copying at once."""
-    src = torch.randint(0, 255, (max(num_bytes, 16),), dtype=torch.uint8, device=device)
+    """Seconds for one plain copy of num_bytes on this device, every rank copying at once; on the
+    GPU with the same block budget as the communication kernels (Buffer.num_sms blocks)."""
+    num_bytes = max(16, (num_bytes + 15) // 16 * 16)
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
+    if device.type == "cuda":
+        from ._kernels import copy_with_blocks
+
+        def copy():
+            copy_with_blocks(dst, src, deep_ep.Buffer.num_sms, torch.cuda.current_stream())
+    else:
+        def copy():
+            dst.copy_(src)
     dist.barrier(group=group)
-    return _slowest(_timer(device, lambda: dst.copy_(src), warmup, iters), group)
+    return _slowest(_timer(device, copy, warmup, iters), group)
 
 
 def _random_topk(num_tokens: int, num_experts: int, topk: int, device: torch.device, gen: torch.Generator):
@@ -217,7 +227,8 @@ def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
 
 def print_table(rows: List[Row], world: int) -> None:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    print(f"\n{world} ranks on {dev}; ceiling = one plain copy of the same bytes on the same device, same run")
+    print(f"\n{world} ranks on {dev}; ceiling = one plain copy of the same bytes on the same device, same run"
+          + (f", {deep_ep.Buffer.num_sms} blocks (the same SM budget)" if torch.cuda.is_available() else ""))
     cells = [HEADER] + [r.cells() for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
     for line in cells:
