@@ -75,9 +75,15 @@ def _slowest(seconds: float, group) -> float:
     return float(t.item())
 
 
-def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int, group) -> float:
+def _blocks(buf: "deep_ep.Buffer") -> int:
+    """Blocks the communication kernels really use (the engine caps them when ranks share a GPU)."""
+    engine = getattr(buf._backend, "engine", None)
+    return engine._grid(deep_ep.Buffer.num_sms) if engine is not None else deep_ep.Buffer.num_sms
+
+
+def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int, group, blocks: int) -> float:
     """Seconds for one plain copy of num_bytes on this device, every rank copying at once; on the
-    GPU with the same block budget as the communication kernels (Buffer.num_sms blocks)."""
+    GPU with the same block budget as the communication kernels."""
     num_bytes = max(16, (num_bytes + 15) // 16 * 16)
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -85,7 +91,7 @@ def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int,
         from ._kernels import copy_with_blocks
 
         def copy():
-            copy_with_blocks(dst, src, deep_ep.Buffer.num_sms, torch.cuda.current_stream())
+            copy_with_blocks(dst, src, blocks, torch.cuda.current_stream())
     else:
         def copy():
             dst.copy_(src)
@@ -148,13 +154,13 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
     combine_bytes = sent_rows * hidden * 2
     t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters), group)
     t_combine = _slowest(_timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters), group)
-    c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group)
-    c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group)
+    c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
+    c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
     prec = "fp8" if cfg.fp8 else "bf16"
     for op, t, c, nbytes, p in (("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                                 ("combine", t_combine, c_combine, combine_bytes, "bf16")):
         rows.append(Row(op, tokens, hidden, topk, experts, p, t * 1e6, nbytes / t / 1e9, c * 1e6,
-                        nbytes / c / 1e9, buf.transport, deep_ep.Buffer.num_sms))
+                        nbytes / c / 1e9, buf.transport, _blocks(buf)))
 
 
 def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tokens: int, rows: List[Row]) -> None:
@@ -197,16 +203,18 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
     t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters), group)
     t_combine = _slowest(_timer(device, lambda: buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle),
                                 cfg.warmup, cfg.iters), group)
-    c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group)
-    c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group)
+    c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
+    c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
     prec = "fp8" if cfg.fp8 else "bf16"
     for op, t, c, nbytes, p in (("ll_dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                                 ("ll_combine", t_combine, c_combine, combine_bytes, "bf16")):
         rows.append(Row(op, tokens, hidden, topk, experts, p, t * 1e6, nbytes / t / 1e9, c * 1e6,
-                        nbytes / c / 1e9, buf.transport, deep_ep.Buffer.num_sms))
+                        nbytes / c / 1e9, buf.transport, _blocks(buf)))
 
 
 def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
+    if cfg.num_sms is not None:   # spawned ranks import the module afresh: set it here, not in the parent
+        deep_ep.Buffer.set_num_sms(cfg.num_sms)
     rows: List[Row] = []
     sweep = cfg.tokens
     progress = sweep
@@ -228,7 +236,7 @@ def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
 def print_table(rows: List[Row], world: int) -> None:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{world} ranks on {dev}; ceiling = one plain copy of the same bytes on the same device, same run"
-          + (f", {deep_ep.Buffer.num_sms} blocks (the same SM budget)" if torch.cuda.is_available() else ""))
+          + (", with the same number of blocks (SMs column)" if torch.cuda.is_available() else ""))
     cells = [HEADER] + [r.cells() for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
     for line in cells:
@@ -282,7 +290,5 @@ def main(cfg: argparse.Namespace) -> int:
             else ([32, 128] if cfg.mode == "low_latency" else [64, 256])
     if cfg.fp8 is None:
         cfg.fp8 = True
-    if cfg.num_sms is not None:
-        deep_ep.Buffer.set_num_sms(cfg.num_sms)
     run_local(_worker, cfg.ranks, cfg)
     return 0

@@ -102,6 +102,11 @@ class IntranodeEngine:
                   uuid=str(torch.cuda.get_device_properties(self.dev).uuid),
                   handle=_C.ipc_get_mem_handle(self.dev, self.base))
         peers = ctx.comm.allgather_object(me)
+        # Spinning blocks of every rank must be resident at once: ranks that share a GPU split its SMs.
+        sharing = sum(1 for p in peers if p["uuid"] == me["uuid"])
+        from ._kernels import sm_count
+
+        self.max_blocks = max(1, sm_count(self.dev) // sharing)
         hosts = {p["host"] for p in peers}
         if len(hosts) != 1:
             raise RuntimeError(f"the nvlink transport needs every rank on one node; ranks are on {sorted(hosts)}")
@@ -171,6 +176,11 @@ class IntranodeEngine:
         params.error_host = self.errors.dev
         params.timeout_ns = int(self.ctx.timeout_s * 1e9)
 
+    def _grid(self, num_sms: int) -> int:
+        """Blocks per kernel: the caller's SM budget, capped so that every rank sharing this GPU
+        fits at once (a block that cannot become resident would leave its peers spinning)."""
+        return max(1, min(num_sms, self.max_blocks))
+
     def _capacity(self, lay: L.NormalLayout) -> int:
         return lay.max_tokens_per_rank(self.ctx.num_nvl_bytes)
 
@@ -219,7 +229,7 @@ class IntranodeEngine:
         stage = jit.load(DISPATCH_SOURCE, "intranode_dispatch_stage", defines, self.dev)
         pull = jit.load(DISPATCH_SOURCE, "intranode_dispatch_pull", defines, self.dev)
         s = stream_handle(comm)
-        grid = max(1, args.num_sms)
+        grid = self._grid(args.num_sms)
         launch(stage, grid, THREADS, p, s)
 
         dev = self.ctx.device
@@ -292,7 +302,7 @@ class IntranodeEngine:
         p.out, p.out_topk_weights, p.num_tokens = out.data_ptr(), _ptr(out_w), handle.num_tokens
         defines = dict(NUM_RANKS=R, HIDDEN=hidden, NUM_TOPK=topk)
         s = stream_handle(comm)
-        grid = max(1, num_sms)
+        grid = self._grid(num_sms)
         launch(jit.load(COMBINE_SOURCE, "intranode_combine_stage", defines, self.dev), grid, THREADS, p, s)
         launch(jit.load(COMBINE_SOURCE, "intranode_combine_pull", defines, self.dev), grid, THREADS, p, s)
         return out, out_w

@@ -48,6 +48,11 @@ def init_group(rank: int, world: int) -> dist.ProcessGroup:
 
 
 def _spawned(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+    watchdog = float(os.environ.get("DEEPEP_PORTABLE_WATCHDOG_S", "0"))
+    if watchdog > 0:   # debugging aid: print every thread's stack and exit if the rank is stuck
+        import faulthandler
+
+        faulthandler.dump_traceback_later(watchdog, exit=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     group = init_group(rank, world)

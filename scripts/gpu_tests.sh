@@ -4,6 +4,7 @@
 # MPS (no thread-percentage cap: each kernel's grid is the SM budget), then the benchmarks.
 # Logs go to $OUT (or .gpu_out); a summary table is printed last.
 #   usage: bash scripts/gpu_tests.sh [ranks=4] [steps="build doctor single mpi bench"]
+#   other steps: mpi2 (the MPI suite at 2 ranks), cache (tar the JIT cache into $OUT). NUM_SMS=16.
 set -uo pipefail
 RANKS=${1:-4}
 STEPS=${2:-"build doctor single mpi bench"}
@@ -46,8 +47,12 @@ for s in $STEPS; do
     doctor) step doctor $PY -m deepep_portable doctor ;;
     single) step single $PY -m pytest -q -p no:cacheprovider tests/test_jit.py tests/test_validation.py tests/gpu ;;
     mpi)    start_mps; step mpi $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi; stop_mps ;;
+    mpi2)   start_mps; step mpi2 $MPIRUN -n 2 $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi; stop_mps ;;
+    cache)  tar czf "$OUT/jit_cache.tgz" -C "$DEEPEP_PORTABLE_CACHE_DIR" . ;;
     bench)  start_mps
-            step bench_normal $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --mode normal --tokens 512 4096
+            step bench_normal $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 512 4096 16384
+            step bench_normal_bf16 $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --no-fp8 --tokens 4096
+            step bench_reference $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport reference --mode normal --tokens 4096 --warmup 1 --iters 3
             step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --mode low_latency --tokens 128
             stop_mps ;;
     *) echo "unknown step $s" ;;
