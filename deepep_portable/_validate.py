@@ -7,6 +7,7 @@ usable and every peer untouched (peers only block inside a collective that was a
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -67,13 +68,23 @@ def _range_check_enabled(t: torch.Tensor) -> bool:
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+_last_checked: list = [None, None]   # (weakref to the tensor object, key)
+
+
 def expert_indices(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
-    """Every entry must be -1 (no expert) or a valid expert id. Costs one host sync on CUDA tensors;
-    skipped during graph capture and when DEEPEP_PORTABLE_SKIP_RANGE_CHECK=1."""
+    """Every entry must be -1 (no expert) or a valid expert id. Costs one host sync on CUDA tensors,
+    once per tensor: the usual get_dispatch_layout -> dispatch sequence checks the same unmodified
+    tensor object (same object, same version counter) only once. Skipped during graph capture and when
+    DEEPEP_PORTABLE_SKIP_RANGE_CHECK=1."""
     if topk_idx.numel() == 0 or not _range_check_enabled(topk_idx):
+        return
+    key = (topk_idx._version, topk_idx.data_ptr(), tuple(topk_idx.shape), num_experts)
+    ref = _last_checked[0]
+    if ref is not None and ref() is topk_idx and _last_checked[1] == key:
         return
     lo, hi = torch.aminmax(topk_idx)
     lo, hi = int(lo), int(hi)
     if lo < -1 or hi >= num_experts:
         bad = lo if lo < -1 else hi
         raise ValueError(f"{name} holds expert index {bad}, outside [-1, {num_experts}) (num_experts={num_experts})")
+    _last_checked[0], _last_checked[1] = weakref.ref(topk_idx), key

@@ -23,7 +23,7 @@ from .transports.base import BufferContext, DispatchArgs, DispatchResult
 
 DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
-THREADS = 256
+THREADS = 512   # __launch_bounds__ of the intranode kernels
 OP_NAMES = {1: "dispatch", 2: "combine"}
 ERROR_WORDS = 8
 
@@ -95,6 +95,7 @@ class IntranodeEngine:
         self.dev = ctx.device.index
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
         self.broken: Optional[str] = None
+        self._kernels: dict = {}
         self.base = _C.mem_alloc(self.dev, ctx.num_nvl_bytes)
         _C.memset_d8_async(self.dev, self.base, 0, L.CONTROL_BYTES, 0)
         _C.stream_synchronize(self.dev, 0)
@@ -176,6 +177,14 @@ class IntranodeEngine:
         params.error_host = self.errors.dev
         params.timeout_ns = int(self.ctx.timeout_s * 1e9)
 
+    def _kernel(self, source: str, name: str, defines: dict):
+        """jit.load, memoized per shape here (the hot path should not rebuild cache keys)."""
+        key = (source, name, tuple(sorted(defines.items())), os.environ.get("DEEPEP_PORTABLE_FORCE_ARCH"))
+        fn = self._kernels.get(key)
+        if fn is None:
+            fn = self._kernels[key] = jit.load(source, name, defines, self.dev)
+        return fn
+
     def _grid(self, num_sms: int) -> int:
         """Blocks per kernel: the caller's SM budget, capped so that every rank sharing this GPU
         fits at once (a block that cannot become resident would leave its peers spinning)."""
@@ -226,8 +235,8 @@ class IntranodeEngine:
         p.num_tokens, p.num_scales, p.num_experts = N, num_scales, num_experts
         p.expert_alignment = args.expert_alignment
         defines = dict(NUM_RANKS=R, HIDDEN_BYTES=hidden * x.element_size(), NUM_TOPK=topk)
-        stage = jit.load(DISPATCH_SOURCE, "intranode_dispatch_stage", defines, self.dev)
-        pull = jit.load(DISPATCH_SOURCE, "intranode_dispatch_pull", defines, self.dev)
+        stage = self._kernel(DISPATCH_SOURCE, "intranode_dispatch_stage", defines)
+        pull = self._kernel(DISPATCH_SOURCE, "intranode_dispatch_pull", defines)
         s = stream_handle(comm)
         grid = self._grid(args.num_sms)
         launch(stage, grid, THREADS, p, s)
@@ -303,8 +312,8 @@ class IntranodeEngine:
         defines = dict(NUM_RANKS=R, HIDDEN=hidden, NUM_TOPK=topk)
         s = stream_handle(comm)
         grid = self._grid(num_sms)
-        launch(jit.load(COMBINE_SOURCE, "intranode_combine_stage", defines, self.dev), grid, THREADS, p, s)
-        launch(jit.load(COMBINE_SOURCE, "intranode_combine_pull", defines, self.dev), grid, THREADS, p, s)
+        launch(self._kernel(COMBINE_SOURCE, "intranode_combine_stage", defines), grid, THREADS, p, s)
+        launch(self._kernel(COMBINE_SOURCE, "intranode_combine_pull", defines), grid, THREADS, p, s)
         return out, out_w
 
     def destroy(self) -> None:

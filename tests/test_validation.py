@@ -220,3 +220,14 @@ def test_group_type_checked():
         deep_ep.Buffer(object(), 1 << 20, 0, transport="reference")
     with pytest.raises(ValueError, match="group"):
         deep_ep.Buffer(None, 1 << 20, 0, transport="reference")
+
+
+def test_range_check_runs_again_for_new_or_modified_tensors(buffer, device):
+    _, idx, _ = make_inputs(device)
+    buffer.get_dispatch_layout(idx, EXPERTS)            # checked once, then remembered
+    idx[0, 0] = EXPERTS                                 # in-place change bumps the version
+    with pytest.raises(ValueError, match="outside"):
+        buffer.get_dispatch_layout(idx, EXPERTS)
+    fresh = idx.clone()                                 # a new object is checked too
+    with pytest.raises(ValueError, match="outside"):
+        buffer.get_dispatch_layout(fresh, EXPERTS)

@@ -22,7 +22,10 @@ class NvlinkTransport(ReferenceTransport):
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
-        self.engine = IntranodeEngine(ctx)
+        # A low-latency-only Buffer (num_nvl_bytes=0) has no normal-mode buffer; Buffer rejects
+        # normal-mode calls on it with the size they need. Every rank passes the same size, so all
+        # ranks take the same branch of this collective setup.
+        self.engine = IntranodeEngine(ctx) if ctx.num_nvl_bytes > 0 else None
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         return self.engine.dispatch(args)
@@ -43,5 +46,6 @@ class NvlinkTransport(ReferenceTransport):
         return self.engine.combine(x, handle, topk_weights, bias_0, bias_1, num_sms)
 
     def destroy(self) -> None:
-        self.engine.destroy()
+        if self.engine is not None:
+            self.engine.destroy()
         super().destroy()

@@ -88,7 +88,7 @@ DEEPEP_DEVICE int4 pack_bf16x8(const float (&acc)[8]) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256) intranode_combine_stage(const __grid_constant__ CombineParams p) {
+extern "C" __global__ void __launch_bounds__(512) intranode_combine_stage(const __grid_constant__ CombineParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const uint64_t n = begin_round(bufs, p.ctrl, p.timeout_ns,
                                    ErrorSink{p.error_claim, p.error_host, kOpCombine, static_cast<int>(p.rank)});
@@ -109,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(256) intranode_combine_stage(const 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) intranode_combine_pull(const __grid_constant__ CombineParams p) {
+extern "C" __global__ void __launch_bounds__(512) intranode_combine_pull(const __grid_constant__ CombineParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const uint64_t n = await_peers_ready(bufs, p.ctrl, p.timeout_ns,
                                          ErrorSink{p.error_claim, p.error_host, kOpCombine, static_cast<int>(p.rank)});

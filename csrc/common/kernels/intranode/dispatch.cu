@@ -94,7 +94,7 @@ constexpr int kOpDispatch = 1;
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256) intranode_dispatch_stage(const __grid_constant__ DispatchParams p) {
+extern "C" __global__ void __launch_bounds__(512) intranode_dispatch_stage(const __grid_constant__ DispatchParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const uint64_t n = begin_round(bufs, p.ctrl, p.timeout_ns, sink_of(p, kOpDispatch));
     if (n == 0)
@@ -135,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(256) intranode_dispatch_stage(const
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) intranode_dispatch_pull(const __grid_constant__ DispatchParams p) {
+extern "C" __global__ void __launch_bounds__(512) intranode_dispatch_pull(const __grid_constant__ DispatchParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const ErrorSink sink = sink_of(p, kOpDispatch);
     const uint64_t n = await_peers_ready(bufs, p.ctrl, p.timeout_ns, sink);
@@ -197,50 +197,62 @@ extern "C" __global__ void __launch_bounds__(256) intranode_dispatch_pull(const 
     if (p.notify_only)
         return;
 
+    // Each warp takes 32 consecutive rows; lane k first resolves row base+k (its source rank and
+    // source token: one remote index load per lane, all in flight together), then the warp copies
+    // the rows one after another, taking (source, token) from lane k.
     const int lane = threadIdx.x % 32;
-    const int warps = gridDim.x * (blockDim.x / 32);
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
     const int experts_per_rank = static_cast<int>(p.num_experts / kNumRanks);
-    for (int64_t i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < p.max_recv_rows; i += warps) {
-        int4* out = p.recv_x + i * kHiddenInt4;
-        if (i >= num_recv) {   // padding row of num_worst_tokens mode
-            for (int c = lane; c < kHiddenInt4; c += 32)
-                out[c] = make_int4(0, 0, 0, 0);
-            for (int c = lane; c < p.num_scales && p.recv_scales != nullptr; c += 32)
-                p.recv_scales[i * p.num_scales + c] = 0;
+    for (int64_t base = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * 32; base < p.max_recv_rows;
+         base += warps * 32) {
+        int my_src = 0, my_token = -1;
+        if (base + lane < num_recv) {
+            const int i = static_cast<int>(base + lane);
+            while (src_offset[my_src + 1] <= i)
+                ++my_src;
+            my_token = bufs.at<const int>(my_src, p.send_list_offset)[me * p.capacity + (i - src_offset[my_src])];
+        }
+        const int rows = static_cast<int>(p.max_recv_rows - base < 32 ? p.max_recv_rows - base : 32);
+        for (int k = 0; k < rows; ++k) {
+            const int64_t i = base + k;
+            const int s = __shfl_sync(0xffffffffu, my_src, k);
+            const int t = __shfl_sync(0xffffffffu, my_token, k);
+            int4* out = p.recv_x + i * kHiddenInt4;
+            if (i >= num_recv) {   // padding row of num_worst_tokens mode
+                for (int c = lane; c < kHiddenInt4; c += 32)
+                    out[c] = make_int4(0, 0, 0, 0);
+                for (int c = lane; c < p.num_scales && p.recv_scales != nullptr; c += 32)
+                    p.recv_scales[i * p.num_scales + c] = 0;
+                if constexpr (kNumTopk > 0) {
+                    for (int k2 = lane; k2 < kNumTopk && p.recv_topk_idx != nullptr; k2 += 32) {
+                        p.recv_topk_idx[i * kNumTopk + k2] = -1;
+                        p.recv_topk_weights[i * kNumTopk + k2] = 0.0f;
+                    }
+                }
+                if (lane == 0)
+                    p.recv_src_idx[i] = -1;
+                continue;
+            }
+            const char* slot = bufs.at<const char>(s, p.send_area_offset) + static_cast<int64_t>(t) * p.slot_bytes;
+            warp_copy_int4(out, reinterpret_cast<const int4*>(slot), kHiddenInt4, lane);
+            if (p.recv_scales != nullptr)
+                warp_copy_words(p.recv_scales + i * p.num_scales, reinterpret_cast<const int*>(slot + p.scales_offset),
+                                static_cast<int>(p.num_scales), lane);
             if constexpr (kNumTopk > 0) {
-                for (int k = lane; k < kNumTopk && p.recv_topk_idx != nullptr; k += 32) {
-                    p.recv_topk_idx[i * kNumTopk + k] = -1;
-                    p.recv_topk_weights[i * kNumTopk + k] = 0.0f;
+                if (p.recv_topk_idx != nullptr) {
+                    const int* ids = reinterpret_cast<const int*>(slot + p.topk_idx_offset);
+                    const float* weights = reinterpret_cast<const float*>(slot + p.topk_weights_offset);
+                    for (int k2 = lane; k2 < kNumTopk; k2 += 32) {
+                        const int local = ids[k2] - me * experts_per_rank;
+                        const bool mine = ids[k2] >= 0 && local >= 0 && local < experts_per_rank;
+                        p.recv_topk_idx[i * kNumTopk + k2] = mine ? local : -1;
+                        p.recv_topk_weights[i * kNumTopk + k2] = mine ? weights[k2] : 0.0f;
+                    }
                 }
             }
             if (lane == 0)
-                p.recv_src_idx[i] = -1;
-            continue;
+                p.recv_src_idx[i] = t;
         }
-        int s = 0;
-        while (src_offset[s + 1] <= i)
-            ++s;
-        const int j = static_cast<int>(i) - src_offset[s];
-        const int t = bufs.at<const int>(s, p.send_list_offset)[me * p.capacity + j];
-        const char* slot = bufs.at<const char>(s, p.send_area_offset) + static_cast<int64_t>(t) * p.slot_bytes;
-        warp_copy_int4(out, reinterpret_cast<const int4*>(slot), kHiddenInt4, lane);
-        if (p.recv_scales != nullptr)
-            warp_copy_words(p.recv_scales + i * p.num_scales, reinterpret_cast<const int*>(slot + p.scales_offset),
-                            static_cast<int>(p.num_scales), lane);
-        if constexpr (kNumTopk > 0) {
-            if (p.recv_topk_idx != nullptr) {
-                const int* ids = reinterpret_cast<const int*>(slot + p.topk_idx_offset);
-                const float* weights = reinterpret_cast<const float*>(slot + p.topk_weights_offset);
-                for (int k = lane; k < kNumTopk; k += 32) {
-                    const int local = ids[k] - me * experts_per_rank;
-                    const bool mine = ids[k] >= 0 && local >= 0 && local < experts_per_rank;
-                    p.recv_topk_idx[i * kNumTopk + k] = mine ? local : -1;
-                    p.recv_topk_weights[i * kNumTopk + k] = mine ? weights[k] : 0.0f;
-                }
-            }
-        }
-        if (lane == 0)
-            p.recv_src_idx[i] = t;
     }
     end_round(bufs, p.ctrl, n);
 }

@@ -99,7 +99,7 @@ DEEPEP_DEVICE void end_round(const PeerBuffers& bufs, const ControlLayout& ctrl,
 
 // Copy `num_int4` 16-byte words with a warp, several loads in flight per lane.
 DEEPEP_DEVICE void warp_copy_int4(int4* __restrict__ dst, const int4* __restrict__ src, int num_int4, int lane) {
-    constexpr int kUnroll = 4;
+    constexpr int kUnroll = 8;
     int i = lane;
     for (; i + 32 * (kUnroll - 1) < num_int4; i += 32 * kUnroll) {
         int4 v[kUnroll];
