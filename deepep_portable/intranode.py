@@ -234,7 +234,7 @@ class IntranodeEngine:
         p.num_tokens_per_expert = 0 if cached else args.num_tokens_per_expert.data_ptr()
         p.num_tokens, p.num_scales, p.num_experts = N, num_scales, num_experts
         p.expert_alignment = args.expert_alignment
-        defines = dict(NUM_RANKS=R, HIDDEN_BYTES=hidden * x.element_size(), NUM_TOPK=topk)
+        defines = dict(NUM_RANKS=R, HIDDEN_BYTES=hidden * x.element_size(), NUM_TOPK=topk, NUM_SCALES=num_scales)
         stage = self._kernel(DISPATCH_SOURCE, "intranode_dispatch_stage", defines)
         pull = self._kernel(DISPATCH_SOURCE, "intranode_dispatch_pull", defines)
         s = stream_handle(comm)

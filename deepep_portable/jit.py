@@ -463,9 +463,9 @@ register_family(
 register_family(
     "intranode_dispatch", "common/kernels/intranode/dispatch.cu",
     ["intranode_dispatch_stage", "intranode_dispatch_pull"],
-    variants=[dict(NUM_RANKS=8, HIDDEN_BYTES=7168, NUM_TOPK=8),        # FP8 headline
-              dict(NUM_RANKS=8, HIDDEN_BYTES=7168 * 2, NUM_TOPK=8),    # BF16 headline
-              dict(NUM_RANKS=4, HIDDEN_BYTES=4096 * 2, NUM_TOPK=0)])   # cached dispatch
+    variants=[dict(NUM_RANKS=8, HIDDEN_BYTES=7168, NUM_TOPK=8, NUM_SCALES=56),      # FP8 headline
+              dict(NUM_RANKS=8, HIDDEN_BYTES=7168 * 2, NUM_TOPK=8, NUM_SCALES=0),   # BF16 headline
+              dict(NUM_RANKS=4, HIDDEN_BYTES=4096 * 2, NUM_TOPK=0, NUM_SCALES=0)])  # cached dispatch
 register_family(
     "intranode_combine", "common/kernels/intranode/combine.cu",
     ["intranode_combine_stage", "intranode_combine_pull"],

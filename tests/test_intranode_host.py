@@ -19,7 +19,7 @@ except Exception:   # pragma: no cover - CI installs a compiler
 @pytest.mark.skipif(NVCC is None, reason="no nvcc")
 @pytest.mark.parametrize("source,kernel,struct,defines", [
     (intranode.DISPATCH_SOURCE, "intranode_dispatch_pull", intranode.DispatchParams,
-     dict(NUM_RANKS=3, HIDDEN_BYTES=256, NUM_TOPK=5)),
+     dict(NUM_RANKS=3, HIDDEN_BYTES=256, NUM_TOPK=5, NUM_SCALES=2)),
     (intranode.COMBINE_SOURCE, "intranode_combine_pull", intranode.CombineParams,
      dict(NUM_RANKS=3, HIDDEN=128, NUM_TOPK=0)),
 ])

@@ -35,7 +35,9 @@ constexpr int kHiddenInt4 = HIDDEN / 8;   // 8 bf16 per 16-byte word
 constexpr int kNumTopk = NUM_TOPK;
 static_assert(HIDDEN % 8 == 0, "hidden must be a multiple of 8 bf16");
 constexpr int kOpCombine = 2;
-constexpr int kRankGroup = kNumRanks < 8 ? kNumRanks : 8;   // loads in flight per lane
+constexpr int kRankGroup = kNumRanks < 8 ? kNumRanks : 8;   // ranks read together
+constexpr int kColumns = kRankGroup >= 8 ? 2 : (kRankGroup >= 4 ? 3 : 4);   // columns per lane at a time (fits registers)
+constexpr int kTopkPerLane = (kNumTopk + 31) / 32;
 }  // namespace
 
 struct CombineParams {
@@ -100,12 +102,21 @@ extern "C" __global__ void __launch_bounds__(512) intranode_combine_stage(const 
     const int warps = gridDim.x * (blockDim.x / 32);
     for (int64_t i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < num_rows; i += warps) {
         char* slot = send_area + i * p.slot_bytes;
-        warp_copy_int4(reinterpret_cast<int4*>(slot), p.x + i * kHiddenInt4, kHiddenInt4, lane);
-        if constexpr (kNumTopk > 0) {
-            if (p.topk_weights != nullptr)
-                warp_copy_words(reinterpret_cast<int*>(slot + p.weights_offset),
-                                reinterpret_cast<const int*>(p.topk_weights + i * kNumTopk), kNumTopk, lane);
-        }
+        const int4* src = p.x + i * kHiddenInt4;
+        RowCopy<kHiddenInt4> row;
+        row.load(src, 0, lane);
+        float weight[kTopkPerLane > 0 ? kTopkPerLane : 1];
+        const bool has_weights = kNumTopk > 0 && p.topk_weights != nullptr;
+#pragma unroll
+        for (int u = 0; u < kTopkPerLane; ++u)
+            if (has_weights && lane + 32 * u < kNumTopk)
+                weight[u] = p.topk_weights[i * kNumTopk + lane + 32 * u];
+        row.store(reinterpret_cast<int4*>(slot), 0, lane);
+        row.copy_rest(reinterpret_cast<int4*>(slot), src, lane);
+#pragma unroll
+        for (int u = 0; u < kTopkPerLane; ++u)
+            if (has_weights && lane + 32 * u < kNumTopk)
+                reinterpret_cast<float*>(slot + p.weights_offset)[lane + 32 * u] = weight[u];
     }
 }
 
@@ -127,29 +138,43 @@ extern "C" __global__ void __launch_bounds__(512) intranode_combine_pull(const _
                                                               static_cast<int64_t>(row) * p.slot_bytes)
                               : nullptr;
         }
-        for (int c = lane; c < kHiddenInt4; c += 32) {
-            float acc[8];
+        // kColumns 16-byte columns per lane at a time, each read from a group of ranks: up to 16
+        // loads in flight per lane; ranks are still added in ascending order for every element.
+        for (int c0 = lane; c0 < kHiddenInt4; c0 += 32 * kColumns) {
+            float acc[kColumns][8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i)
-                acc[i] = 0.0f;
-            if (p.bias_0 != nullptr)
-                add_bf16x8(acc, p.bias_0[t * kHiddenInt4 + c]);
-            if (p.bias_1 != nullptr)
-                add_bf16x8(acc, p.bias_1[t * kHiddenInt4 + c]);
-            // Ranks in ascending order, a group's loads all in flight before its first add.
+            for (int u = 0; u < kColumns; ++u) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    acc[u][e] = 0.0f;
+                const int c = c0 + 32 * u;
+                if (c < kHiddenInt4) {
+                    if (p.bias_0 != nullptr)
+                        add_bf16x8(acc[u], p.bias_0[t * kHiddenInt4 + c]);
+                    if (p.bias_1 != nullptr)
+                        add_bf16x8(acc[u], p.bias_1[t * kHiddenInt4 + c]);
+                }
+            }
 #pragma unroll
             for (int r0 = 0; r0 < kNumRanks; r0 += kRankGroup) {
-                int4 v[kRankGroup];
+                int4 v[kRankGroup][kColumns];
 #pragma unroll
                 for (int g = 0; g < kRankGroup; ++g)
-                    if (r0 + g < kNumRanks && src[r0 + g] != nullptr)
-                        v[g] = src[r0 + g][c];
+#pragma unroll
+                    for (int u = 0; u < kColumns; ++u)
+                        if (r0 + g < kNumRanks && src[r0 + g] != nullptr && c0 + 32 * u < kHiddenInt4)
+                            v[g][u] = src[r0 + g][c0 + 32 * u];
 #pragma unroll
                 for (int g = 0; g < kRankGroup; ++g)
-                    if (r0 + g < kNumRanks && src[r0 + g] != nullptr)
-                        add_bf16x8(acc, v[g]);
+#pragma unroll
+                    for (int u = 0; u < kColumns; ++u)
+                        if (r0 + g < kNumRanks && src[r0 + g] != nullptr && c0 + 32 * u < kHiddenInt4)
+                            add_bf16x8(acc[u], v[g][u]);
             }
-            p.out[t * kHiddenInt4 + c] = pack_bf16x8(acc);
+#pragma unroll
+            for (int u = 0; u < kColumns; ++u)
+                if (c0 + 32 * u < kHiddenInt4)
+                    p.out[t * kHiddenInt4 + c0 + 32 * u] = pack_bf16x8(acc[u]);
         }
         if constexpr (kNumTopk > 0) {
             if (p.out_topk_weights != nullptr) {

@@ -9,7 +9,8 @@
 //                              then allocates exactly num_recv rows and launches it again).
 //
 // Compile-time (-D): NUM_RANKS, HIDDEN_BYTES (payload bytes per token, multiple of 16),
-// NUM_TOPK (0 when the call has no top-k). Everything else is a run-time parameter.
+// NUM_TOPK (0 when the call has no top-k), NUM_SCALES (0 for BF16). Everything else is a run-time
+// parameter.
 #include <cstdint>
 
 #include "common/kernels/common.cuh"
@@ -25,6 +26,9 @@
 #ifndef NUM_TOPK
 #error "intranode/dispatch.cu needs -DNUM_TOPK (0 for none)"
 #endif
+#ifndef NUM_SCALES
+#error "intranode/dispatch.cu needs -DNUM_SCALES (4-byte scale words per token, 0 for none)"
+#endif
 
 using namespace deepep_portable;
 using namespace deepep_portable::intranode;
@@ -33,6 +37,9 @@ namespace {
 constexpr int kNumRanks = NUM_RANKS;
 constexpr int kHiddenInt4 = HIDDEN_BYTES / 16;
 constexpr int kNumTopk = NUM_TOPK;
+constexpr int kNumScales = NUM_SCALES;
+constexpr int kScalesPerLane = (kNumScales + 31) / 32;
+constexpr int kTopkPerLane = (kNumTopk + 31) / 32;
 static_assert(HIDDEN_BYTES % 16 == 0, "payload rows must be 16-byte multiples");
 static_assert(kNumRanks >= 1 && kNumTopk >= 0 && kNumTopk <= 128, "bad compile-time shape");
 }  // namespace
@@ -113,20 +120,35 @@ extern "C" __global__ void __launch_bounds__(512) intranode_dispatch_stage(const
     const int warps = gridDim.x * (blockDim.x / 32);
     for (int64_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < p.num_tokens; t += warps) {
         char* slot = send_area + t * p.slot_bytes;
-        warp_copy_int4(reinterpret_cast<int4*>(slot), p.x + t * kHiddenInt4, kHiddenInt4, lane);
-        if (p.x_scales != nullptr)
-            warp_copy_words(reinterpret_cast<int*>(slot + p.scales_offset), p.x_scales + t * p.num_scales,
-                            static_cast<int>(p.num_scales), lane);
-        if constexpr (kNumTopk > 0) {
-            if (p.topk_idx != nullptr) {
-                int* ids = reinterpret_cast<int*>(slot + p.topk_idx_offset);
-                float* weights = reinterpret_cast<float*>(slot + p.topk_weights_offset);
-                for (int k = lane; k < kNumTopk; k += 32) {
-                    ids[k] = static_cast<int>(p.topk_idx[t * kNumTopk + k]);
-                    weights[k] = p.topk_weights[t * kNumTopk + k];
-                }
+        const int4* src = p.x + t * kHiddenInt4;
+        RowCopy<kHiddenInt4> row;
+        row.load(src, 0, lane);
+        int scale[kScalesPerLane > 0 ? kScalesPerLane : 1];
+#pragma unroll
+        for (int u = 0; u < kScalesPerLane; ++u)
+            if (lane + 32 * u < kNumScales)
+                scale[u] = p.x_scales[t * kNumScales + lane + 32 * u];
+        int id[kTopkPerLane > 0 ? kTopkPerLane : 1];
+        float weight[kTopkPerLane > 0 ? kTopkPerLane : 1];
+        const bool has_topk = kNumTopk > 0 && p.topk_idx != nullptr;
+#pragma unroll
+        for (int u = 0; u < kTopkPerLane; ++u)
+            if (has_topk && lane + 32 * u < kNumTopk) {
+                id[u] = static_cast<int>(p.topk_idx[t * kNumTopk + lane + 32 * u]);
+                weight[u] = p.topk_weights[t * kNumTopk + lane + 32 * u];
             }
-        }
+        row.store(reinterpret_cast<int4*>(slot), 0, lane);
+        row.copy_rest(reinterpret_cast<int4*>(slot), src, lane);
+#pragma unroll
+        for (int u = 0; u < kScalesPerLane; ++u)
+            if (lane + 32 * u < kNumScales)
+                reinterpret_cast<int*>(slot + p.scales_offset)[lane + 32 * u] = scale[u];
+#pragma unroll
+        for (int u = 0; u < kTopkPerLane; ++u)
+            if (has_topk && lane + 32 * u < kNumTopk) {
+                reinterpret_cast<int*>(slot + p.topk_idx_offset)[lane + 32 * u] = id[u];
+                reinterpret_cast<float*>(slot + p.topk_weights_offset)[lane + 32 * u] = weight[u];
+            }
         for (int r = lane; r < kNumRanks; r += 32) {
             const int pos = p.send_pos[t * kNumRanks + r];
             if (pos >= 0)
@@ -234,22 +256,37 @@ extern "C" __global__ void __launch_bounds__(512) intranode_dispatch_pull(const 
                 continue;
             }
             const char* slot = bufs.at<const char>(s, p.send_area_offset) + static_cast<int64_t>(t) * p.slot_bytes;
-            warp_copy_int4(out, reinterpret_cast<const int4*>(slot), kHiddenInt4, lane);
-            if (p.recv_scales != nullptr)
-                warp_copy_words(p.recv_scales + i * p.num_scales, reinterpret_cast<const int*>(slot + p.scales_offset),
-                                static_cast<int>(p.num_scales), lane);
-            if constexpr (kNumTopk > 0) {
-                if (p.recv_topk_idx != nullptr) {
-                    const int* ids = reinterpret_cast<const int*>(slot + p.topk_idx_offset);
-                    const float* weights = reinterpret_cast<const float*>(slot + p.topk_weights_offset);
-                    for (int k2 = lane; k2 < kNumTopk; k2 += 32) {
-                        const int local = ids[k2] - me * experts_per_rank;
-                        const bool mine = ids[k2] >= 0 && local >= 0 && local < experts_per_rank;
-                        p.recv_topk_idx[i * kNumTopk + k2] = mine ? local : -1;
-                        p.recv_topk_weights[i * kNumTopk + k2] = mine ? weights[k2] : 0.0f;
-                    }
+            RowCopy<kHiddenInt4> row;
+            row.load(reinterpret_cast<const int4*>(slot), 0, lane);
+            int scale[kScalesPerLane > 0 ? kScalesPerLane : 1];
+#pragma unroll
+            for (int u = 0; u < kScalesPerLane; ++u)
+                if (lane + 32 * u < kNumScales)
+                    scale[u] = reinterpret_cast<const int*>(slot + p.scales_offset)[lane + 32 * u];
+            int id[kTopkPerLane > 0 ? kTopkPerLane : 1];
+            float weight[kTopkPerLane > 0 ? kTopkPerLane : 1];
+            const bool want_topk = kNumTopk > 0 && p.recv_topk_idx != nullptr;
+#pragma unroll
+            for (int u = 0; u < kTopkPerLane; ++u)
+                if (want_topk && lane + 32 * u < kNumTopk) {
+                    id[u] = reinterpret_cast<const int*>(slot + p.topk_idx_offset)[lane + 32 * u];
+                    weight[u] = reinterpret_cast<const float*>(slot + p.topk_weights_offset)[lane + 32 * u];
                 }
-            }
+            row.store(out, 0, lane);
+            row.copy_rest(out, reinterpret_cast<const int4*>(slot), lane);
+#pragma unroll
+            for (int u = 0; u < kScalesPerLane; ++u)
+                if (lane + 32 * u < kNumScales && p.recv_scales != nullptr)
+                    p.recv_scales[i * kNumScales + lane + 32 * u] = scale[u];
+#pragma unroll
+            for (int u = 0; u < kTopkPerLane; ++u)
+                if (want_topk && lane + 32 * u < kNumTopk) {
+                    const int k2 = lane + 32 * u;
+                    const int local = id[u] - me * experts_per_rank;
+                    const bool mine = id[u] >= 0 && local >= 0 && local < experts_per_rank;
+                    p.recv_topk_idx[i * kNumTopk + k2] = mine ? local : -1;
+                    p.recv_topk_weights[i * kNumTopk + k2] = mine ? weight[u] : 0.0f;
+                }
             if (lane == 0)
                 p.recv_src_idx[i] = t;
         }

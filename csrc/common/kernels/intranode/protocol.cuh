@@ -114,6 +114,34 @@ DEEPEP_DEVICE void warp_copy_int4(int4* __restrict__ dst, const int4* __restrict
         dst[i] = src[i];
 }
 
+// A warp's copy of one row in chunks of kChunk 16-byte words per lane: the caller issues the first
+// chunk's loads, then its other loads for the row (scales, top-k), then stores, so one row costs
+// one memory round trip instead of one per part.
+template <int kNumInt4, int kChunk = 16>
+struct RowCopy {
+    int4 v[kChunk];
+
+    DEEPEP_DEVICE void load(const int4* __restrict__ src, int base, int lane) {
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u)
+            if (base + lane + 32 * u < kNumInt4)
+                v[u] = src[base + lane + 32 * u];
+    }
+    DEEPEP_DEVICE void store(int4* __restrict__ dst, int base, int lane) const {
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u)
+            if (base + lane + 32 * u < kNumInt4)
+                dst[base + lane + 32 * u] = v[u];
+    }
+    // The remaining chunks, after the first one was loaded and stored by the caller.
+    DEEPEP_DEVICE void copy_rest(int4* __restrict__ dst, const int4* __restrict__ src, int lane) {
+        for (int base = 32 * kChunk; base < kNumInt4; base += 32 * kChunk) {
+            load(src, base, lane);
+            store(dst, base, lane);
+        }
+    }
+};
+
 DEEPEP_DEVICE void warp_copy_words(int* __restrict__ dst, const int* __restrict__ src, int num_words, int lane) {
     for (int i = lane; i < num_words; i += 32)
         dst[i] = src[i];
