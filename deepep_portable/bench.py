@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 import torch
 import torch.distributed as dist
@@ -156,6 +156,11 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
     t_combine = _slowest(_timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters), group)
     c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
     c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
+    engine = getattr(buf._backend, "engine", None)
+    if engine is not None and engine._profile:
+        report = engine.profile_report()
+        if rank == 0:
+            print(f"[profile rank 0, {tokens} tokens] " + ", ".join(f"{k} {v:.0f} us" for k, v in report), flush=True)
     prec = "fp8" if cfg.fp8 else "bf16"
     for op, t, c, nbytes, p in (("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                                 ("combine", t_combine, c_combine, combine_bytes, "bf16")):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from typing import Callable, List, Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 

@@ -96,6 +96,11 @@ class IntranodeEngine:
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
         self.broken: Optional[str] = None
         self._kernels: dict = {}
+        # DEEPEP_PORTABLE_PROFILE=1: CUDA events between the phases of each op and host timings,
+        # summarized by profile_report() (used by `bench`); off by default (events cost time).
+        self._profile = os.environ.get("DEEPEP_PORTABLE_PROFILE", "0") == "1"
+        self._marks: List[Tuple[str, list]] = []
+        self._host_us: dict = {}
         self.base = _C.mem_alloc(self.dev, ctx.num_nvl_bytes)
         _C.memset_d8_async(self.dev, self.base, 0, L.CONTROL_BYTES, 0)
         _C.stream_synchronize(self.dev, 0)
@@ -185,6 +190,30 @@ class IntranodeEngine:
             fn = self._kernels[key] = jit.load(source, name, defines, self.dev)
         return fn
 
+    def _mark(self, marks: Optional[list], stream) -> None:
+        if marks is not None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+            marks.append(e)
+
+    def profile_report(self) -> List[Tuple[str, float]]:
+        """Median microseconds per phase over the profiled ops: [(op:phase, us), ...]."""
+        import statistics
+
+        torch.cuda.synchronize(self.dev)
+        phases: dict = {}
+        for op, marks in self._marks:
+            names = ["stage", "notify+host", "pull"] if len(marks) == 4 else ["stage", "pull"]
+            for name, a, b in zip(names, marks, marks[1:]):
+                phases.setdefault(f"{op}:{name}", []).append(a.elapsed_time(b) * 1e3)
+        out = [(k, statistics.median(v)) for k, v in phases.items()]
+        out += [(f"{k} (host)", statistics.median(v)) for k, v in self._host_us.items()]
+        return out
+
+    def _host_time(self, key: str, t0: float) -> None:
+        if self._profile:
+            self._host_us.setdefault(key, []).append((time.perf_counter() - t0) * 1e6)
+
     def _grid(self, num_sms: int) -> int:
         """Blocks per kernel: the caller's SM budget, capped so that every rank sharing this GPU
         fits at once (a block that cannot become resident would leave its peers spinning)."""
@@ -195,6 +224,7 @@ class IntranodeEngine:
 
     # ---- dispatch ---------------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs, handle: Optional[DispatchHandle] = None) -> DispatchResult:
+        t_host = time.perf_counter()
         self.check()
         comm = self.ctx.comm_stream
         x, x_scales = args.x, args.x_scales
@@ -239,7 +269,10 @@ class IntranodeEngine:
         pull = self._kernel(DISPATCH_SOURCE, "intranode_dispatch_pull", defines)
         s = stream_handle(comm)
         grid = self._grid(args.num_sms)
+        marks = [] if self._profile else None
+        self._mark(marks, comm)
         launch(stage, grid, THREADS, p, s)
+        self._mark(marks, comm)
 
         dev = self.ctx.device
         experts_per_rank = num_experts // R
@@ -259,7 +292,10 @@ class IntranodeEngine:
             self.notify.words[0] = 0
             p.host_out, p.notify_only, p.max_recv_rows = self.notify.dev, 1, 1 << 30
             launch(pull, 1, THREADS, p, s)
+            t_wait = time.perf_counter()
             num_recv = self._wait_notify("dispatch")
+            self._host_time("dispatch:wait_notify", t_wait)
+            self._mark(marks, comm)
             counts_list = [self.notify.words[2 + e] for e in range(experts_per_rank)]
             rows = num_recv
             p.host_out, p.rank_prefix_matrix, p.my_offset_at = 0, 0, 0
@@ -275,6 +311,10 @@ class IntranodeEngine:
             recv_x.data_ptr(), _ptr(recv_scales), _ptr(recv_idx), _ptr(recv_w), recv_src.data_ptr())
         p.notify_only, p.max_recv_rows = 0, rows
         launch(pull, grid, THREADS, p, s)
+        self._mark(marks, comm)
+        if marks is not None:
+            self._marks.append(("dispatch", marks))
+        self._host_time("dispatch:call", t_host)
         if cached:
             return DispatchResult(recv_x, recv_scales, None, None, [], handle)
 
@@ -312,8 +352,14 @@ class IntranodeEngine:
         defines = dict(NUM_RANKS=R, HIDDEN=hidden, NUM_TOPK=topk)
         s = stream_handle(comm)
         grid = self._grid(num_sms)
+        marks = [] if self._profile else None
+        self._mark(marks, comm)
         launch(self._kernel(COMBINE_SOURCE, "intranode_combine_stage", defines), grid, THREADS, p, s)
+        self._mark(marks, comm)
         launch(self._kernel(COMBINE_SOURCE, "intranode_combine_pull", defines), grid, THREADS, p, s)
+        self._mark(marks, comm)
+        if marks is not None:
+            self._marks.append(("combine", marks))
         return out, out_w
 
     def destroy(self) -> None:
