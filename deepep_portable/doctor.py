@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import traceback
 from typing import List, Optional, TextIO
@@ -21,15 +20,6 @@ _ENV_VARS = ["CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDE
 
 def _fmt_bytes(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
-
-
-def _run(cmd: List[str], timeout: float = 30.0) -> tuple:
-    try:
-        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=timeout, stdin=subprocess.DEVNULL)
-        return r.returncode, r.stdout
-    except Exception as e:
-        return -1, f"{type(e).__name__}: {e}"
 
 
 class _Out:
@@ -148,7 +138,9 @@ def _compiler(o: _Out) -> None:
         o.kv("nvcc", "not found ($CUDA_HOME/bin, PATH, /usr/local/cuda/bin); "
                      "bash scripts/setup_env.sh installs the CUDA 13 compiler wheels")
         return
-    rc, out = _run([nvcc, "--version"])
+    from .transports.probe import _run
+
+    rc, out = _run([nvcc, "--version"], timeout=30.0)
     o.kv("nvcc", f"{nvcc}: " + (_release(out) if rc == 0 else f"--version failed: {out.strip()[:200]}"))
 
 

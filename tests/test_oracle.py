@@ -6,7 +6,6 @@ times the number of ranks it visited, LL dispatch then combine is the weighted s
 the oracle cannot hide behind an identical bug in the transport.
 """
 import os
-import socket
 import sys
 
 import pytest
@@ -193,17 +192,10 @@ def test_low_latency_fp8_payload_is_the_cast():
 
 # ---- the reference transport in a 1-rank world -------------------------------------------------------
 @pytest.fixture(scope="module")
-def one_rank_ctx():
+def one_rank_ctx(one_rank_group):
     from deepep_portable.comm import Comm
     from deepep_portable.transports.base import BufferContext
 
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    if dist.get_world_size() != 1:
-        pytest.skip("needs a 1-rank default group")
     return BufferContext(comm=Comm(dist.group.WORLD), rank=0, num_ranks=1, device=torch.device("cpu"),
                          num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=True, uid=12345, timeout_s=30.0)
 

@@ -2,12 +2,8 @@
 
 Single process (a one-rank gloo group); tests/mpi/test_validation_mpi.py covers the multi-rank cases.
 """
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import deepep_portable as deep_ep
 
@@ -15,13 +11,8 @@ HIDDEN, TOKENS, EXPERTS, TOPK = 256, 8, 8, 2
 
 
 @pytest.fixture(scope="module")
-def group():
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield dist.group.WORLD
+def group(one_rank_group):
+    return one_rank_group
 
 
 @pytest.fixture(scope="module")
