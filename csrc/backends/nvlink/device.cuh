@@ -1,0 +1,61 @@
+// The `nvlink` transport's device side: every peer's window is mapped here (CUDA IPC), so every
+// primitive is a load or store.
+//
+// "A signal never overtakes its data": put_signal_warp's lanes store the data, each lane fences at
+// system scope, the warp synchronizes, then one lane stores the signal with a system-scope release;
+// a reader that acquires the signal therefore sees the data (causality through the warp barrier).
+#pragma once
+
+#include <cstdint>
+
+#include "common/kernels/common.cuh"
+#include "common/kernels/signal.cuh"
+#include "common/kernels/transport.cuh"
+
+namespace deepep_portable::transport {
+
+struct NvlinkTransport {
+    const uint64_t* bases;   // [num_ranks] window base of every rank, mapped in this process
+    int rank;
+    int num_ranks;
+
+    static constexpr Capabilities capabilities() {
+        return Capabilities{true, false, true, 1, true, Network::kNone};
+    }
+
+    template <typename U = void>
+    DEEPEP_DEVICE U* peer_ptr(int64_t off, int peer) const {
+        return reinterpret_cast<U*>(bases[peer] + static_cast<uint64_t>(off));
+    }
+
+    DEEPEP_DEVICE void put_warp(int /*ch*/, int peer, int64_t dst_off, const void* src, int64_t bytes, int lane) const {
+        warp_copy_bytes(peer_ptr(dst_off, peer), src, bytes, lane);
+    }
+
+    DEEPEP_DEVICE void put_signal_warp(int ch, int peer, int64_t dst_off, const void* src, int64_t bytes,
+                                       int64_t sig_off, uint64_t v, int lane) const {
+        put_warp(ch, peer, dst_off, src, bytes, lane);
+        __threadfence_system();
+        __syncwarp();
+        if (lane == 0)
+            st_release_sys(peer_ptr<uint64_t>(sig_off, peer), v);
+    }
+
+    DEEPEP_DEVICE void signal(int /*ch*/, int peer, int64_t sig_off, uint64_t v) const {
+        __threadfence_system();
+        st_release_sys(peer_ptr<uint64_t>(sig_off, peer), v);
+    }
+
+    DEEPEP_DEVICE void put_value(int /*ch*/, int peer, int64_t dst_off, uint64_t v) const {
+        *peer_ptr<volatile uint64_t>(dst_off, peer) = v;
+    }
+
+    DEEPEP_DEVICE bool wait_ge(int64_t sig_off, uint64_t v, uint64_t deadline_ns, const ErrorSink& sink,
+                               int peer) const {
+        return deepep_portable::wait_ge(peer_ptr<const uint64_t>(sig_off, rank), v, deadline_ns, sink, peer);
+    }
+
+    DEEPEP_DEVICE void flush(int /*ch*/) const {}   // stores are complete once issued
+};
+
+}  // namespace deepep_portable::transport

@@ -1,0 +1,74 @@
+// The transport contract: what kernel code may ask of a transport, and what each answer promises.
+//
+// Kernels are written once as templates over a transport type `T` (a backend's device.cuh provides
+// it: csrc/backends/<name>/device.cuh). A transport object is a small struct passed in the kernel's
+// parameter struct, so it lives in constant memory; its methods are __device__ and cheap to call.
+//
+// Windows: every rank owns a window (a buffer the others can address) of the same size; all
+// offsets below are byte offsets inside the window, identical on every rank (symmetric layout).
+// Channels: an explicit small integer (a QP, a GIN context, a proxy ring...). Ordering promises hold
+// only within one (channel, peer) pair; the host maps channels over NIC ports. Transports without
+// such resources ignore it.
+//
+// | primitive                               | who calls  | promise                                                  |
+// |-----------------------------------------|------------|----------------------------------------------------------|
+// | peer_ptr(off, peer)                     | any thread | load/store pointer into peer's window, or nullptr        |
+// | put_warp(ch, peer, dst_off, src, bytes) | whole warp | non-blocking write; no order, no visibility promise      |
+// | put_signal_warp(..., sig_off, v)        | whole warp | once the peer reads v at sig_off, this put's data is     |
+// |                                         |            | visible there                                            |
+// | signal(ch, peer, sig_off, v)            | one thread | strong: once visible, every earlier op of this thread    |
+// |                                         |            | (and warp) on (ch, peer) is visible                      |
+// | put_value(ch, peer, dst_off, u64)       | one thread | small inline write, no order promise                     |
+// | wait_ge(sig_off, v, deadline, sink, p)  | one thread | acquire-poll of MY window until >= v; false + an error   |
+// |                                         |            | record naming peer p once the deadline passes             |
+// | flush(ch)                               | one thread | earlier ops of this thread are locally complete (their   |
+// |                                         |            | sources reusable); no remote promise                     |
+//
+// Signals are single-writer 64-bit sequence numbers set (not added): a signal slot has exactly one
+// writing rank, values only grow, and writing the same value twice is harmless, so no protocol
+// needs network atomics (optional capability). Never rely on two puts arriving in order.
+//
+// Each backend states in its device.cuh how it keeps "a signal never overtakes its data".
+#pragma once
+
+#include <cstdint>
+
+#include "common/kernels/common.cuh"
+#include "common/kernels/signal.cuh"
+
+namespace deepep_portable::transport {
+
+// What a backend can do; the host fills the same record for `available_transports()`.
+// Keep in sync with deepep_portable/transports/__init__.py (Capabilities).
+enum class Network : int { kNone = 0, kInfiniBand = 1, kRoCE = 2, kOther = 3 };
+
+struct Capabilities {
+    bool peer_load_store;    // peer_ptr() is non-null for every peer of the node
+    bool remote_atomics;     // network atomics usable (not needed by any protocol here)
+    bool ordered_delivery;   // puts on one (channel, peer) arrive in order (never relied on)
+    int max_channels;        // channels the host set up (>= 1)
+    bool graph_safe;         // every primitive may be captured in a CUDA graph
+    Network network;
+};
+
+// Copy `bytes` (a multiple of 16, 16-byte aligned on both sides) with a whole warp.
+DEEPEP_DEVICE void warp_copy_bytes(void* __restrict__ dst, const void* __restrict__ src, int64_t bytes, int lane) {
+    int4* d = static_cast<int4*>(dst);
+    const int4* s = static_cast<const int4*>(src);
+    const int64_t n = bytes / 16;
+    constexpr int kUnroll = 8;
+    int64_t i = lane;
+    for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            v[u] = s[i + 32 * u];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            d[i + 32 * u] = v[u];
+    }
+    for (; i < n; i += 32)
+        d[i] = s[i];
+}
+
+}  // namespace deepep_portable::transport
