@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -99,6 +99,25 @@ def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int,
     return _slowest(_timer(device, copy, warmup, iters), group)
 
 
+def _nccl_all_to_all(rank: int, world: int, group, per_rank_rows: List[int], recv_rows: List[int],
+                     row_bytes: int, device: torch.device, cfg: argparse.Namespace) -> Optional[float]:
+    """Seconds for torch.distributed.all_to_all_single of the same rows over NCCL (what a user
+    would pick without this library), or None when NCCL cannot serve this group (ranks sharing a GPU,
+    or a non-NCCL group)."""
+    if device.type != "cuda" or "nccl" not in str(dist.get_backend(group)):
+        return None
+    send_counts = [r * row_bytes for r in per_rank_rows]
+    recv_counts = [r * row_bytes for r in recv_rows]
+    send = torch.randint(0, 255, (max(1, sum(send_counts)),), dtype=torch.uint8, device=device)[:sum(send_counts)]
+    recv = torch.empty(sum(recv_counts), dtype=torch.uint8, device=device)
+
+    def a2a():
+        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+
+    dist.barrier(group=group)
+    return _slowest(_timer(device, a2a, cfg.warmup, cfg.iters), group)
+
+
 def _random_topk(num_tokens: int, num_experts: int, topk: int, device: torch.device, gen: torch.Generator):
     scores = torch.rand(num_tokens, num_experts, generator=gen).to(device)
     idx = torch.topk(scores, topk, dim=-1, sorted=False).indices.to(deep_ep.topk_idx_t)
@@ -166,6 +185,22 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
                                 ("combine", t_combine, c_combine, combine_bytes, "bf16")):
         rows.append(Row(op, tokens, hidden, topk, experts, p, t * 1e6, nbytes / t / 1e9, c * 1e6,
                         nbytes / c / 1e9, buf.transport, _blocks(buf)))
+    if cfg.baseline:
+        # The same rows moved by all_to_all_single over NCCL, each way, beside the same ceilings.
+        send_rows = [int(v) for v in per_rank.tolist()]
+        recv_rows = [int(t[rank]) for t in all_per_rank]
+        row_bytes = dispatch_bytes // max(1, sent_rows)
+        for op, fwd, nbytes, c, rb, p in (("a2a_dispatch", True, dispatch_bytes, c_dispatch, row_bytes, prec),
+                                          ("a2a_combine", False, combine_bytes, c_combine, hidden * 2, "bf16")):
+            t = _nccl_all_to_all(rank, world, group, send_rows if fwd else recv_rows,
+                                 recv_rows if fwd else send_rows, rb, device, cfg)
+            if t is None:
+                if rank == 0 and fwd:
+                    print("baseline skipped: all_to_all_single over NCCL needs one GPU per rank and an NCCL group",
+                          flush=True)
+                continue
+            rows.append(Row(op, tokens, hidden, topk, experts, p, t * 1e6, nbytes / t / 1e9, c * 1e6,
+                            nbytes / c / 1e9, "nccl a2a", 0))
 
 
 def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tokens: int, rows: List[Row]) -> None:
@@ -285,6 +320,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-sms", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3 if gpu else 1)
     p.add_argument("--iters", type=int, default=20 if gpu else 3)
+    p.add_argument("--baseline", action="store_true",
+                   help="also time torch.distributed.all_to_all_single over NCCL for the same rows (one GPU per rank)")
     p.add_argument("--plot", default=None, metavar="FILE.png")
     p.add_argument("--no-progress", action="store_true")
 
