@@ -70,7 +70,8 @@ def _timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int
 
 
 def _slowest(seconds: float, group) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+    on_gpu = "nccl" in str(dist.get_backend(group))   # an NCCL group reduces CUDA tensors only
+    t = torch.tensor([seconds], dtype=torch.float64, device="cuda" if on_gpu else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
