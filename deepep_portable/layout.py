@@ -121,9 +121,27 @@ def low_latency_message_bytes(hidden: int) -> int:
     return ALIGN + align_up(max(bf16, fp8))
 
 
+LL_CONTROL_BYTES = 256           # head of the low-latency buffer: call counters, arrival words, error claim
+LL_CTRL_SENT = 0                 # u64: calls whose send kernel finished (device-side call counter)
+LL_CTRL_RECVD = 8                # u64: calls whose receive kernel finished
+LL_CTRL_SEND_ARRIVE = 16         # u32: blocks of the running send kernel that finished
+LL_CTRL_RECV_ARRIVE = 20         # u32: same for the receive kernel
+LL_CTRL_ERROR = 24               # u32: first error code (device-side claim)
+LL_MSG_HEADER = ALIGN            # bytes before a dispatch message's payload (int32 source token)
+
+
 @dataclass(frozen=True)
 class LowLatencyLayout:
-    """Geometry of one half of the low-latency buffer."""
+    """Geometry of the low-latency buffer for one call shape (identical on every rank):
+
+        [ control | signals of half 0 | signals of half 1 | data of half 0 | data of half 1 ]
+
+    signals of a half: dispatch u64 [E_local][R] (slot (e, s) written by source s), then combine u64
+    [E] (slot g written by g's rank). Data of a half: the dispatch receive slots (one message per
+    (local expert, source rank, token)) sharing bytes with the combine send area (the zero-copy
+    buffer, bf16 [E_local][R*T][H]), then the combine receive slots bf16 [E][T][H]. The signal
+    areas sit apart from the data so a signal slot is never overwritten by payload of the same shape.
+    See csrc/common/kernels/low_latency/protocol.cuh for the protocol."""
 
     num_max_tokens: int
     hidden: int
@@ -135,8 +153,12 @@ class LowLatencyLayout:
         return self.num_experts // self.num_ranks
 
     @property
+    def message_bytes(self) -> int:
+        return low_latency_message_bytes(self.hidden)
+
+    @property
     def dispatch_recv_bytes(self) -> int:
-        return self.num_experts * self.num_max_tokens * low_latency_message_bytes(self.hidden)
+        return self.num_experts * self.num_max_tokens * self.message_bytes
 
     @property
     def combine_send_bytes(self) -> int:
@@ -148,16 +170,49 @@ class LowLatencyLayout:
 
     @property
     def signal_bytes(self) -> int:
+        """Signals of one half: dispatch [E_local * R == E] and combine [E], u64 each."""
         return align_up(self.num_experts * 8 * 2, 128)
 
     @property
+    def data_half_bytes(self) -> int:
+        return align_up(max(self.dispatch_recv_bytes, self.combine_send_bytes), 128) + \
+            align_up(self.combine_recv_bytes, 128)
+
+    @property
     def half_bytes(self) -> int:
-        return align_up(max(self.dispatch_recv_bytes, self.combine_send_bytes)
-                        + self.combine_recv_bytes + self.signal_bytes, 128)
+        return self.signal_bytes + self.data_half_bytes
+
+    # byte offsets (half 0; add `signal_half_stride` / `data_half_stride` for half 1)
+    def dispatch_signal_offset(self, half: int = 0) -> int:
+        return LL_CONTROL_BYTES + half * self.signal_bytes
+
+    def combine_signal_offset(self, half: int = 0) -> int:
+        return self.dispatch_signal_offset(half) + self.num_experts * 8
+
+    @property
+    def signal_half_stride(self) -> int:
+        return self.signal_bytes
+
+    @property
+    def data_offset(self) -> int:
+        return align_up(LL_CONTROL_BYTES + 2 * self.signal_bytes, 4096)
+
+    def dispatch_recv_offset(self, half: int = 0) -> int:
+        return self.data_offset + half * self.data_half_bytes
+
+    def combine_send_offset(self, half: int = 0) -> int:
+        return self.dispatch_recv_offset(half)
+
+    def combine_recv_offset(self, half: int = 0) -> int:
+        return self.dispatch_recv_offset(half) + align_up(max(self.dispatch_recv_bytes, self.combine_send_bytes), 128)
+
+    @property
+    def data_half_stride(self) -> int:
+        return self.data_half_bytes
 
     @property
     def total_bytes(self) -> int:
-        return 2 * self.half_bytes
+        return self.data_offset + 2 * self.data_half_bytes
 
 
 def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,

@@ -1,0 +1,160 @@
+// Low-latency combine (see protocol.cuh for the buffer, the call counter and the signals).
+//
+//   ll_combine_send: one warp per (local expert e, source rank s) pair. From the dispatch handle
+//       (layout_range[e][s] = begin << 32 | count, src_info[e][row] = source token) it writes each
+//       expert output row x[e][begin + j] into s's combine receive slot (global expert, source
+//       token), then SETs s's combine signal of the global expert to (seq << 32) | count (also for
+//       count 0). It never waits. With zero-copy, x already lies in my buffer: same code, no copy.
+//   ll_combine_recv: every block waits for the combine signals of all experts, then one warp per
+//       token computes, in float32, acc = +0; for k ascending with topk_idx[t][k] != -1:
+//       acc = acc + (float(row) * weight), product and sum each rounded (__fmul_rn/__fadd_rn: no FMA),
+//       and stores bf16(acc): bit-identical to tests/oracle.py low_latency_combine.
+//
+// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, DEEPEP_TRANSPORT_*.
+#include <cstdint>
+
+#include "common/kernels/low_latency/protocol.cuh"
+
+#ifndef HIDDEN
+#error "low_latency/combine.cu needs -DHIDDEN"
+#endif
+#ifndef NUM_TOPK
+#error "low_latency/combine.cu needs -DNUM_TOPK"
+#endif
+
+using namespace deepep_portable;
+using namespace deepep_portable::low_latency;
+
+namespace {
+constexpr int kHidden = HIDDEN;
+constexpr int kNumTopk = NUM_TOPK;
+constexpr int kRowInt4 = kHidden * 2 / 16;
+constexpr int kRowBytes = kHidden * 2;
+constexpr int kTopkChunk = kNumTopk < 8 ? kNumTopk : 8;   // rows loaded together per column
+static_assert(kHidden % kFp8Block == 0, "LL hidden must be a multiple of 128");
+static_assert(kNumTopk >= 1 && kNumTopk <= 128, "bad top-k");
+}  // namespace
+
+struct LLCombineParams {
+    Common c;
+    // send
+    const int4* x;                    // [E_local, R*T, HIDDEN] bf16
+    const int* src_info;              // [E_local, R*T]
+    const int64_t* layout_range;      // [E_local, R]
+    int64_t expect_half;              // zero-copy: the half whose combine send area x is (-1: not zero-copy)
+    // receive
+    const int64_t* topk_idx;          // [N, NUM_TOPK]
+    const float* topk_weights;        // [N, NUM_TOPK]
+    int4* out;                        // [N, HIDDEN] bf16
+    int64_t num_tokens;
+    int64_t* wait_stats;              // [R] or null: clock64 cycles spent waiting per source rank
+};
+
+extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __grid_constant__ LLCombineParams p) {
+    const Common& c = p.c;
+    const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
+    const uint64_t seq = begin_call(c, c.ctrl_sent);
+    const int half = static_cast<int>(seq & 1);
+    const int lane = threadIdx.x % 32;
+    const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+    const int num_warps = gridDim.x * (kThreads / 32);
+    const int num_ranks = static_cast<int>(c.num_ranks);
+    const int num_local = static_cast<int>(c.num_experts) / num_ranks;
+    const int64_t slots = static_cast<int64_t>(num_ranks) * c.num_max_tokens;
+    const int me = static_cast<int>(c.rank);
+    if (p.expect_half >= 0 && p.expect_half != half && blockIdx.x == 0 && threadIdx.x == 0)
+        // The host handed out the zero-copy buffer of the other half (e.g. a CUDA graph holding an odd
+        // number of LL calls): x may overlap messages peers write. Report it; the data still moves.
+        report_error(sink_of(c, kOpCombine), kErrorOverrun, -1, static_cast<int>(half));
+
+    for (int pair = warp; pair < num_local * num_ranks; pair += num_warps) {
+        const int e = pair / num_ranks, s = pair % num_ranks;
+        const int64_t range = p.layout_range[e * num_ranks + s];
+        const int64_t begin = range >> 32, count = range & 0xffffffffll;
+        const int g = me * num_local + e;
+        for (int64_t j = 0; j < count; ++j) {
+            const int64_t row = begin + j;
+            const int token = p.src_info[e * slots + row];
+            tr.put_warp(0, s, combine_row_off(c, half, g, token, kRowBytes), p.x + (e * slots + row) * kRowInt4,
+                        kRowBytes, lane);
+        }
+        __threadfence_system();
+        __syncwarp();
+        if (lane == 0)
+            tr.signal(0, s, combine_signal_off(c, half, g), signal_value(seq, static_cast<uint32_t>(count)));
+    }
+    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __grid_constant__ LLCombineParams p) {
+    const Common& c = p.c;
+    const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
+    const uint64_t seq = begin_call(c, c.ctrl_recvd);
+    const int half = static_cast<int>(seq & 1);
+    const ErrorSink sink = sink_of(c, kOpCombine);
+    const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
+    const int num_experts = static_cast<int>(c.num_experts);
+    const int num_local = num_experts / static_cast<int>(c.num_ranks);
+
+    __shared__ int s_ok;
+    if (threadIdx.x == 0)
+        s_ok = 1;
+    __syncthreads();
+    for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
+        const long long t_start = clock64();
+        if (wait_signal(tr, c, combine_signal_off(c, half, g), seq, deadline, sink, g / num_local) < 0)
+            s_ok = 0;
+        else if (blockIdx.x == 0 && p.wait_stats != nullptr)
+            atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + g / num_local),
+                      static_cast<unsigned long long>(clock64() - t_start));
+    }
+    // Order every thread's reads of the rows after the acquires of the signals.
+    __threadfence_system();
+    __syncthreads();
+    if (s_ok) {
+        const int lane = threadIdx.x % 32;
+        const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+        const int num_warps = gridDim.x * (kThreads / 32);
+        for (int64_t t = warp; t < p.num_tokens; t += num_warps) {
+            const int64_t* idx = p.topk_idx + t * kNumTopk;
+            const float* w = p.topk_weights + t * kNumTopk;
+            for (int col = lane; col < kRowInt4; col += 32) {
+                float acc[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    acc[i] = 0.0f;
+                for (int k0 = 0; k0 < kNumTopk; k0 += kTopkChunk) {
+                    int4 v[kTopkChunk];
+#pragma unroll
+                    for (int u = 0; u < kTopkChunk; ++u) {
+                        const int k = k0 + u;
+                        const int64_t g = k < kNumTopk ? idx[k] : -1;
+                        if (g >= 0)
+                            v[u] = own<const int4>(c, combine_row_off(c, half, static_cast<int>(g), t, kRowBytes))[col];
+                    }
+#pragma unroll
+                    for (int u = 0; u < kTopkChunk; ++u) {
+                        const int k = k0 + u;
+                        if (k >= kNumTopk || idx[k] < 0)
+                            continue;   // the oracle adds +0.0 here, which never changes acc (acc is never -0.0)
+                        const float weight = w[k];
+                        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const float2 f = __bfloat1622float2(h[i]);
+                            acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(f.x, weight));
+                            acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(f.y, weight));
+                        }
+                    }
+                }
+                int4 packed;
+                __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+                p.out[t * kRowInt4 + col] = packed;
+            }
+        }
+    }
+    end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq);
+}

@@ -1,0 +1,235 @@
+// Low-latency dispatch (see protocol.cuh for the buffer, the call counter and the signals).
+//
+//   ll_dispatch_send: one warp per global expert g (experts strided over every warp of the grid).
+//       The warp scans my tokens in order (32 at a time, __ballot_sync on "token lists g"), so the
+//       k-th token of mine that selected g goes to slot k of (g's local expert, me) at g's rank:
+//       deterministic, packed, in source-token order. It writes each message (header: source token;
+//       payload: the bf16 row, or the FP8 cast of it and its float32 scales) straight into the
+//       receiver's buffer, then SETs the (local expert, me) signal to (seq << 32) | count, also
+//       when count is 0. It never waits.
+//   ll_dispatch_recv: one warp per (local expert e, source s) pair. Its lanes wait for the signals
+//       of sources 0..s of expert e (the rows of s start after those of sources < s), then the warp
+//       copies s's messages out of my buffer into recv_x / scales (column-major) / src_info and
+//       writes layout_range[e][s]; the pair with s = R-1 writes recv_count[e] and the stats.
+//
+// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, DEEPEP_TRANSPORT_*.
+// Run-time: ranks, experts, T, FP8 flags.
+#include <cstdint>
+
+#include "common/kernels/low_latency/protocol.cuh"
+
+#ifndef HIDDEN
+#error "low_latency/dispatch.cu needs -DHIDDEN"
+#endif
+#ifndef NUM_TOPK
+#error "low_latency/dispatch.cu needs -DNUM_TOPK"
+#endif
+
+using namespace deepep_portable;
+using namespace deepep_portable::low_latency;
+
+namespace {
+constexpr int kHidden = HIDDEN;
+constexpr int kNumTopk = NUM_TOPK;
+constexpr int kNumScales = kHidden / kFp8Block;
+constexpr int kRowInt4 = kHidden * 2 / 16;      // bf16 row in 16-byte words
+constexpr int kFp8RowInt4 = kHidden / 16;       // fp8 row in 16-byte words
+static_assert(kHidden % kFp8Block == 0, "LL hidden must be a multiple of 128");
+static_assert(kNumTopk >= 1 && kNumTopk <= 128, "bad top-k");
+static_assert(Transport::capabilities().peer_load_store,
+              "LL dispatch writes messages through peer pointers; an RDMA staging path is not written yet");
+}  // namespace
+
+struct LLDispatchParams {
+    Common c;
+    // send
+    const int4* x;                    // [N, HIDDEN] bf16
+    const int64_t* topk_idx;          // [N, NUM_TOPK], -1 = none
+    int64_t num_tokens;
+    int64_t use_fp8;
+    int64_t round_scale;
+    // receive
+    int4* recv_x;                     // [E_local, R*T, HIDDEN] bf16 or fp8
+    void* recv_scales;                // fp32 [E_local][S][R*T] or int32 [E_local][S/4][R*T] (column-major views)
+    int* src_info;                    // [E_local, R*T]
+    int64_t* layout_range;            // [E_local, R]
+    int* recv_count;                  // [E_local]
+    int* cumulative_recv_stats;       // [E_local] or null
+    int64_t* wait_stats;              // [R] or null: clock64 cycles spent waiting per source
+    int64_t use_ue8m0;
+};
+
+namespace {
+
+// FP8 cast of one bf16 row by a warp: lanes 0-15 handle block b, lanes 16-31 block b+1; each lane
+// 8 channels (one 16-byte word). Writes H fp8 bytes at `data` and S float32 scales at `scales`.
+DEEPEP_DEVICE void cast_row_fp8(const int4* __restrict__ row, char* data, float* scales, bool round_scale, int lane) {
+    const int half = lane / 16, l16 = lane % 16;
+    for (int b0 = 0; b0 < kNumScales; b0 += 2) {
+        const int b = b0 + half;
+        const bool active = b < kNumScales;
+        int4 raw = make_int4(0, 0, 0, 0);
+        if (active)
+            raw = row[b * 16 + l16];
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 v = __bfloat1622float2(h[i]);
+            f[2 * i] = v.x;
+            f[2 * i + 1] = v.y;
+        }
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+        for (int off = 8; off >= 1; off /= 2)
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));   // stays within each 16-lane half
+        const float scale = fp8_scale(amax, round_scale);
+        if (active) {
+            uint2 out;
+            out.x = static_cast<uint32_t>(fp8x2(f[0], f[1], scale)) | (static_cast<uint32_t>(fp8x2(f[2], f[3], scale)) << 16);
+            out.y = static_cast<uint32_t>(fp8x2(f[4], f[5], scale)) | (static_cast<uint32_t>(fp8x2(f[6], f[7], scale)) << 16);
+            reinterpret_cast<uint2*>(data + b * kFp8Block)[l16] = out;
+            if (l16 == 0)
+                scales[b] = scale;
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __grid_constant__ LLDispatchParams p) {
+    const Common& c = p.c;
+    const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
+    const uint64_t seq = begin_call(c, c.ctrl_sent);
+    const int half = static_cast<int>(seq & 1);
+    const int lane = threadIdx.x % 32;
+    const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+    const int num_warps = gridDim.x * (kThreads / 32);
+    const int num_experts = static_cast<int>(c.num_experts);
+    const int num_local = num_experts / static_cast<int>(c.num_ranks);
+    const int me = static_cast<int>(c.rank);
+
+    for (int g = warp; g < num_experts; g += num_warps) {
+        const int dst = g / num_local, local = g % num_local;
+        uint32_t count = 0;
+        for (int64_t t0 = 0; t0 < p.num_tokens; t0 += 32) {
+            const int64_t t = t0 + lane;
+            bool hit = false;
+            if (t < p.num_tokens) {
+#pragma unroll
+                for (int k = 0; k < kNumTopk; ++k)
+                    hit |= p.topk_idx[t * kNumTopk + k] == g;
+            }
+            uint32_t mask = __ballot_sync(0xffffffffu, hit);
+            while (mask != 0) {
+                const int j = __ffs(mask) - 1;
+                mask &= mask - 1;
+                const int64_t token = t0 + j;
+                const int64_t off = dispatch_msg_off(c, half, local, me, count);
+                char* msg = tr.template peer_ptr<char>(off, dst);
+                const int4* row = p.x + token * kRowInt4;
+                if (lane == 0)
+                    *reinterpret_cast<int*>(msg) = static_cast<int>(token);
+                if (p.use_fp8)
+                    cast_row_fp8(row, msg + kMsgHeader, reinterpret_cast<float*>(msg + kMsgHeader + kHidden),
+                                 p.round_scale != 0, lane);
+                else
+                    tr.put_warp(0, dst, off + kMsgHeader, row, kRowInt4 * 16, lane);
+                ++count;
+            }
+        }
+        // Every lane's stores are ordered before lane 0's release (fence + warp barrier), as
+        // put_signal_warp does: the receiver that reads the count sees the messages.
+        __threadfence_system();
+        __syncwarp();
+        if (lane == 0)
+            tr.signal(0, dst, dispatch_signal_off(c, half, local, me), signal_value(seq, count));
+    }
+    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(const __grid_constant__ LLDispatchParams p) {
+    const Common& c = p.c;
+    const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
+    const uint64_t seq = begin_call(c, c.ctrl_recvd);
+    const int half = static_cast<int>(seq & 1);
+    const ErrorSink sink = sink_of(c, kOpDispatch);
+    const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
+    const int lane = threadIdx.x % 32;
+    const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+    const int num_warps = gridDim.x * (kThreads / 32);
+    const int num_ranks = static_cast<int>(c.num_ranks);
+    const int num_local = static_cast<int>(c.num_experts) / num_ranks;
+    const int64_t slots = static_cast<int64_t>(num_ranks) * c.num_max_tokens;
+
+    for (int pair = warp; pair < num_local * num_ranks; pair += num_warps) {
+        const int e = pair / num_ranks, s = pair % num_ranks;
+        int64_t before = 0, mine = 0;
+        bool ok = true;
+        for (int s2 = lane; s2 <= s; s2 += 32) {
+            const long long t_start = clock64();
+            const int64_t n = wait_signal(tr, c, dispatch_signal_off(c, half, e, s2), seq, deadline, sink, s2);
+            if (n < 0) {
+                ok = false;
+                continue;
+            }
+            if (s2 < s)
+                before += n;
+            else
+                mine = n;
+            if (s2 == s && p.wait_stats != nullptr)
+                atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + s),
+                          static_cast<unsigned long long>(clock64() - t_start));
+        }
+#pragma unroll
+        for (int off = 16; off >= 1; off /= 2) {
+            before += __shfl_xor_sync(0xffffffffu, before, off);
+            mine += __shfl_xor_sync(0xffffffffu, mine, off);
+        }
+        if (!__all_sync(0xffffffffu, ok))
+            continue;   // reported; skip the copies
+        // The lanes acquired the signals; order every lane's reads of the messages after them.
+        __threadfence_system();
+        __syncwarp();
+        if (lane == 0) {
+            p.layout_range[e * num_ranks + s] = (before << 32) | mine;
+            if (s == num_ranks - 1) {
+                const int total = static_cast<int>(before + mine);
+                p.recv_count[e] = total;
+                if (p.cumulative_recv_stats != nullptr)
+                    p.cumulative_recv_stats[e] += total;
+            }
+        }
+        for (int64_t j = 0; j < mine; ++j) {
+            const char* msg = own<const char>(c, dispatch_msg_off(c, half, e, s, j));
+            const int64_t row = before + j;
+            if (lane == 0)
+                p.src_info[e * slots + row] = *reinterpret_cast<const int*>(msg);
+            if (p.use_fp8) {
+                transport::warp_copy_bytes(reinterpret_cast<char*>(p.recv_x) + (e * slots + row) * kHidden, msg + kMsgHeader,
+                                kFp8RowInt4 * 16, lane);
+                const float* scales = reinterpret_cast<const float*>(msg + kMsgHeader + kHidden);
+                if (p.use_ue8m0) {
+                    int* out = static_cast<int*>(p.recv_scales) + static_cast<int64_t>(e) * (kNumScales / 4) * slots;
+                    for (int w = lane; w < kNumScales / 4; w += 32) {
+                        uint32_t word = 0;
+#pragma unroll
+                        for (int b = 0; b < 4; ++b)
+                            word |= ((__float_as_uint(scales[4 * w + b]) >> 23) & 0xffu) << (8 * b);
+                        out[w * slots + row] = static_cast<int>(word);
+                    }
+                } else {
+                    float* out = static_cast<float*>(p.recv_scales) + static_cast<int64_t>(e) * kNumScales * slots;
+                    for (int b = lane; b < kNumScales; b += 32)
+                        out[b * slots + row] = scales[b];
+                }
+            } else {
+                transport::warp_copy_bytes(p.recv_x + (e * slots + row) * kRowInt4, msg + kMsgHeader, kRowInt4 * 16, lane);
+            }
+        }
+    }
+    end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq);
+}
