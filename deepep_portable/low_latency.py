@@ -1,0 +1,330 @@
+"""Host side of the low-latency (LL) kernels of the `nvlink` transport.
+
+`LowLatencyEngine` owns one IPC-shared LL buffer per rank (`num_rdma_bytes`; geometry in
+layout.LowLatencyLayout, protocol in csrc/common/kernels/low_latency/protocol.cuh), the table of the
+peers' base addresses and the mapped host words the kernels report errors through.
+
+Every LL op is one *call*: a SEND kernel, then a RECEIVE kernel, both on `ctx.comm_stream` (Buffer
+orders that stream against the caller's). The call counter that picks the buffer half and the
+signal values lives in device memory, so CUDA-graph replays keep counting. With
+`return_recv_hook=True` the op launches only the send kernel and returns `hook`; calling it later
+does `comm_stream.wait_stream(current)`, launches the receive kernel on the comm stream, then
+`current.wait_stream(comm_stream)` (current = the torch stream current when the hook is called).
+No kernel runs between the two phases. Call each hook before the next-but-one LL op (the double
+buffer holds two calls; a later peer would overwrite the half being read: reported as an overrun).
+
+`get_next_low_latency_combine_buffer` hands out the combine send area of the half the next call
+will use, by host-side parity of the calls made through this engine; that equals the device
+counter's parity as long as every CUDA graph holds an even number of LL calls (dispatch + combine).
+The combine kernel checks it and reports a mismatch instead of silently racing.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from . import jit
+from . import layout as L
+from ._kernels import launch, sm_count, stream_handle
+from .handles import LowLatencyHandle
+from .intranode import CommTimeoutError, _Mapped, _ptr, _struct
+from .transports.base import (BufferContext, LowLatencyCombineArgs, LowLatencyDispatchArgs,
+                              LowLatencyDispatchResult)
+
+DISPATCH_SOURCE = "common/kernels/low_latency/dispatch.cu"
+COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
+TRANSPORT_DEFINE = "DEEPEP_TRANSPORT_NVLINK"
+THREADS = 512                      # kThreads in protocol.cuh
+OP_NAMES = {3: "low_latency_dispatch", 4: "low_latency_combine"}
+ERROR_WORDS = 8
+ERROR_TIMEOUT, ERROR_OVERRUN = 1, 3
+
+_COMMON = ["peer_bases", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_send_arrive", "ctrl_recv_arrive",
+           "dispatch_signal_offset", "combine_signal_offset", "signal_half_stride", "dispatch_recv_offset",
+           "combine_recv_offset", "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes",
+           "error_claim", "error_host", "timeout_ns"]
+LLDispatchParams = _struct("LLDispatchParams", [
+    *_COMMON, "x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "recv_x", "recv_scales", "src_info",
+    "layout_range", "recv_count", "cumulative_recv_stats", "wait_stats", "use_ue8m0"])
+LLCombineParams = _struct("LLCombineParams", [
+    *_COMMON, "x", "src_info", "layout_range", "expect_half", "topk_idx", "topk_weights", "out", "num_tokens",
+    "wait_stats"])
+
+
+def kernel_defines(hidden: int, num_topk: int) -> dict:
+    return {TRANSPORT_DEFINE: 1, "HIDDEN": hidden, "NUM_TOPK": num_topk}
+
+
+def scale_shape(num_local: int, slots: int, hidden: int, use_ue8m0: bool) -> Tuple[int, int, int]:
+    """Storage shape [E_local, S, R*T] of the column-major scales (transpose(1, 2) is the API view)."""
+    cols = hidden // 128 // 4 if use_ue8m0 else hidden // 128
+    return num_local, cols, slots
+
+
+class _DeviceView:
+    """A raw device range as something torch.as_tensor can wrap without a copy (int16 elements)."""
+
+    def __init__(self, ptr: int, numel: int) -> None:
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (numel,), "typestr": "<i2",
+                                         "version": 2, "strides": None}
+
+
+class LowLatencyEngine:
+    def __init__(self, ctx: BufferContext) -> None:
+        self.ctx = ctx
+        self.base: Optional[int] = None
+        self.broken: Optional[str] = None
+        self._calls = 0                 # LL calls launched through this engine (host mirror of the device counter)
+        self._kernels: dict = {}
+        if ctx.num_rdma_bytes == 0:
+            return
+        from . import _C
+
+        if ctx.device.type != "cuda":
+            raise RuntimeError("the nvlink transport's low-latency kernels need a CUDA device")
+        if ctx.num_rdma_bytes <= L.LL_CONTROL_BYTES:
+            raise ValueError(f"low-latency mode needs num_rdma_bytes > {L.LL_CONTROL_BYTES} "
+                             f"(Buffer.get_low_latency_rdma_size_hint), got {ctx.num_rdma_bytes}")
+        self.dev = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
+        self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
+        self.base = _C.mem_alloc(self.dev, ctx.num_rdma_bytes)
+        # Everything zero: counters, arrival words, error claim and every signal (seq 0 = never written).
+        _C.memset_d8_async(self.dev, self.base, 0, ctx.num_rdma_bytes, 0)
+        _C.stream_synchronize(self.dev, 0)
+        me = dict(host=socket.gethostname(), pid=os.getpid(), rdma_bytes=ctx.num_rdma_bytes,
+                  uuid=str(torch.cuda.get_device_properties(self.dev).uuid),
+                  handle=_C.ipc_get_mem_handle(self.dev, self.base))
+        peers = ctx.comm.allgather_object(me)
+        sharing = sum(1 for p in peers if p["uuid"] == me["uuid"])
+        self.max_blocks = max(1, sm_count(self.dev) // sharing)
+        hosts = {p["host"] for p in peers}
+        if len(hosts) != 1:
+            raise RuntimeError(f"the nvlink transport needs every rank on one node; ranks are on {sorted(hosts)}")
+        sizes = {p["rdma_bytes"] for p in peers}
+        if len(sizes) != 1:
+            raise ValueError(f"every rank must create its Buffer with the same num_rdma_bytes; got {sorted(sizes)}")
+        self._opened: List[int] = []
+        bases = []
+        for r, p in enumerate(peers):
+            if r == self.rank:
+                bases.append(self.base)
+            else:
+                b = _C.ipc_open_mem_handle(self.dev, p["handle"])
+                self._opened.append(b)
+                bases.append(b)
+        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=ctx.device)
+        self.errors = _Mapped(self.dev, ERROR_WORDS)
+        torch.cuda.synchronize(self.dev)
+        ctx.comm.barrier()   # every peer mapped everyone's zeroed buffer before any kernel runs
+
+    # ---- errors ----------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise what a kernel reported (or what made this engine unusable before)."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+        if self.base is None:
+            return
+        w = self.errors.words
+        code = w[0]
+        if code == 0:
+            return
+        op, rank, peer, channel, detail = OP_NAMES.get(w[1], "?"), w[2], w[3], w[4], w[5]
+        if code == ERROR_TIMEOUT:
+            err: Exception = CommTimeoutError(op, rank, peer, channel, self.ctx.timeout_s)
+        elif code == ERROR_OVERRUN and peer < 0:
+            err = RuntimeError(f"{op} on rank {rank}: the zero-copy combine buffer belongs to the other buffer "
+                               f"half (call {detail} on the device): a CUDA graph with an odd number of "
+                               f"low-latency calls? this Buffer cannot be used again")
+        elif code == ERROR_OVERRUN:
+            err = RuntimeError(f"{op} on rank {rank}: peer {peer} is already at call {detail}, two calls ahead: "
+                               f"a receive hook was called after the next-but-one low-latency op; this Buffer "
+                               f"cannot be used again")
+        else:
+            err = RuntimeError(f"{op} on rank {rank}: kernel error code {code} (peer {peer}, detail {detail})")
+        self.broken = str(err)
+        raise err
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    def _require(self) -> None:
+        if self.base is None:
+            raise ValueError("low-latency ops need a Buffer created with num_rdma_bytes > 0 "
+                             "(Buffer.get_low_latency_rdma_size_hint)")
+        self.check()
+
+    def _layout(self, num_max_tokens: int, hidden: int, num_experts: int) -> L.LowLatencyLayout:
+        lay = L.LowLatencyLayout(num_max_tokens, hidden, self.num_ranks, num_experts)
+        if lay.total_bytes > self.ctx.num_rdma_bytes:
+            raise ValueError(f"num_rdma_bytes={self.ctx.num_rdma_bytes} is too small for {num_max_tokens} tokens x "
+                             f"hidden {hidden} x {num_experts} experts: need >= {lay.total_bytes}")
+        return lay
+
+    def _common(self, p, lay: L.LowLatencyLayout) -> None:
+        p.peer_bases = self.peer_bases.data_ptr()
+        p.rank, p.num_ranks = self.rank, self.num_ranks
+        p.ctrl_sent, p.ctrl_recvd = L.LL_CTRL_SENT, L.LL_CTRL_RECVD
+        p.ctrl_send_arrive, p.ctrl_recv_arrive = L.LL_CTRL_SEND_ARRIVE, L.LL_CTRL_RECV_ARRIVE
+        p.dispatch_signal_offset, p.combine_signal_offset = lay.dispatch_signal_offset(), lay.combine_signal_offset()
+        p.signal_half_stride = lay.signal_half_stride
+        p.dispatch_recv_offset, p.combine_recv_offset = lay.dispatch_recv_offset(), lay.combine_recv_offset()
+        p.data_half_stride = lay.data_half_stride
+        p.num_experts, p.num_max_tokens, p.msg_bytes = lay.num_experts, lay.num_max_tokens, lay.message_bytes
+        p.error_claim = self.base + L.LL_CTRL_ERROR
+        p.error_host = self.errors.dev
+        p.timeout_ns = int(self.ctx.timeout_s * 1e9)
+
+    def _kernel(self, source: str, name: str, defines: dict):
+        key = (source, name, tuple(sorted(defines.items())), os.environ.get("DEEPEP_PORTABLE_FORCE_ARCH"))
+        fn = self._kernels.get(key)
+        if fn is None:
+            fn = self._kernels[key] = jit.load(source, name, defines, self.dev)
+        return fn
+
+    def _grid(self) -> int:
+        """The caller's SM budget (Buffer.num_sms), capped so every rank sharing this GPU fits at once."""
+        from .buffer import Buffer
+
+        return max(1, min(int(Buffer.num_sms), self.max_blocks))
+
+    def _two_phase(self, send, recv, params, return_recv_hook: bool, keep: tuple) -> Optional[Callable[[], None]]:
+        """Launch the send kernel now; the receive kernel now or in the returned hook."""
+        comm = self.ctx.comm_stream
+        grid = self._grid()
+        launch(send, grid, THREADS, params, stream_handle(comm))
+        self._calls += 1
+        if not return_recv_hook:
+            launch(recv, grid, THREADS, params, stream_handle(comm))
+            return None
+        blob = bytes(params)   # frozen now: the hook launches exactly this call's receive
+
+        def hook() -> None:
+            _ = keep   # outputs and stats stay alive until the receive kernel is enqueued
+            self.check()
+            current = torch.cuda.current_stream(self.ctx.device)
+            comm.wait_stream(current)
+            recv.launch(grid, THREADS, 0, stream_handle(comm), blob, None, False)
+            current.wait_stream(comm)
+
+        return hook
+
+    # ---- ops ---------------------------------------------------------------------------------------
+    def dispatch(self, args: LowLatencyDispatchArgs) -> LowLatencyDispatchResult:
+        self._require()
+        x, idx = args.x, args.topk_idx
+        num_tokens, hidden = x.shape
+        num_topk = idx.size(1)
+        T, E, R = args.num_max_dispatch_tokens_per_rank, args.num_experts, self.num_ranks
+        num_local, slots = E // R, R * T
+        lay = self._layout(T, hidden, E)
+        dev = x.device
+        # outputs on the current stream (Buffer made the right one current), like the reference
+        scales = None
+        if args.use_fp8:
+            recv_x = torch.empty(num_local, slots, hidden, dtype=torch.float8_e4m3fn, device=dev)
+            dtype = torch.int32 if args.use_ue8m0 else torch.float32
+            scales = torch.empty(scale_shape(num_local, slots, hidden, args.use_ue8m0), dtype=dtype,
+                                 device=dev).transpose(1, 2)
+        else:
+            recv_x = torch.empty(num_local, slots, hidden, dtype=torch.bfloat16, device=dev)
+        recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
+        src_info = torch.empty(num_local, slots, dtype=torch.int32, device=dev)
+        layout_range = torch.empty(num_local, R, dtype=torch.int64, device=dev)
+
+        p = LLDispatchParams()
+        self._common(p, lay)
+        p.x, p.topk_idx, p.num_tokens = x.data_ptr(), idx.data_ptr(), num_tokens
+        p.use_fp8, p.round_scale, p.use_ue8m0 = int(args.use_fp8), int(args.round_scale), int(args.use_ue8m0)
+        p.recv_x, p.recv_scales, p.src_info = recv_x.data_ptr(), _ptr(scales), src_info.data_ptr()
+        p.layout_range, p.recv_count = layout_range.data_ptr(), recv_count.data_ptr()
+        p.cumulative_recv_stats = _ptr(args.cumulative_local_expert_recv_stats)
+        p.wait_stats = _ptr(args.dispatch_wait_recv_cost_stats)
+        defines = kernel_defines(hidden, num_topk)
+        send = self._kernel(DISPATCH_SOURCE, "ll_dispatch_send", defines)
+        recv = self._kernel(DISPATCH_SOURCE, "ll_dispatch_recv", defines)
+        keep = (recv_x, scales, recv_count, src_info, layout_range, args.cumulative_local_expert_recv_stats,
+                args.dispatch_wait_recv_cost_stats)
+        hook = self._two_phase(send, recv, p, args.return_recv_hook, keep)
+        handle = LowLatencyHandle(src_info, layout_range, T, hidden, E)
+        return LowLatencyDispatchResult(recv_x, scales, recv_count, handle, hook)
+
+    def combine(self, args: LowLatencyCombineArgs) -> Tuple[torch.Tensor, Optional[Callable[[], None]]]:
+        self._require()
+        x, idx, w, handle = args.x, args.topk_idx, args.topk_weights, args.handle
+        T, hidden, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        num_tokens, num_topk = idx.shape
+        lay = self._layout(T, hidden, E)
+        out = args.out if args.out is not None else torch.empty(num_tokens, hidden, dtype=torch.bfloat16,
+                                                                  device=x.device)
+        if not out.is_contiguous():
+            raise ValueError("low_latency_combine(out=...) must be contiguous")
+        p = LLCombineParams()
+        self._common(p, lay)
+        p.x, p.src_info, p.layout_range = x.data_ptr(), handle.src_info.data_ptr(), handle.layout_range.data_ptr()
+        p.expect_half = -1
+        for half in (0, 1):
+            if x.data_ptr() == self.base + lay.combine_send_offset(half):
+                p.expect_half = half
+        p.topk_idx, p.topk_weights, p.out, p.num_tokens = idx.data_ptr(), w.data_ptr(), out.data_ptr(), num_tokens
+        p.wait_stats = _ptr(args.combine_wait_recv_cost_stats)
+        defines = kernel_defines(hidden, num_topk)
+        send = self._kernel(COMBINE_SOURCE, "ll_combine_send", defines)
+        recv = self._kernel(COMBINE_SOURCE, "ll_combine_recv", defines)
+        keep = (x, idx, w, out, handle.src_info, handle.layout_range, args.combine_wait_recv_cost_stats)
+        hook = self._two_phase(send, recv, p, args.return_recv_hook, keep)
+        return out, hook
+
+    def next_combine_half(self) -> int:
+        """The half the next LL call uses (call n, counted from 1, uses half n & 1)."""
+        return (self._calls + 1) & 1
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """bf16 [E_local, R*T, H] view of the combine send area of the next call's half."""
+        self._require()
+        T, hidden, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        lay = self._layout(T, hidden, E)
+        shape = (E // self.num_ranks, self.num_ranks * T, hidden)
+        numel = shape[0] * shape[1] * shape[2]
+        ptr = self.base + lay.combine_send_offset(self.next_combine_half())
+        flat = torch.as_tensor(_DeviceView(ptr, numel), device=self.ctx.device)
+        return flat.view(torch.bfloat16).view(shape)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Collective: zero the control area (call counters) and both halves' signals on every rank."""
+        if self.base is None:
+            return
+        from . import _C
+
+        self.check()
+        lay = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        torch.cuda.synchronize(self.dev)
+        self.ctx.comm.barrier()        # nobody still signals into my buffer
+        _C.memset_d8_async(self.dev, self.base, 0, lay.data_offset, 0)
+        _C.stream_synchronize(self.dev, 0)
+        self._calls = 0
+        self.ctx.comm.barrier()        # nobody signals before everyone is clean
+
+    def destroy(self) -> None:
+        from . import _C
+
+        if self.base is None:
+            return
+        torch.cuda.synchronize(self.dev)
+        try:
+            self.ctx.comm.barrier()   # no peer may still write into my buffer
+        finally:
+            for b in self._opened:
+                _C.ipc_close_mem_handle(self.dev, b)
+            _C.mem_free(self.dev, self.base)
+            self.errors.free()
+            self.base = None
+
+
+# Kernel families (what `python -m deepep_portable precompile` and CI compile).
+jit.register_family(
+    "low_latency_dispatch", DISPATCH_SOURCE, ["ll_dispatch_send", "ll_dispatch_recv"],
+    variants=[kernel_defines(7168, 8), kernel_defines(4096, 8), kernel_defines(2048, 8), kernel_defines(7680, 8)])
+jit.register_family(
+    "low_latency_combine", COMBINE_SOURCE, ["ll_combine_send", "ll_combine_recv"],
+    variants=[kernel_defines(7168, 8), kernel_defines(4096, 8), kernel_defines(2048, 8), kernel_defines(7680, 8)])
