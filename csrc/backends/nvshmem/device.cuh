@@ -1,0 +1,119 @@
+// The `nvshmem` transport's device side: every primitive of common/kernels/transport.cuh mapped onto
+// NVSHMEM's PUBLIC device API (nvshmem.h / nvshmemx.h) and nothing else: no nvshmemi_* symbol, no
+// header under non_abi/ is named here (DeepEP broke when NVSHMEM's internals moved).
+//
+// Build: kernels that include this header must be compiled relocatable (-rdc=true) and device-linked
+// against libnvshmem_device.a (deepep_portable/jit_link.py does both), then the loaded module must
+// be registered with nvshmemx_cumodule_init (deepep_portable/nvshmem_runtime.py) before launch:
+// that call fills the module's copy of NVSHMEM's device state.
+//
+// Windows. A window is a range of the symmetric heap (nvshmem_malloc, collective, same size on every
+// PE). The struct holds this PE's address of the window start (`base`); offsets are symmetric, so
+// base + off is this PE's address of a symmetric object, which is what NVSHMEM's remote routines take
+// (they translate it for the target PE themselves). Only the window's own memory may be a put's
+// destination or a signal; a put's *source* must be symmetric or registered memory as well whenever
+// a peer is reached over a network (IBGDA / proxy transports read it with the NIC); P2P peers accept
+// any device memory.
+//
+// Channels: ignored for now. Everything goes through NVSHMEM's default context, and NVSHMEM spreads
+// work over its own QPs / proxy channels; its ordering promises (fence, put-with-signal) are per
+// target PE and do not need a channel. (NVSHMEM >= 3.6 headers also have QP-directed calls
+// (nvshmemx_qp_*); they are not used so that 3.4.x, the version on the lent H200, works.)
+//
+// "A signal never overtakes its data" (cited from the NVSHMEM API documentation, not its code):
+//  * put_signal_warp uses nvshmemx_putmem_signal_nbi_warp(..., NVSHMEM_SIGNAL_SET, pe). The
+//    put-with-signal routines "copy data from a contiguous local data object to a data object on a
+//    specified PE and subsequently update a remote flag to signal completion" (Signaling Operations):
+//    the signal update is ordered after the data, so a PE that reads the new signal value reads
+//    the data. Signal updates are atomic with respect to other signal operations on that object.
+//  * signal() is nvshmem_fence() then nvshmemx_signal_op(..., NVSHMEM_SIGNAL_SET, pe). nvshmem_fence
+//    "ensures ordering of delivery of operations on symmetric data objects": every operation issued
+//    to a PE before the fence (memory stores, blocking and non-blocking puts, AMOs) is delivered
+//    before any later operation to that PE (Memory Ordering). It orders delivery, not completion,
+//    and only per target PE, which is exactly the contract's (channel, peer) promise. Puts issued
+//    by the other lanes of the warp (put_warp is warp-collective) are ordered before the fence by
+//    the __syncwarp at the end of put_warp: call signal() from a lane of the warp that issued them.
+//  * wait_ge polls this PE's own copy of the signal with system-scope acquire loads
+//    (common/kernels/signal.cuh), the same acquire nvshmem_signal_wait_until would give, plus the
+//    deadline and ErrorSink record of the contract (NVSHMEM's wait_until has no timeout).
+//  * flush is nvshmem_quiet(): completion of every earlier put / AMO / store of the calling thread
+//    (remote completion, stronger than the contract's local completion; no weaker public call).
+#pragma once
+
+#include <cstdint>
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "common/kernels/common.cuh"
+#include "common/kernels/signal.cuh"
+#include "common/kernels/transport.cuh"
+
+namespace deepep_portable::transport {
+
+struct NvshmemTransport {
+    uint64_t base;    // this PE's address of the window start (from nvshmem_malloc)
+    int rank;         // nvshmem_my_pe() in NVSHMEM_TEAM_WORLD (== the library rank)
+    int num_ranks;    // nvshmem_n_pes()
+
+    // peer_load_store is only known at run time (nvshmem_ptr per peer: NVLink / same GPU -> non-null,
+    // network -> null), so it is declared false here; kernels must test peer_ptr's result.
+    // remote_atomics: NVSHMEM has AMOs, but no primitive above exposes them yet.
+    // network: whichever NVSHMEM picked (P2P, IBGDA, IBRC, UCX, libfabric): kOther.
+    static constexpr Capabilities capabilities() {
+        return Capabilities{false, true, false, 1, true, Network::kOther};
+    }
+
+    template <typename U = void>
+    DEEPEP_DEVICE U* local_ptr(int64_t off) const {
+        return reinterpret_cast<U*>(base + static_cast<uint64_t>(off));
+    }
+
+    // Load/store pointer into `peer`'s window, or nullptr when the peer is not P2P-reachable
+    // (nvshmem_ptr's documented null result). For peer == rank it is the local address.
+    template <typename U = void>
+    DEEPEP_DEVICE U* peer_ptr(int64_t off, int peer) const {
+        return static_cast<U*>(nvshmem_ptr(local_ptr<const void>(off), peer));
+    }
+
+    // Whole warp, same arguments on every lane. No order, no visibility promise. Ends with a
+    // __syncwarp so a later signal()/flush() from any lane of this warp follows every lane's part.
+    DEEPEP_DEVICE void put_warp(int /*ch*/, int peer, int64_t dst_off, const void* src, int64_t bytes,
+                                int /*lane*/) const {
+        nvshmemx_putmem_nbi_warp(local_ptr(dst_off), src, static_cast<size_t>(bytes), peer);
+        __syncwarp();
+    }
+
+    // Whole warp. Once `peer` reads v at sig_off, the data of this put is visible there.
+    DEEPEP_DEVICE void put_signal_warp(int /*ch*/, int peer, int64_t dst_off, const void* src, int64_t bytes,
+                                       int64_t sig_off, uint64_t v, int /*lane*/) const {
+        nvshmemx_putmem_signal_nbi_warp(local_ptr(dst_off), src, static_cast<size_t>(bytes),
+                                        local_ptr<uint64_t>(sig_off), v, NVSHMEM_SIGNAL_SET, peer);
+        __syncwarp();
+    }
+
+    // One thread. Strong: once v is visible at the peer, every earlier op of this thread (and of its
+    // warp, see put_warp) to that peer is delivered.
+    DEEPEP_DEVICE void signal(int /*ch*/, int peer, int64_t sig_off, uint64_t v) const {
+        nvshmem_fence();
+        nvshmemx_signal_op(local_ptr<uint64_t>(sig_off), v, NVSHMEM_SIGNAL_SET, peer);
+    }
+
+    // One thread. Small inline write, no order promise.
+    DEEPEP_DEVICE void put_value(int /*ch*/, int peer, int64_t dst_off, uint64_t v) const {
+        nvshmem_uint64_p(local_ptr<uint64_t>(dst_off), v, peer);
+    }
+
+    // One thread. Acquire-poll of MY window's copy of the signal; false and an error record naming
+    // `peer` once deadline_ns (globaltimer) passes.
+    DEEPEP_DEVICE bool wait_ge(int64_t sig_off, uint64_t v, uint64_t deadline_ns, const ErrorSink& sink,
+                               int peer) const {
+        return deepep_portable::wait_ge(local_ptr<const uint64_t>(sig_off), v, deadline_ns, sink, peer);
+    }
+
+    // One thread. Earlier ops of this thread are complete (sources reusable); nvshmem_quiet also
+    // completes them remotely, which the contract does not promise.
+    DEEPEP_DEVICE void flush(int /*ch*/) const { nvshmem_quiet(); }
+};
+
+}  // namespace deepep_portable::transport

@@ -1,0 +1,290 @@
+"""JIT for kernels that call NVSHMEM's device API: relocatable compile + device link -> cubin.
+
+NVSHMEM's device functions live in a static device library (libnvshmem_device.a), so such kernels
+cannot be built by jit.compile's one-step `nvcc -cubin`. The recipe (checked with nvcc 13.0 and
+NVSHMEM 3.8.0's pip package, for sm_80, sm_90, sm_90a and sm_100):
+
+  1. nvcc <BASE_FLAGS> -rdc=true -dc -arch=sm_XX -I<csrc> -I<nvshmem>/include [-I<cuda>/include/cccl]
+          -D... kernel.cu -o kernel.o
+  2. nvcc -dlink -cubin -arch=sm_XX kernel.o <nvshmem>/lib/libnvshmem_device.a -o kernel.cubin
+
+Step 2 makes nvlink resolve the NVSHMEM device symbols and emit one executable ELF (a cubin,
+`ET_EXEC`, SASS for sm_XX only) that cuModuleLoadData accepts. (`nvlink -cubin` is not an option of
+nvlink 13; `nvcc -dlink -cubin` drives it correctly.) The cubin holds NVSHMEM's device state
+(`nvshmemi_device_state_d` ...) uninitialised: after loading it, call
+nvshmem_runtime.cumodule_init(module) before the first launch.
+
+No PTX variant: a device-linked image is SASS for one architecture, so DEEPEP_PORTABLE_FORCE_ARCH
+(run the sm_80 variant through PTX JIT) does not apply to NVSHMEM kernels.
+
+Cache: like jit.compile_cached, under jit.cache_dir(), atomic writes, per-key lock. The key is
+jit's (source, every file under csrc/common/kernels and csrc/backends, defines, flags, nvcc version)
+plus the NVSHMEM version, the device library's path, size and mtime, and the include directory.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from . import jit
+from .jit import (BASE_FLAGS, CompileResult, Defines, JitCompileError, cache_dir, find_nvcc, kernel_root,
+                  nvcc_version)
+
+__all__ = ["NvshmemBuildPaths", "nvshmem_build_paths", "cuda_include_dirs", "compile_linked_cached",
+           "compile_linked", "command_lines", "SELFTEST_SOURCE", "SELFTEST_KERNEL",
+           "selftest_source_path", "compile_selftest"]
+
+
+@dataclass(frozen=True)
+class NvshmemBuildPaths:
+    include_dir: str
+    lib_dir: str
+    device_lib: str      # libnvshmem_device.a
+    version: str         # e.g. "3.8.0", or "unknown (...)" when the host library did not answer
+
+
+def nvshmem_build_paths() -> NvshmemBuildPaths:
+    """Where NVSHMEM's headers and device library are (the installation probe.nvshmem_info finds:
+    $NVSHMEM_HOME, the pip package nvidia-nvshmem-cu13/cu12, LD_LIBRARY_PATH, system dirs).
+    Raises JitCompileError naming what was searched when something is missing."""
+    from .transports import probe
+
+    info = probe.nvshmem_info()
+    host = info.get("host_lib")
+    if host is None:
+        raise JitCompileError("NVSHMEM not found: libnvshmem_host.so.3 is in none of "
+                              + ", ".join(info.get("searched", [])) + " (pip install nvidia-nvshmem-cu13 "
+                              "or set NVSHMEM_HOME)")
+    lib_dir = os.path.dirname(host)
+    device_lib = os.path.join(lib_dir, "libnvshmem_device.a")
+    if not os.path.isfile(device_lib):
+        raise JitCompileError(f"NVSHMEM at {lib_dir} has no libnvshmem_device.a (needed to device-link "
+                              "kernels that use the NVSHMEM device API)")
+    inc = info.get("include_dir")
+    if not inc:
+        raise JitCompileError(f"NVSHMEM at {lib_dir} has no include/nvshmem.h next to its lib directory")
+    version = info.get("version") or f"unknown ({info.get('version_error')})"
+    return NvshmemBuildPaths(inc, lib_dir, device_lib, version)
+
+
+_toolkit_cache: dict = {}
+
+
+def nvcc_toolkit_root(nvcc: str) -> Optional[str]:
+    """The toolkit directory nvcc really uses (its `TOP`, from `nvcc --dryrun`): right even when
+    `nvcc` is a wrapper script (e.g. /usr/local/bin/nvcc exec'ing /usr/local/cuda-13.0/bin/nvcc)."""
+    if nvcc not in _toolkit_cache:
+        root = None
+        try:
+            with tempfile.TemporaryDirectory(prefix="deepep_portable_nvcc_") as tmp:
+                proc = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.path.join(tmp, "x.o")],
+                                      capture_output=True, text=True, timeout=120)
+            for line in (proc.stdout + proc.stderr).splitlines():
+                line = line.lstrip("#$ ").strip()
+                if line.startswith("TOP="):
+                    root = os.path.normpath(line[4:].strip().strip('"'))
+                    break
+        except (OSError, subprocess.SubprocessError):
+            root = None
+        _toolkit_cache[nvcc] = root
+    return _toolkit_cache[nvcc]
+
+
+def cuda_include_dirs(nvcc: Optional[str] = None) -> List[str]:
+    """The CCCL include directory (NVSHMEM >= 3.4 headers include <cuda/std/...>). nvcc 13 adds its
+    own with -isystem; we name the same one explicitly (never a different CCCL than nvcc's, which
+    could be a newer release the compiler does not support). Looks in nvcc's toolkit (`TOP`),
+    $CUDA_HOME, $CUDA_PATH, the pip nvidia/cu13 package, /usr/local/cuda; [] if none has it."""
+    roots: List[str] = []
+    if nvcc:
+        top = nvcc_toolkit_root(nvcc)
+        if top:
+            roots.append(top)
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            roots.append(os.environ[var])
+    roots += [os.path.join(d, "cu13") for d in jit._nvidia_pip_dirs()]
+    roots.append("/usr/local/cuda")
+    for r in roots:
+        for d in (os.path.join(r, "include", "cccl"),
+                  os.path.join(r, "targets", f"{os.uname().machine}-linux", "include", "cccl")):
+            if os.path.isdir(os.path.join(d, "cuda")):
+                return [os.path.normpath(d)]
+    return []
+
+
+def _run(cmd: List[str], cwd: str, what: str) -> float:
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    except OSError as e:
+        raise JitCompileError(f"cannot run nvcc: {e}", cmd) from e
+    if proc.returncode != 0:
+        raise JitCompileError(f"nvcc failed (exit {proc.returncode}) {what}", cmd,
+                              (proc.stdout + proc.stderr).strip())
+    return time.perf_counter() - t0
+
+
+def compile_linked_cached(source: str, defines: Optional[Defines] = None, arch: str = "sm_90", *,
+                          root: Optional[str] = None, extra_flags: Sequence[str] = (),
+                          cache: Optional[str] = None,
+                          nvshmem: Optional[NvshmemBuildPaths] = None) -> CompileResult:
+    """Compile `source` (relative to `root`, default jit.kernel_root(), or an absolute path) with
+    -rdc and device-link it against libnvshmem_device.a into a cubin for `arch`, unless cached.
+    The kernel tree (-I<root>) is kernel_root() unless `root` is given."""
+    if arch.startswith("compute_"):
+        raise ValueError(f"device-linked NVSHMEM kernels are SASS only; got {arch!r}, want e.g. 'sm_90'")
+    jit._arch_number(arch)  # validates
+    root = os.path.abspath(root or kernel_root())
+    src = source if os.path.isabs(source) else os.path.join(root, source)
+    if not os.path.isfile(src):
+        raise JitCompileError(f"kernel source {src} not found")
+    paths = nvshmem or nvshmem_build_paths()
+    nvcc = find_nvcc()
+    defs = jit._normalize_defines(defines)
+    cccl = cuda_include_dirs(nvcc)
+    compile_flags = [*BASE_FLAGS, "-rdc=true", "-dc", f"-arch={arch}", *extra_flags, *jit._extra_flags()]
+    link_flags = ["-dlink", "-cubin", f"-arch={arch}"]
+    st = os.stat(paths.device_lib)
+    key_flags = [*compile_flags, "|link", *link_flags,
+                 f"|nvshmem-version={paths.version}", f"|nvshmem-lib={paths.device_lib}",
+                 f"|nvshmem-lib-stat={st.st_size}:{st.st_mtime_ns}", f"|nvshmem-include={paths.include_dir}",
+                 *(f"|cccl={d}" for d in cccl)]
+    key = jit._cache_key(src, root, defs, key_flags, nvcc_version(nvcc))
+    stem = os.path.splitext(os.path.basename(src))[0]
+    directory = cache or cache_dir()
+    os.makedirs(directory, exist_ok=True)
+    out_path = os.path.join(directory, f"{stem}.nvshmem.{arch}.{key[:32]}.cubin")
+
+    def read_hit() -> Optional[bytes]:
+        try:
+            with open(out_path, "rb") as f:
+                data = f.read()
+            return data or None
+        except OSError:
+            return None
+
+    data = read_hit()
+    if data is not None:
+        return CompileResult(data, out_path, True, 0.0, arch, False)
+    with jit._key_lock(out_path + ".lock"):
+        data = read_hit()
+        if data is not None:
+            return CompileResult(data, out_path, True, 0.0, arch, False)
+        with tempfile.TemporaryDirectory(prefix="deepep_portable_nvshmem_") as tmp:
+            obj = os.path.join(tmp, "kernel.o")
+            cubin = os.path.join(tmp, "kernel.cubin")
+            includes = [f"-I{root}", f"-I{paths.include_dir}", *(f"-I{d}" for d in cccl)]
+            cc = [nvcc, *compile_flags, *includes, *(f"-D{k}={v}" for k, v in defs), src, "-o", obj]
+            seconds = _run(cc, tmp, f"compiling {source} for {arch} (-rdc, NVSHMEM {paths.version})")
+            ln = [nvcc, *link_flags, obj, paths.device_lib, "-o", cubin]
+            seconds += _run(ln, tmp, f"device-linking {source} for {arch} against {paths.device_lib}")
+            if not os.path.isfile(cubin):
+                raise JitCompileError(f"nvcc -dlink produced no {cubin}", ln)
+            with open(cubin, "rb") as f:
+                data = f.read()
+        jit._atomic_write(out_path, data)
+    return CompileResult(data, out_path, False, seconds, arch, False)
+
+
+def compile_linked(source: str, defines: Optional[Defines] = None, arch: str = "sm_90", **kwargs) -> bytes:
+    """The device-linked cubin's bytes (see compile_linked_cached)."""
+    return compile_linked_cached(source, defines, arch, **kwargs).image
+
+
+def command_lines(source: str, arch: str = "sm_90") -> List[str]:
+    """The two nvcc command lines the recipe runs (for docs / doctor), without running them."""
+    paths = nvshmem_build_paths()
+    nvcc = find_nvcc()
+    inc = [f"-I{kernel_root()}", f"-I{paths.include_dir}", *(f"-I{d}" for d in cuda_include_dirs(nvcc))]
+    return [shlex.join([nvcc, *BASE_FLAGS, "-rdc=true", "-dc", f"-arch={arch}", *inc, source, "-o", "kernel.o"]),
+            shlex.join([nvcc, "-dlink", "-cubin", f"-arch={arch}", "kernel.o", paths.device_lib,
+                        "-o", "kernel.cubin"])]
+
+
+# ---- self-test kernel: every primitive of NvshmemTransport once --------------------------------
+# Used by tests/test_nvshmem_backend.py (compile + link on the CPU) and tests/mpi/
+# test_nvshmem_gpu_mpi.py (run on PEs). Host mirror: nvshmem_runtime.SelftestParams.
+#
+# Window layout (bytes): [0, DATA) data landing zone written by the previous PE;
+# DATA + 0: put_signal_warp's signal (value `seq`), DATA + 8: signal() (value seq + 1),
+# DATA + 16: put_value target (value seq + 2), DATA + 24: a slot nobody writes (timeout check).
+# One warp. `src` (DATA bytes, symmetric) is put to the next PE with put_signal_warp (and once with
+# put_warp first, so both paths run); lane 0 then signals, put_values, flushes, and waits for the
+# previous PE's signals. With `skip_signal_to` == the next PE, this PE sends nothing to it (that
+# PE's wait must time out). out[0] = wait result of the data signal (1 ok / 0 timed out),
+# out[1] = wait result of the signal() slot, out[2] = wait on the never-written slot when
+# `probe_timeout` is set (expected 0), out[3] = 1 if peer_ptr(next) is non-null.
+SELFTEST_KERNEL = "nvshmem_selftest"
+SELFTEST_SOURCE = r"""
+#include "backends/nvshmem/device.cuh"
+
+using deepep_portable::ErrorSink;
+using deepep_portable::transport::NvshmemTransport;
+
+#ifndef DATA_BYTES
+#error "DATA_BYTES must be defined"
+#endif
+
+struct SelftestParams {
+    NvshmemTransport t;
+    uint64_t src;            // DATA_BYTES, symmetric (or registered) memory
+    uint64_t seq;            // signal value of this round
+    uint64_t deadline_ns;    // globaltimer deadline for every wait
+    uint64_t claim;          // ErrorSink.claim (device, zeroed)
+    uint64_t host;           // ErrorSink.host (mapped pinned int[6])
+    uint64_t out;            // int64[4] results (device)
+    int32_t skip_signal_to;  // a PE this PE must not send to (-1: none)
+    int32_t probe_timeout;   // 1: also wait on the never-written slot (expects a timeout)
+};
+
+extern "C" __global__ void nvshmem_selftest(const __grid_constant__ SelftestParams p) {
+    constexpr int64_t kData = DATA_BYTES;
+    const int lane = threadIdx.x % 32;
+    const int next = (p.t.rank + 1) % p.t.num_ranks;
+    const int prev = (p.t.rank + p.t.num_ranks - 1) % p.t.num_ranks;
+    const void* src = reinterpret_cast<const void*>(p.src);
+    int64_t* out = reinterpret_cast<int64_t*>(p.out);
+    const ErrorSink sink{reinterpret_cast<unsigned int*>(p.claim), reinterpret_cast<int*>(p.host), 1, p.t.rank};
+    if (next != p.skip_signal_to) {
+        p.t.put_warp(0, next, 0, src, kData, lane);
+        p.t.put_signal_warp(0, next, 0, src, kData, kData + 0, p.seq, lane);
+        if (lane == 0) {
+            p.t.signal(0, next, kData + 8, p.seq + 1);
+            p.t.put_value(0, next, kData + 16, p.seq + 2);
+            p.t.flush(0);
+        }
+    }
+    if (lane == 0) {
+        out[0] = p.t.wait_ge(kData + 0, p.seq, p.deadline_ns, sink, prev) ? 1 : 0;
+        out[1] = out[0] ? (p.t.wait_ge(kData + 8, p.seq + 1, p.deadline_ns, sink, prev) ? 1 : 0) : 0;
+        out[2] = p.probe_timeout ? (p.t.wait_ge(kData + 24, 1, p.deadline_ns, sink, prev) ? 1 : 0) : -1;
+        out[3] = p.t.peer_ptr<void>(0, next) != nullptr ? 1 : 0;
+    }
+}
+"""
+
+
+def selftest_source_path(cache: Optional[str] = None) -> str:
+    """SELFTEST_SOURCE written (once, content-addressed, atomically) under the cache directory."""
+    import hashlib
+
+    directory = os.path.join(cache or cache_dir(), "src")
+    os.makedirs(directory, exist_ok=True)
+    digest = hashlib.sha256(SELFTEST_SOURCE.encode()).hexdigest()[:16]
+    path = os.path.join(directory, f"{SELFTEST_KERNEL}.{digest}.cu")
+    if not os.path.isfile(path):
+        jit._atomic_write(path, SELFTEST_SOURCE.encode())
+    return path
+
+
+def compile_selftest(arch: str = "sm_90", data_bytes: int = 4096, cache: Optional[str] = None) -> CompileResult:
+    """The self-test kernel, device-linked for `arch` (data_bytes: a multiple of 16)."""
+    if data_bytes <= 0 or data_bytes % 16:
+        raise ValueError(f"data_bytes must be a positive multiple of 16, got {data_bytes}")
+    return compile_linked_cached(selftest_source_path(cache), {"DATA_BYTES": data_bytes}, arch, cache=cache)

@@ -1,0 +1,429 @@
+"""Host side of the `nvshmem` backend: ctypes over libnvshmem_host.so.3, opened at run time.
+
+NOT a registered transport yet (the name deepep_portable/transports/nvshmem.py is what makes the
+probe report the backend as present; this module deliberately lives elsewhere until its kernels
+have run on a GPU).
+
+Only NVSHMEM's public, exported host API is called:
+  nvshmemx_vendor_get_version_info, nvshmemx_get_uniqueid, nvshmemx_set_attr_uniqueid_args,
+  nvshmemx_hostlib_init_attr, nvshmemx_init_status, nvshmem_my_pe, nvshmem_n_pes, nvshmem_malloc,
+  nvshmem_free, nvshmem_ptr, nvshmem_barrier_all, nvshmemx_barrier_all_on_stream,
+  nvshmemx_cumodule_init, nvshmemx_cumodule_finalize, nvshmemx_hostlib_finalize.
+
+What is reimplemented from the public headers (they are macros / static inline functions there, so
+nothing to call through ctypes), each checked against the headers by tests/test_nvshmem_backend.py:
+  * the structs nvshmemx_uniqueid_t (v1), nvshmemx_uniqueid_args_t (v1), nvshmemx_init_args_v1/v2
+    and nvshmemx_init_attr_v1/v2 (bootstrap_device_host/nvshmem_uniqueid.h,
+    device_host/nvshmem_types.h), and their version words `(major << 16) + sizeof(struct)`
+    (NVSHMEMX_UNIQUEID_INITIALIZER, nvshmemx_init_init_attr_ver_only, NVSHMEM_INIT_ATTR_V*_IDENTIFIER);
+  * NVSHMEMX_INIT_WITH_UNIQUEID (= 1 << 3, host/nvshmemx_api.h).
+  * nvshmemx_init_attr() and nvshmem_finalize() are static inline functions that call
+    nvshmemi_init_thread / nvshmemi_finalize, which are defined in libnvshmem_device.a (host code
+    linked into the application), not exported by libnvshmem_host.so. A Python process has no such
+    static part, so it uses the exported host-library entry points nvshmemx_hostlib_init_attr /
+    nvshmemx_hostlib_finalize instead, and the device state of each JIT module (the only device
+    code here) is filled by nvshmemx_cumodule_init.
+
+Init attr version: the v2 layout (with cuda_device_id) is what NVSHMEM 3.8's headers define; older
+libraries (3.4.x on the lent H200) may only know v1 (the header's own fallback,
+nvshmemx_init_init_attr_ver_only, writes v1 version words). We send v2 when the library reports
+>= 3.8 (whose headers we checked), else v1; with v1 NVSHMEM uses the calling thread's current CUDA
+device, so make the device's primary context current first (torch.cuda.set_device + any CUDA op).
+
+Environment set before init (see nvshmem_environment): NVSHMEM_DISABLE_NVLS=1 always; the other
+variables only when the caller passes the matching option (pass-through), else the user's
+environment is left as it is.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+__all__ = ["NvshmemUnavailable", "load_library", "library_path", "version", "SYMBOLS", "UniqueId",
+           "UniqueIdArgs", "InitArgsV1", "InitArgsV2", "InitAttrV1", "InitAttrV2", "INIT_WITH_UNIQUEID",
+           "nvshmem_environment", "apply_environment", "NvshmemRuntime", "CudaModule", "SelftestParams",
+           "TransportParams"]
+
+INIT_WITH_UNIQUEID = 1 << 3          # NVSHMEMX_INIT_WITH_UNIQUEID (host/nvshmemx_api.h, enum flags)
+UNIQUEID_PADDING = 124               # bootstrap_device_host/nvshmem_uniqueid.h
+INIT_ARGS_PADDING = 96               # device_host/nvshmem_types.h (v1)
+INIT_ARGS_V2_PADDING = 92            # device_host/nvshmem_types.h (v2)
+UNIQUEID_ARGS_INVALID = -1
+
+
+class NvshmemUnavailable(RuntimeError):
+    """NVSHMEM cannot be used here; the message says why."""
+
+
+# ---- public struct layouts (mirrors of the header definitions) --------------------------------
+
+class UniqueId(ctypes.Structure):
+    """nvshmemx_uniqueid_v1: 128 bytes, opaque after the version word."""
+    _fields_ = [("version", ctypes.c_int), ("internal", ctypes.c_char * UNIQUEID_PADDING)]
+
+
+class UniqueIdArgs(ctypes.Structure):
+    """nvshmemx_uniqueid_args_v1: 24 bytes."""
+    _fields_ = [("version", ctypes.c_int), ("id", ctypes.POINTER(UniqueId)), ("myrank", ctypes.c_int),
+                ("nranks", ctypes.c_int)]
+
+
+class InitArgsV1(ctypes.Structure):
+    """nvshmemx_init_args_v1: 128 bytes."""
+    _fields_ = [("version", ctypes.c_int), ("uid_args", UniqueIdArgs),
+                ("content", ctypes.c_char * INIT_ARGS_PADDING)]
+
+
+class InitArgsV2(ctypes.Structure):
+    """nvshmemx_init_args_v2: 128 bytes."""
+    _fields_ = [("version", ctypes.c_int), ("uid_args", UniqueIdArgs), ("cuda_device_id", ctypes.c_int),
+                ("content", ctypes.c_char * INIT_ARGS_V2_PADDING)]
+
+
+class InitAttrV1(ctypes.Structure):
+    """nvshmemx_init_attr_v1: 144 bytes."""
+    _fields_ = [("version", ctypes.c_int), ("mpi_comm", ctypes.c_void_p), ("args", InitArgsV1)]
+
+
+class InitAttrV2(ctypes.Structure):
+    """nvshmemx_init_attr_v2 (nvshmemx_init_attr_t in NVSHMEM 3.8): 144 bytes."""
+    _fields_ = [("version", ctypes.c_int), ("mpi_comm", ctypes.c_void_p), ("args", InitArgsV2)]
+
+
+def _ver(major: int, struct) -> int:
+    return (major << 16) + ctypes.sizeof(struct)
+
+
+def new_unique_id() -> UniqueId:
+    """NVSHMEMX_UNIQUEID_INITIALIZER: version word set, rest zero."""
+    uid = UniqueId()
+    uid.version = _ver(1, UniqueId)
+    return uid
+
+
+def new_init_attr(v2: bool, device: int = -1):
+    """NVSHMEMX_INIT_ATTR_INITIALIZER (v2) / NVSHMEMX_INIT_ATTR_V1_INITIALIZER (v1)."""
+    attr = InitAttrV2() if v2 else InitAttrV1()
+    attr.version = _ver(2 if v2 else 1, type(attr))
+    attr.mpi_comm = None
+    attr.args.version = _ver(2 if v2 else 1, type(attr.args))
+    attr.args.uid_args.version = _ver(1, UniqueIdArgs)
+    attr.args.uid_args.id = None
+    attr.args.uid_args.myrank = UNIQUEID_ARGS_INVALID
+    attr.args.uid_args.nranks = UNIQUEID_ARGS_INVALID
+    if v2:
+        attr.args.cuda_device_id = device  # INIT_ARGS_SCALAR_INVALID (-1) = "current device"
+    return attr
+
+
+# ---- the library --------------------------------------------------------------------------------
+
+_c_int_p = ctypes.POINTER(ctypes.c_int)
+
+# name -> (restype, argtypes). Every symbol this module calls; tests check each resolves.
+SYMBOLS: Dict[str, Tuple[Any, list]] = {
+    "nvshmemx_vendor_get_version_info": (None, [_c_int_p, _c_int_p, _c_int_p]),
+    "nvshmemx_get_uniqueid": (ctypes.c_int, [ctypes.POINTER(UniqueId)]),
+    "nvshmemx_set_attr_uniqueid_args": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.POINTER(UniqueId),
+                                                       ctypes.c_void_p]),
+    "nvshmemx_hostlib_init_attr": (ctypes.c_int, [ctypes.c_uint, ctypes.c_void_p]),
+    "nvshmemx_init_status": (ctypes.c_int, []),
+    "nvshmemx_hostlib_finalize": (None, []),
+    "nvshmem_my_pe": (ctypes.c_int, []),
+    "nvshmem_n_pes": (ctypes.c_int, []),
+    "nvshmem_malloc": (ctypes.c_void_p, [ctypes.c_size_t]),
+    "nvshmem_free": (None, [ctypes.c_void_p]),
+    "nvshmem_ptr": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int]),
+    "nvshmem_barrier_all": (None, []),
+    "nvshmemx_barrier_all_on_stream": (None, [ctypes.c_void_p]),
+    "nvshmemx_cumodule_init": (ctypes.c_int, [ctypes.c_void_p]),
+    "nvshmemx_cumodule_finalize": (ctypes.c_int, [ctypes.c_void_p]),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> Tuple[Optional[ctypes.CDLL], str, Optional[str]]:
+    from .transports import probe
+
+    info = probe.nvshmem_info()
+    path = info.get("host_lib")
+    if path is None:
+        return None, ("libnvshmem_host.so.3 not found (searched: " + ", ".join(info.get("searched", []))
+                      + "); pip install nvidia-nvshmem-cu13 or set NVSHMEM_HOME"), None
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        return None, f"cannot load {path}: {e}", path
+    missing = [name for name in SYMBOLS if not hasattr(lib, name)]
+    if missing:
+        return None, f"{path} lacks the symbol(s) {', '.join(missing)} (NVSHMEM too old?)", path
+    for name, (res, args) in SYMBOLS.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    return lib, "", path
+
+
+def load_library() -> ctypes.CDLL:
+    """The loaded libnvshmem_host.so.3 with every symbol typed; NvshmemUnavailable(reason) if not."""
+    lib, why, _ = _load()
+    if lib is None:
+        raise NvshmemUnavailable(why)
+    return lib
+
+
+def library_path() -> Optional[str]:
+    return _load()[2]
+
+
+def load_error() -> str:
+    """"" when the library loads, else why not."""
+    return _load()[1]
+
+
+def version() -> Tuple[int, int, int]:
+    lib = load_library()
+    v = [ctypes.c_int(-1) for _ in range(3)]
+    lib.nvshmemx_vendor_get_version_info(*(ctypes.byref(x) for x in v))
+    return tuple(x.value for x in v)  # type: ignore[return-value]
+
+
+# ---- environment ---------------------------------------------------------------------------------
+
+# option name -> (environment variable, why it is passed through)
+PASS_THROUGH = {
+    # Size of each PE's symmetric heap (NVSHMEM's default is 1 GiB); every window lives in it.
+    "symmetric_size": "NVSHMEM_SYMMETRIC_SIZE",
+    # GPU-initiated RDMA (IBGDA) instead of the CPU proxy for network peers.
+    "ibgda": "NVSHMEM_IB_ENABLE_IBGDA",
+    # RoCE: which GID table entry (RoCE v2 / IPv4-mapped), chosen by the cluster's network setup.
+    "ib_gid_index": "NVSHMEM_IB_GID_INDEX",
+    # RoCE: traffic class (DSCP << 2) the fabric's lossless / priority queue expects.
+    "ib_traffic_class": "NVSHMEM_IB_TRAFFIC_CLASS",
+    # IB service level (maps to the virtual lane / priority on the switches).
+    "ib_sl": "NVSHMEM_IB_SL",
+    # Which HCAs (and ports) NVSHMEM may use, e.g. "mlx5_0:1,mlx5_1:1".
+    "hca_list": "NVSHMEM_HCA_LIST",
+    # Network transport for non-P2P peers ("ibrc", "ucx", "libfabric", "none").
+    "remote_transport": "NVSHMEM_REMOTE_TRANSPORT",
+}
+
+
+def nvshmem_environment(options: Optional[Mapping[str, Any]] = None) -> Dict[str, str]:
+    """The NVSHMEM_* variables to set before init for these options (pure; see apply_environment).
+
+    Always NVSHMEM_DISABLE_NVLS=1: NVLink SHARP multicast objects are a per-machine resource that
+    other jobs on shared machines contend for, and their setup fails or hangs under MPS with several
+    PEs per GPU; nothing here uses NVLS collectives.
+    NVSHMEM_BOOTSTRAP is NOT set: the NVSHMEMX_INIT_WITH_UNIQUEID flag selects the UID bootstrap
+    plugin by itself (NVSHMEM_BOOTSTRAP only steers flag-less nvshmem_init); pass
+    bootstrap="UID" to force it anyway.
+    Unknown option names raise ValueError; None values are skipped; booleans become "1"/"0"."""
+    env = {"NVSHMEM_DISABLE_NVLS": "1"}
+    for key, value in (options or {}).items():
+        if value is None:
+            continue
+        if key == "bootstrap":
+            env["NVSHMEM_BOOTSTRAP"] = str(value)
+            continue
+        var = PASS_THROUGH.get(key)
+        if var is None:
+            raise ValueError(f"unknown NVSHMEM option {key!r}; known: {sorted([*PASS_THROUGH, 'bootstrap'])}")
+        env[var] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    return env
+
+
+def apply_environment(options: Optional[Mapping[str, Any]] = None) -> Dict[str, str]:
+    """Set nvshmem_environment(options) in os.environ (NVSHMEM reads it at init); returns it."""
+    env = nvshmem_environment(options)
+    os.environ.update(env)
+    return env
+
+
+# ---- the runtime ---------------------------------------------------------------------------------
+
+_state_lock = threading.Lock()
+_active: Optional["NvshmemRuntime"] = None
+
+
+class NvshmemRuntime:
+    """NVSHMEM initialised over our Comm by unique id. One per process (NVSHMEM is process-global).
+
+    `comm` is a deepep_portable.comm.Comm (or anything with rank, size, broadcast_object). Rank r
+    of the comm becomes PE r. Call with the CUDA device's primary context current on this thread.
+    """
+
+    def __init__(self, comm: Any, device: int, options: Optional[Mapping[str, Any]] = None) -> None:
+        global _active
+        self.lib = load_library()
+        self.device = int(device)
+        self.rank, self.size = int(comm.rank), int(comm.size)
+        self.env = apply_environment(options)
+        self.version = version()
+        with _state_lock:
+            if _active is not None:
+                raise RuntimeError("NVSHMEM is already initialised in this process (one NvshmemRuntime "
+                                   "per process; finalize() the previous one first)")
+            uid = new_unique_id()
+            err = ""
+            if self.rank == 0:
+                rc = self.lib.nvshmemx_get_uniqueid(ctypes.byref(uid))
+                if rc != 0:
+                    err = f"nvshmemx_get_uniqueid failed with {rc}"
+            # Every rank learns rank 0's id (or its error) before anyone calls init, so a failure on
+            # rank 0 cannot leave the others blocked inside the UID bootstrap.
+            blob, err = comm.broadcast_object((bytes(uid), err) if self.rank == 0 else None, 0)
+            if err:
+                raise RuntimeError(f"NVSHMEM unique id on rank 0: {err}")
+            ctypes.memmove(ctypes.byref(uid), blob, ctypes.sizeof(UniqueId))
+            self._uid = uid  # keep alive: attr points at it
+            v2 = self.version >= (3, 8, 0)
+            attr = new_init_attr(v2, self.device)
+            rc = self.lib.nvshmemx_set_attr_uniqueid_args(self.rank, self.size, ctypes.byref(uid),
+                                                          ctypes.byref(attr))
+            if rc != 0:
+                raise RuntimeError(f"nvshmemx_set_attr_uniqueid_args(rank={self.rank}, nranks={self.size}) "
+                                   f"failed with {rc}")
+            self._attr = attr
+            rc = self.lib.nvshmemx_hostlib_init_attr(INIT_WITH_UNIQUEID, ctypes.byref(attr))
+            if rc != 0:
+                raise RuntimeError(f"nvshmemx_hostlib_init_attr(UNIQUEID) failed with {rc} on rank {self.rank} "
+                                   f"(NVSHMEM {'.'.join(map(str, self.version))}, attr v{2 if v2 else 1}); "
+                                   "set NVSHMEM_DEBUG=INFO for NVSHMEM's own log")
+            _active = self
+        self.my_pe = int(self.lib.nvshmem_my_pe())
+        self.n_pes = int(self.lib.nvshmem_n_pes())
+        if (self.my_pe, self.n_pes) != (self.rank, self.size):
+            raise RuntimeError(f"NVSHMEM PE {self.my_pe}/{self.n_pes} != comm rank {self.rank}/{self.size}")
+        self._allocs: Dict[int, int] = {}
+        self._modules: Dict[int, bool] = {}
+        self.finalized = False
+
+    # memory
+    def malloc(self, nbytes: int) -> int:
+        """Collective: a symmetric allocation of nbytes on every PE; this PE's address."""
+        ptr = self.lib.nvshmem_malloc(int(nbytes))
+        if not ptr and nbytes:
+            raise MemoryError(f"nvshmem_malloc({nbytes}) failed (symmetric heap exhausted? "
+                              f"NVSHMEM_SYMMETRIC_SIZE={os.environ.get('NVSHMEM_SYMMETRIC_SIZE', '<default>')})")
+        self._allocs[int(ptr or 0)] = int(nbytes)
+        return int(ptr or 0)
+
+    def free(self, ptr: int) -> None:
+        """Collective."""
+        self._allocs.pop(int(ptr), None)
+        self.lib.nvshmem_free(ctypes.c_void_p(int(ptr)))
+
+    def ptr(self, addr: int, pe: int) -> int:
+        """nvshmem_ptr: load/store address of `addr` on `pe`, 0 when not P2P-reachable."""
+        return int(self.lib.nvshmem_ptr(ctypes.c_void_p(int(addr)), int(pe)) or 0)
+
+    # synchronisation
+    def barrier_all(self) -> None:
+        self.lib.nvshmem_barrier_all()
+
+    def barrier_all_on_stream(self, stream: int) -> None:
+        self.lib.nvshmemx_barrier_all_on_stream(ctypes.c_void_p(int(stream)))
+
+    # JIT modules
+    def cumodule_init(self, cu_module: int) -> None:
+        """Fill NVSHMEM's device state in a loaded, device-linked module (before its first launch)."""
+        rc = self.lib.nvshmemx_cumodule_init(ctypes.c_void_p(int(cu_module)))
+        if rc != 0:
+            raise RuntimeError(f"nvshmemx_cumodule_init failed with {rc} (was the module device-linked "
+                               "with libnvshmem_device.a of the same NVSHMEM version?)")
+        self._modules[int(cu_module)] = True
+
+    def cumodule_finalize(self, cu_module: int) -> None:
+        if self._modules.pop(int(cu_module), None):
+            self.lib.nvshmemx_cumodule_finalize(ctypes.c_void_p(int(cu_module)))
+
+    def finalize(self) -> None:
+        """Collective: frees what is left, finalizes registered modules, then NVSHMEM itself."""
+        global _active
+        if self.finalized:
+            return
+        for m in list(self._modules):
+            self.cumodule_finalize(m)
+        for p in list(self._allocs):
+            self.free(p)
+        self.lib.nvshmemx_hostlib_finalize()
+        self.finalized = True
+        with _state_lock:
+            if _active is self:
+                _active = None
+
+
+def transport_params(rt: NvshmemRuntime, window_base: int) -> "TransportParams":
+    return TransportParams(window_base, rt.my_pe, rt.n_pes)
+
+
+class TransportParams(ctypes.Structure):
+    """Host mirror of transport::NvshmemTransport (csrc/backends/nvshmem/device.cuh)."""
+    _fields_ = [("base", ctypes.c_uint64), ("rank", ctypes.c_int32), ("num_ranks", ctypes.c_int32)]
+
+
+class SelftestParams(ctypes.Structure):
+    """Host mirror of SelftestParams in jit_link.SELFTEST_SOURCE."""
+    _fields_ = [("t", TransportParams), ("src", ctypes.c_uint64), ("seq", ctypes.c_uint64),
+                ("deadline_ns", ctypes.c_uint64), ("claim", ctypes.c_uint64), ("host", ctypes.c_uint64),
+                ("out", ctypes.c_uint64), ("skip_signal_to", ctypes.c_int32), ("probe_timeout", ctypes.c_int32)]
+
+
+# ---- a minimal module loader exposing the CUmodule (until _C.Module does) ------------------------
+
+class CudaModule:
+    """Load a cubin with the CUDA driver API through ctypes (libcuda.so.1), in `device`'s primary
+    context, and launch its kernels. Exists because nvshmemx_cumodule_init needs the CUmodule
+    handle, which deepep_portable._C.Module does not expose yet."""
+
+    _CU_LAUNCH_PARAM_END = 0
+    _CU_LAUNCH_PARAM_BUFFER_POINTER = 1
+    _CU_LAUNCH_PARAM_BUFFER_SIZE = 2
+
+    def __init__(self, image: bytes, device: int) -> None:
+        try:
+            self.cu = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise NvshmemUnavailable(f"libcuda.so.1 not loadable: {e}") from e
+        self._check(self.cu.cuInit(0), "cuInit")
+        dev = ctypes.c_int()
+        self._check(self.cu.cuDeviceGet(ctypes.byref(dev), int(device)), "cuDeviceGet")
+        ctx = ctypes.c_void_p()
+        self._check(self.cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self._dev, self._ctx = dev, ctx
+        self._check(self.cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self._image = ctypes.create_string_buffer(bytes(image), len(image))
+        mod = ctypes.c_void_p()
+        self._check(self.cu.cuModuleLoadData(ctypes.byref(mod), self._image), "cuModuleLoadData")
+        self.handle = int(mod.value)
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.cu.cuGetErrorName(rc, ctypes.byref(name))
+            raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else rc}")
+
+    def launch(self, kernel: str, grid: int, block: int, params: ctypes.Structure, stream: int = 0,
+               shared_mem: int = 0) -> None:
+        fn = ctypes.c_void_p()
+        self._check(self.cu.cuModuleGetFunction(ctypes.byref(fn), ctypes.c_void_p(self.handle), kernel.encode()),
+                    f"cuModuleGetFunction({kernel})")
+        buf = ctypes.create_string_buffer(bytes(params), ctypes.sizeof(params))
+        size = ctypes.c_size_t(ctypes.sizeof(params))
+        extra = (ctypes.c_void_p * 5)(self._CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.cast(buf, ctypes.c_void_p),
+                                      self._CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.cast(ctypes.byref(size), ctypes.c_void_p),
+                                      self._CU_LAUNCH_PARAM_END)
+        self._check(self.cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, shared_mem, ctypes.c_void_p(stream), None,
+                                           extra), f"cuLaunchKernel({kernel})")
+
+    def synchronize(self) -> None:
+        self._check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def unload(self) -> None:
+        if self.handle:
+            self.cu.cuModuleUnload(ctypes.c_void_p(self.handle))
+            self.handle = 0
