@@ -1,0 +1,222 @@
+"""Host-side checks of the low-latency kernels that need no GPU: parameter structs against the compiled
+kernels (size and field order), compilation for a spread of shapes, the LowLatencyLayout arithmetic,
+and the FP8 cast code of protocol.cuh (compiled for the host) against tests/oracle.py bit for bit."""
+import ctypes
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from deepep_portable import jit
+from deepep_portable import layout as L
+from deepep_portable import low_latency as ll
+
+import oracle
+
+try:
+    NVCC = jit.find_nvcc()
+except Exception:   # pragma: no cover - CI installs a compiler
+    NVCC = None
+
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="no nvcc")
+KERNELS = [(ll.DISPATCH_SOURCE, "ll_dispatch_send", ll.LLDispatchParams),
+           (ll.DISPATCH_SOURCE, "ll_dispatch_recv", ll.LLDispatchParams),
+           (ll.COMBINE_SOURCE, "ll_combine_send", ll.LLCombineParams),
+           (ll.COMBINE_SOURCE, "ll_combine_recv", ll.LLCombineParams)]
+
+
+def _ptx(tmp_path, source: str, arch: str, defines: dict) -> str:
+    out = tmp_path / f"{os.path.basename(source)}.{arch}.ptx"
+    cmd = [NVCC, "-ptx", f"-arch={arch}", *jit.BASE_FLAGS, f"-I{jit.kernel_root()}",
+           *(f"-D{k}={v}" for k, v in defines.items()), os.path.join(jit.kernel_root(), source), "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return out.read_text()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("source,kernel,struct", KERNELS, ids=[k[1] for k in KERNELS])
+def test_param_struct_size_matches_ptx(tmp_path, arch, source, kernel, struct):
+    text = _ptx(tmp_path, source, arch, ll.kernel_defines(256, 3))
+    sizes = re.findall(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{kernel}_param_0\[(\d+)\]", text)
+    assert sizes == [str(ctypes.sizeof(struct))]
+
+
+def _c_fields(text: str, struct: str) -> list:
+    body = re.search(rf"struct {struct} \{{(.*?)\n\}};", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    names = []
+    for decl in body.split(";"):
+        decl = decl.strip()
+        if decl:
+            names.append(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", decl)[-1])
+    return names
+
+
+@pytest.mark.parametrize("source,cstruct,struct", [
+    (ll.DISPATCH_SOURCE, "LLDispatchParams", ll.LLDispatchParams),
+    (ll.COMBINE_SOURCE, "LLCombineParams", ll.LLCombineParams)])
+def test_param_struct_field_order_matches_source(source, cstruct, struct):
+    """Same names in the same order (sizes alone would not catch two swapped 64-bit fields)."""
+    root = jit.kernel_root()
+    with open(os.path.join(root, "common/kernels/low_latency/protocol.cuh")) as f:
+        common = _c_fields(f.read(), "Common")
+    with open(os.path.join(root, source)) as f:
+        own = _c_fields(f.read(), cstruct)
+    assert own[0] == "c"
+    assert common + own[1:] == [name for name, _ in struct._fields_]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("hidden,topk", [(128, 1), (7168, 8), (7680, 9), (2048, 8)])
+@pytest.mark.parametrize("source", [ll.DISPATCH_SOURCE, ll.COMBINE_SOURCE])
+def test_kernels_compile(source, hidden, topk):
+    archs = ("sm_90", "sm_80") if (hidden, topk) == (7168, 8) else ("sm_90",)
+    for arch in archs:
+        assert jit.compile(source, ll.kernel_defines(hidden, topk), arch)
+
+
+def test_families_registered():
+    fams = jit.families()
+    assert fams["low_latency_dispatch"].kernels == ("ll_dispatch_send", "ll_dispatch_recv")
+    assert fams["low_latency_combine"].kernels == ("ll_combine_send", "ll_combine_recv")
+
+
+SHAPES = [(t, h, r, e) for t in (1, 128, 1000) for h in (128, 7168, 7680) for r in (1, 3, 8) for e in (8, 256)]
+
+
+@pytest.mark.parametrize("tokens,hidden,ranks,experts", SHAPES)
+def test_layout_regions(tokens, hidden, ranks, experts):
+    experts = experts // ranks * ranks
+    lay = L.LowLatencyLayout(tokens, hidden, ranks, experts)
+    assert lay.total_bytes == L.low_latency_rdma_size_hint(tokens, hidden, ranks, experts)
+    # a message holds the header and the larger of the BF16 row and FP8 row + float32 scales
+    assert lay.message_bytes >= L.LL_MSG_HEADER + max(2 * hidden, hidden + hidden // 128 * 4)
+    assert lay.message_bytes % 16 == 0 and (L.LL_MSG_HEADER + hidden) % 16 == 0
+    regions = [("control", 0, L.LL_CONTROL_BYTES)]
+    for half in (0, 1):
+        regions.append((f"dispatch signals {half}", lay.dispatch_signal_offset(half), 8 * experts))
+        regions.append((f"combine signals {half}", lay.combine_signal_offset(half), 8 * experts))
+        size = max(lay.dispatch_recv_bytes, lay.combine_send_bytes)
+        regions.append((f"dispatch recv / combine send {half}", lay.dispatch_recv_offset(half), size))
+        regions.append((f"combine recv {half}", lay.combine_recv_offset(half), lay.combine_recv_bytes))
+        assert lay.combine_send_offset(half) == lay.dispatch_recv_offset(half)
+        # what the kernels compute from half 0 and the strides
+        assert lay.dispatch_signal_offset(0) + half * lay.signal_half_stride == lay.dispatch_signal_offset(half)
+        assert lay.combine_signal_offset(0) + half * lay.signal_half_stride == lay.combine_signal_offset(half)
+        assert lay.dispatch_recv_offset(0) + half * lay.data_half_stride == lay.dispatch_recv_offset(half)
+        assert lay.combine_recv_offset(0) + half * lay.data_half_stride == lay.combine_recv_offset(half)
+    regions.sort(key=lambda r: r[1])
+    for (name_a, a, size_a), (name_b, b, _) in zip(regions, regions[1:]):
+        assert a + size_a <= b, f"{name_a} overlaps {name_b}"
+    name, last, size = regions[-1]
+    assert last + size <= lay.total_bytes
+    for name, off, _ in regions:
+        assert off % (8 if "signals" in name else 16) == 0, name   # u64 signals; int4 rows
+    # the dispatch message slot table: (local expert, source, token) -> inside the half's area
+    last_msg = ((lay.num_local_experts - 1) * ranks + ranks - 1) * tokens + tokens - 1
+    assert (last_msg + 1) * lay.message_bytes <= lay.dispatch_recv_bytes
+    # the zero-copy view [E_local, R*T, H] bf16 and the combine rows [E, T, H] bf16
+    assert lay.num_local_experts * ranks * tokens * hidden * 2 == lay.combine_send_bytes
+    assert experts * tokens * hidden * 2 == lay.combine_recv_bytes
+    # the control words the kernels use
+    assert L.LL_CTRL_ERROR + 4 <= L.LL_CONTROL_BYTES
+    assert len({L.LL_CTRL_SENT, L.LL_CTRL_RECVD, L.LL_CTRL_SEND_ARRIVE, L.LL_CTRL_RECV_ARRIVE, L.LL_CTRL_ERROR}) == 5
+
+
+def test_scale_storage_is_column_major():
+    for ue8m0, cols in ((False, 56), (True, 14)):
+        shape = ll.scale_shape(3, 40, 7168, ue8m0)
+        view = torch.empty(shape).transpose(1, 2)
+        assert tuple(view.shape) == (3, 40, cols) and view.stride(1) == 1
+        # the kernel writes element (e, row, s) at e * S * slots + s * slots + row
+        e, row, s = 2, 17, cols - 1
+        assert view.stride(0) * e + view.stride(1) * row + view.stride(2) * s == e * cols * 40 + s * 40 + row
+
+
+# ---- the FP8 cast of protocol.cuh, compiled for the host, against the oracle --------------------------
+CAST_MAIN = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <cmath>
+#include "common/kernels/low_latency/protocol.cuh"
+using namespace deepep_portable::low_latency;
+// stdin: n, h, round_scale, then n*h bf16 bit patterns (uint16). stdout (binary): fp8 bytes, float scales.
+int main() {
+    int n, h, rs;
+    if (fread(&n, 4, 1, stdin) != 1 || fread(&h, 4, 1, stdin) != 1 || fread(&rs, 4, 1, stdin) != 1) return 1;
+    uint16_t* x = (uint16_t*)malloc(sizeof(uint16_t) * n * h);
+    if (fread(x, 2, (size_t)n * h, stdin) != (size_t)n * h) return 2;
+    unsigned char* data = (unsigned char*)malloc((size_t)n * h);
+    float* scales = (float*)malloc(sizeof(float) * n * (h / 128));
+    for (int t = 0; t < n; ++t)
+        for (int b = 0; b < h / 128; ++b) {
+            float f[128], amax = 0.0f;
+            for (int i = 0; i < 128; ++i) {
+                uint32_t bits = (uint32_t)x[(size_t)t * h + b * 128 + i] << 16;
+                memcpy(&f[i], &bits, 4);
+                amax = fmaxf(amax, fabsf(f[i]));
+            }
+            const float scale = fp8_scale(amax, rs != 0);
+            scales[t * (h / 128) + b] = scale;
+            for (int i = 0; i < 128; i += 2) {
+                uint16_t q = fp8x2(f[i], f[i + 1], scale);
+                data[(size_t)t * h + b * 128 + i] = q & 0xff;
+                data[(size_t)t * h + b * 128 + i + 1] = q >> 8;
+            }
+        }
+    fwrite(data, 1, (size_t)n * h, stdout);
+    fwrite(scales, 4, (size_t)n * (h / 128), stdout);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def cast_exe(tmp_path_factory):
+    if NVCC is None:
+        pytest.skip("no nvcc")
+    d = tmp_path_factory.mktemp("ll_cast")
+    src, exe = d / "cast.cu", d / "cast"
+    src.write_text(CAST_MAIN)
+    proc = subprocess.run([NVCC, "-std=c++17", "-O2", "-DDEEPEP_TRANSPORT_NVLINK", f"-I{jit.kernel_root()}",
+                           str(src), "-o", str(exe)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail("host build of the FP8 cast failed:\n" + proc.stdout + proc.stderr)
+    return str(exe)
+
+
+def _run_cast(exe: str, x: torch.Tensor, round_scale: bool):
+    n, h = x.shape
+    header = torch.tensor([n, h, int(round_scale)], dtype=torch.int32).numpy().tobytes()
+    out = subprocess.run([exe], input=header + x.view(torch.int16).numpy().tobytes(), capture_output=True,
+                         check=True).stdout
+    data = torch.frombuffer(bytearray(out[:n * h]), dtype=torch.uint8).view(n, h)
+    scales = torch.frombuffer(bytearray(out[n * h:]), dtype=torch.float32).view(n, h // 128)
+    return data, scales
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_fp8_cast_code_matches_oracle(cast_exe, round_scale):
+    gen = torch.Generator().manual_seed(7)
+    n, h = 64, 1024
+    magnitude = torch.exp2(torch.randint(-30, 20, (n, h // 128, 1), generator=gen).float())
+    x = (torch.randn(n, h // 128, 128, generator=gen) * magnitude).reshape(n, h)
+    x[0] = 0                      # all-zero token: amax clamp
+    x[1, :128] *= 1e-7            # tiny block: amax clamp
+    x[2, 5] = -x[2].abs().max() * 3   # negative amax
+    x = x.to(torch.bfloat16)
+    data, scales = _run_cast(cast_exe, x, round_scale)
+    exp_data, exp_scales = oracle.fp8_cast(x, round_scale)
+    assert torch.equal(scales.view(torch.int32), exp_scales.view(torch.int32))
+    assert torch.equal(data, exp_data.view(torch.uint8))
+    if round_scale:
+        # the receive kernel's UE8M0 packing: byte b of word w = biased exponent of scale 4w + b
+        exp_bits = (scales.view(torch.int32) >> 23) & 0xFF
+        words = exp_bits.view(n, -1, 4)
+        packed = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
+        _, exp_packed = oracle.fp8_cast(x, True, True)
+        assert torch.equal(packed.to(torch.int32), exp_packed)
