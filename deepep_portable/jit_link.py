@@ -235,7 +235,7 @@ struct SelftestParams {
     NvshmemTransport t;
     uint64_t src;            // DATA_BYTES, symmetric (or registered) memory
     uint64_t seq;            // signal value of this round
-    uint64_t deadline_ns;    // globaltimer deadline for every wait
+    uint64_t timeout_ns;     // every wait gives up this long after the kernel starts
     uint64_t claim;          // ErrorSink.claim (device, zeroed)
     uint64_t host;           // ErrorSink.host (mapped pinned int[6])
     uint64_t out;            // int64[4] results (device)
@@ -250,6 +250,7 @@ extern "C" __global__ void nvshmem_selftest(const __grid_constant__ SelftestPara
     const int prev = (p.t.rank + p.t.num_ranks - 1) % p.t.num_ranks;
     const void* src = reinterpret_cast<const void*>(p.src);
     int64_t* out = reinterpret_cast<int64_t*>(p.out);
+    const uint64_t deadline = deepep_portable::globaltimer_ns() + p.timeout_ns;
     const ErrorSink sink{reinterpret_cast<unsigned int*>(p.claim), reinterpret_cast<int*>(p.host), 1, p.t.rank};
     if (next != p.skip_signal_to) {
         p.t.put_warp(0, next, 0, src, kData, lane);
@@ -261,9 +262,9 @@ extern "C" __global__ void nvshmem_selftest(const __grid_constant__ SelftestPara
         }
     }
     if (lane == 0) {
-        out[0] = p.t.wait_ge(kData + 0, p.seq, p.deadline_ns, sink, prev) ? 1 : 0;
-        out[1] = out[0] ? (p.t.wait_ge(kData + 8, p.seq + 1, p.deadline_ns, sink, prev) ? 1 : 0) : 0;
-        out[2] = p.probe_timeout ? (p.t.wait_ge(kData + 24, 1, p.deadline_ns, sink, prev) ? 1 : 0) : -1;
+        out[0] = p.t.wait_ge(kData + 0, p.seq, deadline, sink, prev) ? 1 : 0;
+        out[1] = out[0] ? (p.t.wait_ge(kData + 8, p.seq + 1, deadline, sink, prev) ? 1 : 0) : 0;
+        out[2] = p.probe_timeout ? (p.t.wait_ge(kData + 24, 1, deadline, sink, prev) ? 1 : 0) : -1;
         out[3] = p.t.peer_ptr<void>(0, next) != nullptr ? 1 : 0;
     }
 }

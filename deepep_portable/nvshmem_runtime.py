@@ -369,7 +369,7 @@ class TransportParams(ctypes.Structure):
 class SelftestParams(ctypes.Structure):
     """Host mirror of SelftestParams in jit_link.SELFTEST_SOURCE."""
     _fields_ = [("t", TransportParams), ("src", ctypes.c_uint64), ("seq", ctypes.c_uint64),
-                ("deadline_ns", ctypes.c_uint64), ("claim", ctypes.c_uint64), ("host", ctypes.c_uint64),
+                ("timeout_ns", ctypes.c_uint64), ("claim", ctypes.c_uint64), ("host", ctypes.c_uint64),
                 ("out", ctypes.c_uint64), ("skip_signal_to", ctypes.c_int32), ("probe_timeout", ctypes.c_int32)]
 
 

@@ -291,3 +291,90 @@ def test_backend_is_not_registered():
     probe.clear_cache()
     st = probe.probe("nvshmem")
     assert not st.usable and "not implemented" in st.reason, st.reason
+
+
+def test_unique_id_and_attr_with_the_real_library():
+    """nvshmemx_get_uniqueid and nvshmemx_set_attr_uniqueid_args need no GPU: run them for real."""
+    lib = _lib_or_skip()
+    uid = nr.new_unique_id()
+    assert lib.nvshmemx_get_uniqueid(ctypes.byref(uid)) == 0
+    assert uid.version == (1 << 16) + 128
+    assert any(bytes(uid)[4:]), "the unique id is still all zero"
+    for v2 in (True, False):
+        attr = nr.new_init_attr(v2, 0)
+        assert lib.nvshmemx_set_attr_uniqueid_args(1, 4, ctypes.byref(uid), ctypes.byref(attr)) == 0
+        assert (attr.args.uid_args.myrank, attr.args.uid_args.nranks) == (1, 4)
+        assert ctypes.addressof(attr.args.uid_args.id.contents) == ctypes.addressof(uid)
+    assert lib.nvshmemx_init_status() == 0, "nothing may be initialised on the CPU"
+
+
+class _FakeComm:
+    """Two ranks in one process: rank 0's broadcast payload is replayed to rank 1."""
+
+    def __init__(self, rank, size, box):
+        self.rank, self.size, self.box = rank, size, box
+
+    def broadcast_object(self, obj, root=0):
+        if self.rank == root:
+            self.box["b"] = obj
+        return self.box["b"]
+
+
+class _FakeLib:
+    """The real library for the id functions; init / PE queries / teardown recorded instead."""
+
+    def __init__(self, real, pe, npes):
+        self.real, self.pe, self.npes, self.calls = real, pe, npes, []
+        self.nvshmemx_get_uniqueid = real.nvshmemx_get_uniqueid
+        self.nvshmemx_set_attr_uniqueid_args = real.nvshmemx_set_attr_uniqueid_args
+        self.nvshmemx_vendor_get_version_info = real.nvshmemx_vendor_get_version_info
+
+    def nvshmemx_hostlib_init_attr(self, flags, attr_ref):
+        attr = attr_ref._obj
+        self.calls.append(("init", flags, type(attr).__name__, attr.args.uid_args.myrank,
+                           attr.args.uid_args.nranks, bytes(attr.args.uid_args.id.contents)))
+        return 0
+
+    def nvshmem_my_pe(self):
+        return self.pe
+
+    def nvshmem_n_pes(self):
+        return self.npes
+
+    def nvshmemx_hostlib_finalize(self):
+        self.calls.append(("finalize",))
+
+
+def test_runtime_bootstrap_flow_without_a_gpu(monkeypatch):
+    """NvshmemRuntime: rank 0's unique id reaches rank 1 byte for byte, both init with the UID flag
+    and their own rank, the environment is set, one runtime per process."""
+    real = _lib_or_skip()
+    box = {}
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)  # restored afterwards
+    monkeypatch.delenv("NVSHMEM_IB_SL", raising=False)
+    runtimes = []
+    for rank in (0, 1):
+        fake = _FakeLib(real, rank, 2)
+        monkeypatch.setattr(nr, "_load", lambda fake=fake: (fake, "", "fake"))
+        rt = nr.NvshmemRuntime(_FakeComm(rank, 2, box), device=rank, options={"ib_sl": 3})
+        if rank == 0:
+            with pytest.raises(RuntimeError, match="already initialised"):
+                nr.NvshmemRuntime(_FakeComm(0, 2, {}), device=0)
+        rt.finalize()
+        runtimes.append((rt, fake))
+    assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1" and os.environ["NVSHMEM_IB_SL"] == "3"
+    inits = [f.calls[0] for _, f in runtimes]
+    want_attr = "InitAttrV2" if nr.version() >= (3, 8, 0) else "InitAttrV1"
+    assert [c[:5] for c in inits] == [("init", nr.INIT_WITH_UNIQUEID, want_attr, r, 2) for r in (0, 1)]
+    assert inits[0][5] == inits[1][5] and any(inits[0][5][4:]), "rank 1 must use rank 0's unique id"
+    assert all(f.calls[-1] == ("finalize",) for _, f in runtimes)
+
+
+def test_cuda_module_without_driver_says_why():
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        with pytest.raises(nr.NvshmemUnavailable, match="libcuda.so.1"):
+            nr.CudaModule(b"\x7fELF", 0)
+    else:
+        pytest.skip("a CUDA driver is installed here")
