@@ -1,0 +1,405 @@
+"""Low-latency kernels of the "nvlink" transport (deepep_portable/low_latency.py) through `deep_ep.Buffer`,
+on every rank, vs tests/oracle.py computed on the host.
+
+Run on the GPU machine, all ranks sharing one GPU under CUDA MPS:
+    mpirun --allow-run-as-root --oversubscribe -n 2|4|8 python -m pytest --with-mpi -q tests/mpi
+The module sets DEEPEP_PORTABLE_LL_KERNELS=1 before creating its Buffers (the kernels are opt-in until
+verified) and skips, on every rank alike, without CUDA, when the transport is unusable, or when the
+Buffer's backend does not hold a LowLatencyEngine (the wiring in transports/nvlink.py is missing).
+
+Checked bit for bit (dispatch payload, FP8 data and scales, UE8M0 words, counts, src_info, layout_range,
+stats, and the combine result: the kernel avoids FMA, so LL combine is exact too):
+- BF16, FP8, FP8+round_scale, FP8+UE8M0 at hidden 2048/4096/7168/7680, 128 tokens x top-8 x 256 experts;
+  small token counts, a rank with zero tokens, -1 experts; each case three consecutive calls pairs on the
+  same Buffer (double buffer, stale halves), with hook / zero_copy / out= rotating over the rounds.
+- Hook mode: the op returns with nothing left running (a rank that is 1 s late does not hold up
+  torch.cuda.synchronize() on the others), and the outputs are written by hook() (poisoned before it).
+- CUDA graph capture of dispatch + combine (no hook), replayed with new contents.
+- Timeout (last): rank 1 skips a call; the others raise CommTimeoutError naming the op, their rank and
+  peer 1 at their next call; a fresh Buffer works afterwards.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tests/mpi (shared helpers)
+
+import deepep_portable as deep_ep  # noqa: E402
+import oracle  # noqa: E402
+from test_intranode_gpu_mpi import GpuChecker, _short  # noqa: E402
+from test_reference_mpi import allgather, generator, make_topk, num_experts_for, world  # noqa: E402
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the LL kernel tests need a CUDA GPU"),
+]
+
+TRANSPORT = "nvlink"
+ENV = "DEEPEP_PORTABLE_LL_KERNELS"
+T = 128                     # num_max_dispatch_tokens_per_rank
+MAX_HIDDEN = 7680
+EXPERTS = 256
+TOPK = 8
+SMS = 8
+TIMEOUT_S = 3.0
+
+
+class _Shared:
+    buf = None
+    graveyard: list = []    # Buffers are never freed while the job runs (a peer may still write into them)
+
+
+_SHARED = _Shared()
+
+
+def _engine_of(buf):
+    from deepep_portable.low_latency import LowLatencyEngine
+
+    backend = buf._live()
+    for value in vars(backend).values():
+        if isinstance(value, LowLatencyEngine) and value.base is not None:
+            return value
+    return None
+
+
+def _ll_buffer(pg, hidden: int = MAX_HIDDEN, timeout_s: Optional[float] = None):
+    _, num_ranks = world(pg)
+    experts = num_experts_for(EXPERTS, num_ranks)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, hidden, num_ranks, experts)
+    kw = {} if timeout_s is None else dict(timeout_s=timeout_s)
+    buf = deep_ep.Buffer(pg, 0, rdma, low_latency_mode=True, num_qps_per_rank=experts // num_ranks,
+                         transport=TRANSPORT, **kw)
+    _SHARED.graveyard.append(buf)
+    return buf
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ll_env(pg):
+    rank, num_ranks = world(pg)
+    old_env, old_sms = os.environ.get(ENV), deep_ep.Buffer.num_sms
+    os.environ[ENV] = "1"
+    deep_ep.Buffer.set_num_sms(SMS)
+    status = deep_ep.available_transports().get(TRANSPORT)
+    mine = (False, f"transport {TRANSPORT!r} is not registered") if status is None else (bool(status.usable), status.reason)
+    if mine[0]:
+        try:
+            _SHARED.buf = _ll_buffer(pg)
+            if _engine_of(_SHARED.buf) is None:
+                mine = (False, f"{ENV}=1 but the {TRANSPORT} backend holds no LowLatencyEngine (not wired yet)")
+        except Exception as e:   # noqa: BLE001 - reported on every rank below
+            mine = (False, f"LL Buffer creation failed: {_short(e)}")
+    everyone: list = [None] * num_ranks
+    dist.all_gather_object(everyone, mine, group=pg)
+    bad = [f"rank {r}: {reason}" for r, (ok, reason) in enumerate(everyone) if not ok]
+    try:
+        if bad:
+            pytest.skip("LL kernels unusable: " + "; ".join(bad[:4]))
+        yield
+    finally:
+        deep_ep.Buffer.num_sms = old_sms
+        if old_env is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old_env
+
+
+# ---- one dispatch + combine pair vs the oracle ----------------------------------------------------------
+def make_x(gen, num_tokens: int, hidden: int) -> torch.Tensor:
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    if num_tokens >= 2:   # the FP8 amax clamp: an all-zero token and a block of tiny values
+        x[0] = 0
+        x[1, :128] *= 1e-7
+    return x.to(torch.bfloat16)
+
+
+def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: int, mode: str, topk: int = TOPK,
+             hook: bool = False, zero_copy: bool = False, use_out: bool = False, p_none: float = 0.1,
+             tag: str = "", late_rank: Optional[int] = None) -> None:
+    """Every collective runs on every rank whatever fails locally; kernels run while all ranks are healthy."""
+    rank, num_ranks = world(pg)
+    experts = num_experts_for(EXPERTS, num_ranks)
+    local, slots = experts // num_ranks, num_ranks * T
+    fp8, round_scale, ue8m0 = mode != "bf16", mode in ("fp8-round", "fp8-ue8m0"), mode == "fp8-ue8m0"
+    tag = f"[{tag} {mode} h{hidden} {num_tokens} tokens{' hook' if hook else ''}{' zero-copy' if zero_copy else ''}]"
+    x = make_x(gen, num_tokens, hidden)
+    idx = make_topk(num_tokens, topk, experts, gen, p_none)
+    w = torch.rand(num_tokens, topk, generator=gen)
+    x_all, idx_all = allgather(x, pg), allgather(idx, pg)
+    exp = oracle.low_latency_dispatch(rank, experts, T, x_all, idx_all, fp8, round_scale, ue8m0)
+    counts = exp.recv_count.tolist()
+    valid = torch.randn(sum(counts), hidden, generator=gen).to(torch.bfloat16)   # expert outputs, valid rows
+    valid_all, counts_all = allgather(valid, pg), allgather(exp.recv_count, pg)
+    y_all = []
+    for v, c in zip(valid_all, counts_all):
+        full = torch.empty(local, slots, hidden, dtype=torch.bfloat16)   # only valid slots are read (and touched)
+        off = 0
+        for e, n in enumerate(c.tolist()):
+            full[e, :n] = v[off:off + n]
+            off += n
+        y_all.append(full)
+    exp_out = oracle.low_latency_combine(rank, experts, T, y_all, idx_all, w)
+
+    d_x, d_idx, d_w = x.to(device), idx.to(device), w.to(device)
+    recv_stats = torch.zeros(local, dtype=torch.int32, device=device)
+    wait_stats = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+    torch.cuda.synchronize()
+    dist.barrier(group=pg)
+
+    def do_dispatch():
+        if late_rank is not None and rank == late_rank:
+            time.sleep(1.0)
+        out = buf.low_latency_dispatch(d_x, d_idx, T, experts, cumulative_local_expert_recv_stats=recv_stats,
+                                       dispatch_wait_recv_cost_stats=wait_stats, use_fp8=fp8,
+                                       round_scale=round_scale, use_ue8m0=ue8m0, return_recv_hook=hook)
+        ck.true((out[4] is not None) == hook, f"{tag} dispatch hook {out[4]} with return_recv_hook={hook}")
+        return out
+
+    res = ck.run(f"{tag} low_latency_dispatch", do_dispatch)
+    if hook and res is not None:
+        def hold_check():
+            t0 = time.monotonic()
+            torch.cuda.synchronize()
+            return time.monotonic() - t0
+        held = ck.run(f"{tag} synchronize before the hook", hold_check)
+        if late_rank is not None and rank != late_rank and held is not None:
+            ck.true(held < 0.5, f"{tag} synchronize() took {held:.2f} s before hook(): a kernel waits for the "
+                    f"late rank, so the receive phase was not deferred to the hook")
+        with ck.guard(f"{tag} poison before hook"):
+            recv = res[0][0] if fp8 else res[0]
+            recv.view(torch.uint8).fill_(0xFF)
+            if fp8:
+                res[0][1].fill_(-1 if ue8m0 else float("nan"))
+            res[1].fill_(-1)
+            res[2].src_info.fill_(-7)
+            res[2].layout_range.fill_(-7)
+    if not ck.agree(res is not None):
+        return
+    if hook:
+        ck.run(f"{tag} dispatch hook()", res[4])
+    recv, recv_count, handle = res[0], res[1], res[2]
+    recv_x, recv_s = recv if fp8 else (recv, None)
+    with ck.guard(f"{tag} dispatch outputs"):
+        ck.true(recv_x.shape == (local, slots, hidden), f"{tag} recv_x shape {list(recv_x.shape)}")
+        ck.true(recv_x.dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16), f"{tag} recv_x {recv_x.dtype}")
+        if fp8:
+            cols = hidden // 512 if ue8m0 else hidden // 128
+            ck.true(recv_s.shape == (local, slots, cols) and recv_s.stride(1) == 1,
+                    f"{tag} scales {list(recv_s.shape)} strides {recv_s.stride()} (want column-major)")
+            ck.true(recv_s.dtype == (torch.int32 if ue8m0 else torch.float32), f"{tag} scales {recv_s.dtype}")
+        ck.bits(recv_count, exp.recv_count, f"{tag} recv_count")
+        ck.bits(handle.layout_range, exp.layout_range, f"{tag} layout_range")
+        ck.true(tuple(handle)[2:] == (T, hidden, experts), f"{tag} handle tail {tuple(handle)[2:]}")
+        h_x, h_src = recv_x.cpu(), handle.src_info.cpu()
+        h_s = recv_s.cpu() if fp8 else None
+        for e in range(local):
+            n = counts[e]
+            ck.bits(h_x[e, :n], exp.recv_x[e, :n], f"{tag} recv_x[expert {e}]")
+            ck.bits(h_src[e, :n], exp.src_info[e, :n], f"{tag} src_info[expert {e}]")
+            if fp8:
+                ck.bits(h_s[e, :n], exp.recv_x_scales[e, :n], f"{tag} recv_x_scales[expert {e}]")
+        ck.bits(recv_stats, exp.recv_count, f"{tag} cumulative_local_expert_recv_stats")
+        ck.true(bool((wait_stats > 0).all()), f"{tag} dispatch_wait_recv_cost_stats {wait_stats.tolist()}")
+
+    def do_combine():
+        if zero_copy:
+            y = buf.get_next_low_latency_combine_buffer(handle)
+            ck.true(y.shape == (local, slots, hidden) and y.dtype == torch.bfloat16,
+                    f"{tag} zero-copy buffer {y.dtype}{list(y.shape)}")
+        else:
+            y = torch.empty(local, slots, hidden, dtype=torch.bfloat16, device=device)
+        y.view(torch.uint8).fill_(0xFF)            # invalid slots hold NaN: they must not be read
+        d_valid, off = valid.to(device), 0
+        for e, c in enumerate(counts):
+            y[e, :c] = d_valid[off:off + c]
+            off += c
+        out = torch.full((num_tokens, hidden), float("nan"), dtype=torch.bfloat16, device=device) if use_out else None
+        combined, _, c_hook = buf.low_latency_combine(y, d_idx, d_w, handle, zero_copy=zero_copy,
+                                                      return_recv_hook=hook, out=out)
+        ck.true((c_hook is not None) == hook, f"{tag} combine hook {c_hook} with return_recv_hook={hook}")
+        ck.true(out is None or combined is out, f"{tag} low_latency_combine(out=...) must return out")
+        if hook and c_hook is not None:
+            c_hook()
+        return combined
+
+    combined = ck.run(f"{tag} low_latency_combine", do_combine)
+    if combined is not None:
+        ck.bits(combined, exp_out, f"{tag} low_latency_combine")
+    ck.agree(combined is not None)
+
+
+FLAVORS = [dict(), dict(hook=True, zero_copy=True), dict(use_out=True, zero_copy=True)]   # one per round
+
+
+@pytest.mark.parametrize("hidden", [2048, 4096, 7168, 7680])
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "fp8-round", "fp8-ue8m0"])
+def test_ll_dispatch_combine(pg, device, request, base_seed, mode, hidden):
+    if mode == "fp8-ue8m0" and (hidden // 128) % 4:
+        pytest.skip("UE8M0 needs hidden/128 divisible by 4")
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    ck = GpuChecker(pg)
+    for rnd, flavor in enumerate(FLAVORS):
+        if not ck.agree(not ck.errors):
+            break
+        n = T if rnd == 0 else int(torch.randint(T // 2, T + 1, (1,), generator=gen))
+        run_pair(_SHARED.buf, pg, gen, device, ck, hidden=hidden, num_tokens=n, mode=mode, tag=f"round {rnd}",
+                 **flavor)
+    ck.done()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8-ue8m0"])
+def test_ll_small_zero_rank_and_missing_experts(pg, device, request, base_seed, mode):
+    """A few tokens (rank 1 none), top-9 with many -1, then a call in which every slot is -1."""
+    rank, _ = world(pg)
+    gen = generator(request, base_seed, rank)
+    ck = GpuChecker(pg)
+    run_pair(_SHARED.buf, pg, gen, device, ck, hidden=4096, topk=9, num_tokens=0 if rank == 1 else 1 + rank % 3,
+             mode=mode, p_none=0.4, tag="small")
+    if ck.agree(not ck.errors):
+        run_pair(_SHARED.buf, pg, gen, device, ck, hidden=4096, topk=1, num_tokens=3, mode=mode, p_none=1.0,
+                 tag="all -1", hook=True)
+    ck.done()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ll_hook_holds_nothing(pg, device, request, base_seed):
+    """Rank 0 dispatches 1 s late: the others' synchronize() after a hooked dispatch must not wait for it."""
+    rank, _ = world(pg)
+    gen = generator(request, base_seed, rank)
+    ck = GpuChecker(pg)
+    run_pair(_SHARED.buf, pg, gen, device, ck, hidden=7168, num_tokens=T, mode="fp8", hook=True, late_rank=0,
+             tag="late rank 0")
+    ck.done()
+
+
+def test_ll_cuda_graph(pg, device, request, base_seed):
+    """dispatch (BF16) + an "expert" (y = recv_x * 2) + combine captured once, replayed with new contents."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    experts = num_experts_for(EXPERTS, num_ranks)
+    hidden, n = 4096, 64 + rank
+    buf = _SHARED.buf
+    ck = GpuChecker(pg)
+    st = dict(x=torch.zeros(n, hidden, dtype=torch.bfloat16, device=device),
+              idx=torch.zeros(n, TOPK, dtype=torch.int64, device=device),
+              w=torch.zeros(n, TOPK, device=device))
+
+    def draw() -> dict:
+        h = dict(x=make_x(gen, n, hidden), idx=make_topk(n, TOPK, experts, gen), w=torch.rand(n, TOPK, generator=gen))
+        for k, v in h.items():
+            st[k].copy_(v.to(device))
+        torch.cuda.synchronize()
+        return h
+
+    def body() -> dict:
+        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(st["x"], st["idx"], T, experts, use_fp8=False)
+        y = recv_x * 2
+        combined, _, _ = buf.low_latency_combine(y, st["idx"], st["w"], handle)
+        return dict(recv_x=recv_x, recv_count=recv_count, combined=combined)
+
+    def check(outs: Optional[dict], h: dict, what: str) -> None:
+        x_all, idx_all = allgather(h["x"], pg), allgather(h["idx"], pg)
+        exps = [oracle.low_latency_dispatch(j, experts, T, x_all, idx_all) for j in range(num_ranks)]
+        y_all = []
+        for ex in exps:   # the "expert" on the valid rows only (the rest is never read nor touched)
+            y = torch.empty_like(ex.recv_x)
+            for e, c in enumerate(ex.recv_count.tolist()):
+                y[e, :c] = ex.recv_x[e, :c] * 2
+            y_all.append(y)
+        exp_out = oracle.low_latency_combine(rank, experts, T, y_all, idx_all, h["w"])
+        if outs is None:
+            return
+        exp = exps[rank]
+        ck.bits(outs["recv_count"], exp.recv_count, f"[{what}] recv_count")
+        got = ck.host(outs["recv_x"], f"[{what}] recv_x")
+        if got is not None:
+            for e, c in enumerate(exp.recv_count.tolist()):
+                ck.bits(got[e, :c], exp.recv_x[e, :c], f"[{what}] recv_x[expert {e}]")
+        ck.bits(outs["combined"], exp_out, f"[{what}] combined")
+
+    side = torch.cuda.Stream()
+
+    def eager() -> dict:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            outs = body()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        return outs
+
+    h = draw()
+    check(ck.run("[graph warm-up] eager", eager), h, "warm-up")
+    if ck.agree(not ck.errors):
+        graph = torch.cuda.CUDAGraph()
+
+        def capture() -> dict:
+            with torch.cuda.graph(graph):
+                outs = body()
+            torch.cuda.synchronize()
+            return outs
+
+        outs = ck.run("[graph] capture", capture)
+        if ck.agree(outs is not None):
+            for i in range(3):
+                h = draw()
+                done = ck.run(f"[graph replay {i}]", lambda: (graph.replay(), torch.cuda.synchronize()))
+                check(outs if done is not None else None, h, f"replay {i}")
+                if not ck.agree(not ck.errors):
+                    break
+    if ck.agree(not ck.errors):
+        run_pair(buf, pg, gen, device, ck, hidden=2048, num_tokens=5, mode="fp8", zero_copy=True,
+                 tag="eager after graph")
+    ck.done()
+
+
+# ---- timeout (keep last) ----------------------------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+def test_zz_ll_timeout_then_fresh_buffer(pg, device, request, base_seed):
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    experts = num_experts_for(EXPERTS, num_ranks)
+    ck = GpuChecker(pg)
+    tbuf = ck.run(f"Buffer(timeout_s={TIMEOUT_S})", lambda: _ll_buffer(pg, 2048, TIMEOUT_S))
+    if ck.agree(tbuf is not None):
+        run_pair(tbuf, pg, gen, device, ck, hidden=2048, num_tokens=9, mode="bf16", tag="timeout buffer warm-up")
+    if ck.agree(tbuf is not None and not ck.errors):
+        x = make_x(gen, 9, 2048).to(device)
+        idx = make_topk(9, TOPK, experts, gen, p_none=0.0, all_none_token=False).to(device)
+        torch.cuda.synchronize()
+        dist.barrier(group=pg)
+        if rank != 1:
+            caught = None
+            t0 = time.monotonic()
+            try:
+                tbuf.low_latency_dispatch(x, idx, T, experts, use_fp8=False)
+                torch.cuda.synchronize()          # the receive kernel gives up after timeout_s
+                tbuf.low_latency_dispatch(x, idx, T, experts, use_fp8=False)   # the next call reports it
+            except Exception as e:   # noqa: BLE001 - inspected below
+                caught = e
+            elapsed = time.monotonic() - t0
+            print(f"\n[rank {rank}] LL dispatch without rank 1: {elapsed:.2f} s, "
+                  f"{_short(caught) if caught is not None else 'no exception'}")
+            err_cls = getattr(deep_ep, "CommTimeoutError", None)
+            ck.true(caught is not None and err_cls is not None and isinstance(caught, err_cls),
+                    f"expected CommTimeoutError, got {None if caught is None else _short(caught)}")
+            if caught is not None:
+                ck.true("dispatch" in str(getattr(caught, "op", "")), f".op is {getattr(caught, 'op', None)!r}")
+                ck.true(getattr(caught, "rank", None) == rank, f".rank is {getattr(caught, 'rank', None)!r}")
+                ck.true(getattr(caught, "peer", None) == 1, f".peer is {getattr(caught, 'peer', None)!r}, expected 1")
+            ck.true(TIMEOUT_S * 0.5 <= elapsed < TIMEOUT_S + 30, f"raised after {elapsed:.2f} s")
+        with ck.guard("torch.cuda.synchronize() after the timeout"):
+            torch.cuda.synchronize()
+    dist.barrier(group=pg)
+    fresh = ck.run("fresh LL Buffer after the timeout", lambda: _ll_buffer(pg, 2048))
+    if ck.agree(fresh is not None):
+        for rnd in range(2):
+            run_pair(fresh, pg, gen, device, ck, hidden=2048, num_tokens=7, mode="fp8-round", hook=rnd == 1,
+                     tag=f"fresh Buffer round {rnd}")
+    ck.done()
