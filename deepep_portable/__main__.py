@@ -23,6 +23,7 @@ def main(argv=None) -> int:
 
         return run_doctor()
     from . import jit
+    from . import low_latency  # noqa: F401  (registers the low-latency kernel families)
 
     for name, arch, seconds, hit in jit.precompile(tuple(args.arch)):
         print(f"{name:40s} {arch:6s} {'cached' if hit else f'{seconds:.1f} s'}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import socket
 import time
 from typing import List, Optional, Tuple
 
@@ -19,23 +18,13 @@ from . import jit
 from . import layout as L
 from ._kernels import launch, stream_handle
 from .handles import DispatchHandle
+from .ipc import CommTimeoutError, IpcWindow, MappedWords
 from .transports.base import BufferContext, DispatchArgs, DispatchResult
 
 DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
 THREADS = 512   # __launch_bounds__ of the intranode kernels
 OP_NAMES = {1: "dispatch", 2: "combine"}
-ERROR_WORDS = 8
-
-
-class CommTimeoutError(RuntimeError):
-    """A wait for a peer ran past the Buffer's timeout. The Buffer is unusable afterwards."""
-
-    def __init__(self, op: str, rank: int, peer: int, channel: int, timeout_s: float) -> None:
-        super().__init__(f"{op} timed out on rank {rank} waiting for peer {peer} (channel {channel}) after "
-                         f"{timeout_s:g} s: the peer did not reach the same call (or is stuck); "
-                         f"this Buffer cannot be used again, create a new one")
-        self.op, self.rank, self.peer, self.channel = op, rank, peer, channel
 
 
 def _struct(name: str, fields: List[str]) -> type:
@@ -74,37 +63,14 @@ def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
     return pos.t().contiguous()
 
 
-class _Mapped:
-    """Pinned host words the GPU writes and the host polls."""
-
-    def __init__(self, device: int, words: int) -> None:
-        from . import _C
-
-        self._device = device
-        self.host, self.dev = _C.host_alloc_mapped(device, words * 4)
-        self.words = (ctypes.c_int * words).from_address(self.host)
-        for i in range(words):
-            self.words[i] = 0
-
-    def free(self) -> None:
-        from . import _C
-
-        if self.host:
-            _C.host_free(self._device, self.host)
-            self.host = 0
-
-
 class IntranodeEngine:
     def __init__(self, ctx: BufferContext) -> None:
-        from . import _C
-
         if ctx.device.type != "cuda":
             raise RuntimeError("the nvlink transport needs a CUDA device")
         if ctx.num_nvl_bytes <= L.CONTROL_BYTES:
             raise ValueError(f"the nvlink transport needs num_nvl_bytes > {L.CONTROL_BYTES} "
                              f"(Config.get_nvl_buffer_size_hint), got {ctx.num_nvl_bytes}")
         self.ctx = ctx
-        self.dev = ctx.device.index
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
         self.broken: Optional[str] = None
         self._kernels: dict = {}
@@ -113,52 +79,24 @@ class IntranodeEngine:
         self._profile = os.environ.get("DEEPEP_PORTABLE_PROFILE", "0") == "1"
         self._marks: List[Tuple[str, list]] = []
         self._host_us: dict = {}
-        self.base = _C.mem_alloc(self.dev, ctx.num_nvl_bytes)
-        _C.memset_d8_async(self.dev, self.base, 0, L.CONTROL_BYTES, 0)
-        _C.stream_synchronize(self.dev, 0)
-        me = dict(host=socket.gethostname(), pid=os.getpid(), nvl_bytes=ctx.num_nvl_bytes,
-                  uuid=str(torch.cuda.get_device_properties(self.dev).uuid),
-                  handle=_C.ipc_get_mem_handle(self.dev, self.base))
-        peers = ctx.comm.allgather_object(me)
-        # Spinning blocks of every rank must be resident at once: ranks that share a GPU split its SMs.
-        sharing = sum(1 for p in peers if p["uuid"] == me["uuid"])
-        from ._kernels import sm_count
-
-        self.max_blocks = max(1, sm_count(self.dev) // sharing)
-        hosts = {p["host"] for p in peers}
-        if len(hosts) != 1:
-            raise RuntimeError(f"the nvlink transport needs every rank on one node; ranks are on {sorted(hosts)}")
-        sizes = {p["nvl_bytes"] for p in peers}
-        if len(sizes) != 1:
-            raise ValueError(f"every rank must create its Buffer with the same num_nvl_bytes; got {sorted(sizes)}")
-        self._opened: List[int] = []
-        bases = []
-        for r, p in enumerate(peers):
-            if r == self.rank:
-                bases.append(self.base)
-            else:
-                b = _C.ipc_open_mem_handle(self.dev, p["handle"])
-                self._opened.append(b)
-                bases.append(b)
-        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=ctx.device)
-        self.errors = _Mapped(self.dev, ERROR_WORDS)
-        self.notify = _Mapped(self.dev, 2 + 65536 // 4)
+        self.window = IpcWindow(ctx, ctx.num_nvl_bytes, L.CONTROL_BYTES, "num_nvl_bytes")
+        self.dev, self.base, self.peer_bases = self.window.dev, self.window.base, self.window.peer_bases
+        self.errors = self.window.errors
+        self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
                      L.ctrl_count_to(self.num_ranks), L.ctrl_expert_count(self.num_ranks)]
-        torch.cuda.synchronize(self.dev)
-        ctx.comm.barrier()   # every peer mapped everyone's zeroed buffer before any kernel runs
 
     # ---- errors --------------------------------------------------------------------------------
     def check(self) -> None:
         """Raise what a kernel reported (or what made this Buffer unusable before)."""
         if self.broken is not None:
             raise RuntimeError(self.broken)
-        w = self.errors.words
-        code = w[0]
-        if code == 0:
+        rec = self.window.recorded_error()
+        if rec is None:
             return
-        op, rank, peer, channel, detail = OP_NAMES.get(w[1], "?"), w[2], w[3], w[4], w[5]
+        code, op_id, rank, peer, channel, detail = rec
+        op = OP_NAMES.get(op_id, "?")
         if code == 1:
             err: Exception = CommTimeoutError(op, rank, peer, channel, self.ctx.timeout_s)
         elif code == 2:
@@ -227,9 +165,7 @@ class IntranodeEngine:
             self._host_us.setdefault(key, []).append((time.perf_counter() - t0) * 1e6)
 
     def _grid(self, num_sms: int) -> int:
-        """Blocks per kernel: the caller's SM budget, capped so that every rank sharing this GPU
-        fits at once (a block that cannot become resident would leave its peers spinning)."""
-        return max(1, min(num_sms, self.max_blocks))
+        return self.window.grid(num_sms)
 
     def _capacity(self, lay: L.NormalLayout) -> int:
         return lay.max_tokens_per_rank(self.ctx.num_nvl_bytes)
@@ -373,17 +309,10 @@ class IntranodeEngine:
         return out, out_w
 
     def destroy(self) -> None:
-        from . import _C
-
         if self.base is None:
             return
-        torch.cuda.synchronize(self.dev)
         try:
-            self.ctx.comm.barrier()   # no peer may still read my buffer
+            self.window.close()
         finally:
-            for b in self._opened:
-                _C.ipc_close_mem_handle(self.dev, b)
-            _C.mem_free(self.dev, self.base)
-            self.errors.free()
             self.notify.free()
             self.base = None

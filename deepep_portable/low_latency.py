@@ -21,16 +21,16 @@ The combine kernel checks it and reports a mismatch instead of silently racing.
 from __future__ import annotations
 
 import os
-import socket
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
 from . import jit
 from . import layout as L
-from ._kernels import launch, sm_count, stream_handle
+from ._kernels import launch, stream_handle
 from .handles import LowLatencyHandle
-from .intranode import CommTimeoutError, _Mapped, _ptr, _struct
+from .intranode import _ptr, _struct
+from .ipc import CommTimeoutError, IpcWindow
 from .transports.base import (BufferContext, LowLatencyCombineArgs, LowLatencyDispatchArgs,
                               LowLatencyDispatchResult)
 
@@ -39,7 +39,6 @@ COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
 TRANSPORT_DEFINE = "DEEPEP_TRANSPORT_NVLINK"
 THREADS = 512                      # kThreads in protocol.cuh
 OP_NAMES = {3: "low_latency_dispatch", 4: "low_latency_combine"}
-ERROR_WORDS = 8
 ERROR_TIMEOUT, ERROR_OVERRUN = 1, 3
 
 _COMMON = ["peer_bases", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_send_arrive", "ctrl_recv_arrive",
@@ -81,44 +80,16 @@ class LowLatencyEngine:
         self._kernels: dict = {}
         if ctx.num_rdma_bytes == 0:
             return
-        from . import _C
-
         if ctx.device.type != "cuda":
             raise RuntimeError("the nvlink transport's low-latency kernels need a CUDA device")
         if ctx.num_rdma_bytes <= L.LL_CONTROL_BYTES:
             raise ValueError(f"low-latency mode needs num_rdma_bytes > {L.LL_CONTROL_BYTES} "
                              f"(Buffer.get_low_latency_rdma_size_hint), got {ctx.num_rdma_bytes}")
-        self.dev = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
-        self.base = _C.mem_alloc(self.dev, ctx.num_rdma_bytes)
         # Everything zero: counters, arrival words, error claim and every signal (seq 0 = never written).
-        _C.memset_d8_async(self.dev, self.base, 0, ctx.num_rdma_bytes, 0)
-        _C.stream_synchronize(self.dev, 0)
-        me = dict(host=socket.gethostname(), pid=os.getpid(), rdma_bytes=ctx.num_rdma_bytes,
-                  uuid=str(torch.cuda.get_device_properties(self.dev).uuid),
-                  handle=_C.ipc_get_mem_handle(self.dev, self.base))
-        peers = ctx.comm.allgather_object(me)
-        sharing = sum(1 for p in peers if p["uuid"] == me["uuid"])
-        self.max_blocks = max(1, sm_count(self.dev) // sharing)
-        hosts = {p["host"] for p in peers}
-        if len(hosts) != 1:
-            raise RuntimeError(f"the nvlink transport needs every rank on one node; ranks are on {sorted(hosts)}")
-        sizes = {p["rdma_bytes"] for p in peers}
-        if len(sizes) != 1:
-            raise ValueError(f"every rank must create its Buffer with the same num_rdma_bytes; got {sorted(sizes)}")
-        self._opened: List[int] = []
-        bases = []
-        for r, p in enumerate(peers):
-            if r == self.rank:
-                bases.append(self.base)
-            else:
-                b = _C.ipc_open_mem_handle(self.dev, p["handle"])
-                self._opened.append(b)
-                bases.append(b)
-        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=ctx.device)
-        self.errors = _Mapped(self.dev, ERROR_WORDS)
-        torch.cuda.synchronize(self.dev)
-        ctx.comm.barrier()   # every peer mapped everyone's zeroed buffer before any kernel runs
+        self.window = IpcWindow(ctx, ctx.num_rdma_bytes, ctx.num_rdma_bytes, "num_rdma_bytes")
+        self.dev, self.base, self.peer_bases = self.window.dev, self.window.base, self.window.peer_bases
+        self.errors = self.window.errors
 
     # ---- errors ----------------------------------------------------------------------------------
     def check(self) -> None:
@@ -127,11 +98,11 @@ class LowLatencyEngine:
             raise RuntimeError(self.broken)
         if self.base is None:
             return
-        w = self.errors.words
-        code = w[0]
-        if code == 0:
+        rec = self.window.recorded_error()
+        if rec is None:
             return
-        op, rank, peer, channel, detail = OP_NAMES.get(w[1], "?"), w[2], w[3], w[4], w[5]
+        code, op_id, rank, peer, channel, detail = rec
+        op = OP_NAMES.get(op_id, "?")
         if code == ERROR_TIMEOUT:
             err: Exception = CommTimeoutError(op, rank, peer, channel, self.ctx.timeout_s)
         elif code == ERROR_OVERRUN and peer < 0:
@@ -186,7 +157,7 @@ class LowLatencyEngine:
         """The caller's SM budget (Buffer.num_sms), capped so every rank sharing this GPU fits at once."""
         from .buffer import Buffer
 
-        return max(1, min(int(Buffer.num_sms), self.max_blocks))
+        return self.window.grid(Buffer.num_sms)
 
     def _two_phase(self, send, recv, params, return_recv_hook: bool, keep: tuple) -> Optional[Callable[[], None]]:
         """Launch the send kernel now; the receive kernel now or in the returned hook."""
@@ -306,19 +277,10 @@ class LowLatencyEngine:
         self.ctx.comm.barrier()        # nobody signals before everyone is clean
 
     def destroy(self) -> None:
-        from . import _C
-
         if self.base is None:
             return
-        torch.cuda.synchronize(self.dev)
-        try:
-            self.ctx.comm.barrier()   # no peer may still write into my buffer
-        finally:
-            for b in self._opened:
-                _C.ipc_close_mem_handle(self.dev, b)
-            _C.mem_free(self.dev, self.base)
-            self.errors.free()
-            self.base = None
+        self.window.close()
+        self.base = None
 
 
 # Kernel families (what `python -m deepep_portable precompile` and CI compile).

@@ -1,20 +1,27 @@
-"""`nvlink` transport: intranode high-throughput kernels over CUDA IPC load/store.
+"""`nvlink` transport: intranode kernels over CUDA IPC load/store.
 
 Every rank of the group must be on one node (NVLink or, for testing, several ranks on one GPU).
 Normal-mode ops (dispatch, cached dispatch, combine) run the CUDA kernels of
-csrc/common/kernels/intranode; low-latency ops are served by the reference implementation until
-the low-latency kernels land (issue 4), which `available_transports()` states.
+csrc/common/kernels/intranode. Low-latency ops run the kernels of csrc/common/kernels/low_latency
+only with DEEPEP_PORTABLE_LL_KERNELS=1: they compile in CI but have not yet run on a GPU, so by
+default the reference implementation serves them (available_transports() says so).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
 
-from ..handles import DispatchHandle
+from ..handles import DispatchHandle, LowLatencyHandle
 from ..intranode import IntranodeEngine
-from .base import BufferContext, DispatchArgs, DispatchResult
+from .base import (BufferContext, DispatchArgs, DispatchResult, LowLatencyCombineArgs, LowLatencyDispatchArgs,
+                   LowLatencyDispatchResult)
 from .reference import ReferenceTransport
+
+
+def low_latency_kernels_enabled() -> bool:
+    return os.environ.get("DEEPEP_PORTABLE_LL_KERNELS", "0") == "1"
 
 
 class NvlinkTransport(ReferenceTransport):
@@ -22,11 +29,17 @@ class NvlinkTransport(ReferenceTransport):
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
-        # A low-latency-only Buffer (num_nvl_bytes=0) has no normal-mode buffer; Buffer rejects
-        # normal-mode calls on it with the size they need. Every rank passes the same size, so all
-        # ranks take the same branch of this collective setup.
+        # Every rank passes the same sizes and environment, so all ranks take the same branches of
+        # these collective set-ups. A Buffer with num_nvl_bytes=0 has no normal-mode buffer (Buffer
+        # rejects normal-mode calls on it with the size they need).
         self.engine = IntranodeEngine(ctx) if ctx.num_nvl_bytes > 0 else None
+        self.ll_engine = None
+        if ctx.num_rdma_bytes > 0 and low_latency_kernels_enabled():
+            from ..low_latency import LowLatencyEngine
 
+            self.ll_engine = LowLatencyEngine(ctx)
+
+    # ---- normal mode ----------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         return self.engine.dispatch(args)
 
@@ -45,7 +58,29 @@ class NvlinkTransport(ReferenceTransport):
     def combine(self, x, handle, topk_weights, bias_0, bias_1, num_sms):
         return self.engine.combine(x, handle, topk_weights, bias_0, bias_1, num_sms)
 
+    # ---- low-latency mode (kernels opt-in until verified on a GPU) ----------------------------
+    def low_latency_dispatch(self, args: LowLatencyDispatchArgs) -> LowLatencyDispatchResult:
+        if self.ll_engine is None:
+            return super().low_latency_dispatch(args)
+        return self.ll_engine.dispatch(args)
+
+    def low_latency_combine(self, args: LowLatencyCombineArgs):
+        if self.ll_engine is None:
+            return super().low_latency_combine(args)
+        return self.ll_engine.combine(args)
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        if self.ll_engine is None:
+            return super().get_next_low_latency_combine_buffer(handle)
+        return self.ll_engine.get_next_low_latency_combine_buffer(handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        if self.ll_engine is None:
+            return super().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.ll_engine.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
     def destroy(self) -> None:
-        if self.engine is not None:
-            self.engine.destroy()
+        for engine in (self.engine, self.ll_engine):
+            if engine is not None:
+                engine.destroy()
         super().destroy()

@@ -791,7 +791,9 @@ def _probe_nvlink() -> TransportStatus:
     """Intranode kernels over CUDA IPC: a GPU (sm_80+), the host module and a CUDA compiler for
     the JIT. Whether every rank of a group shares one node is checked when a Buffer is made."""
     problems: List[str] = []
-    details: Dict = {"low_latency_ops": "reference implementation (low-latency kernels not built yet)"}
+    ll = os.environ.get("DEEPEP_PORTABLE_LL_KERNELS", "0") == "1"
+    details: Dict = {"low_latency_ops": "low-latency kernels (opt-in, not yet verified on a GPU)" if ll else
+                     "reference implementation (DEEPEP_PORTABLE_LL_KERNELS=1 runs the unverified kernels)"}
     gpu = _gpu_check((8, 0), "the nvlink kernels")
     if gpu:
         problems.append(gpu)

@@ -1,0 +1,115 @@
+"""IpcWindow's collective setup on the CPU, with a fake driver module and fake peers: handles are
+exchanged, every peer but itself is opened, mixed hosts or sizes are refused (freeing the window),
+grids are capped for ranks that share a GPU, and close() unmaps and frees."""
+import ctypes
+import socket
+import types
+
+import pytest
+import torch
+
+from deepep_portable import ipc
+from deepep_portable.transports.base import BufferContext
+
+
+class FakeDriver:
+    def __init__(self):
+        self.allocs, self.freed, self.opened, self.closed, self._host = {}, [], [], [], []
+
+    def mem_alloc(self, dev, n):
+        ptr = 0x1000_0000 + 0x100_0000 * len(self.allocs)
+        self.allocs[ptr] = n
+        return ptr
+
+    def memset_d8_async(self, dev, ptr, value, n, stream):
+        assert ptr in self.allocs and n <= self.allocs[ptr]
+
+    def stream_synchronize(self, dev, stream):
+        pass
+
+    def ipc_get_mem_handle(self, dev, ptr):
+        return b"H" + ptr.to_bytes(8, "little") + bytes(55)
+
+    def ipc_open_mem_handle(self, dev, handle):
+        base = 0x9000_0000 + int.from_bytes(handle[1:9], "little")
+        self.opened.append(base)
+        return base
+
+    def ipc_close_mem_handle(self, dev, base):
+        self.closed.append(base)
+
+    def mem_free(self, dev, ptr):
+        self.freed.append(ptr)
+
+    def host_alloc_mapped(self, dev, n):
+        buf = (ctypes.c_char * n)()
+        self._host.append(buf)
+        addr = ctypes.addressof(buf)
+        return addr, addr
+
+    def host_free(self, dev, ptr):
+        pass
+
+
+class FakeComm:
+    def __init__(self, rank, peers):
+        self.rank, self.peers, self.barriers = rank, peers, 0
+
+    def allgather_object(self, me):
+        out = list(self.peers)
+        out[self.rank] = me
+        return out
+
+    def barrier(self):
+        self.barriers += 1
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    drv = FakeDriver()
+    import deepep_portable
+
+    monkeypatch.setattr(deepep_portable, "_C", drv, raising=False)
+    monkeypatch.setitem(__import__("sys").modules, "deepep_portable._C", drv)
+    monkeypatch.setattr(ipc, "device_uuid", lambda dev: "GPU-A")
+    monkeypatch.setattr(ipc, "_synchronize", lambda dev: None)
+    monkeypatch.setattr(ipc, "sm_count", lambda dev: 132)
+    return drv
+
+
+def peer(host, nbytes, uuid, ptr):
+    return dict(host=host, pid=1, nbytes=nbytes, uuid=uuid, handle=b"H" + ptr.to_bytes(8, "little") + bytes(55))
+
+
+def ctx_for(comm, rank, ranks):
+    return BufferContext(comm=comm, rank=rank, num_ranks=ranks, device=torch.device("cpu", 0), num_nvl_bytes=0,
+                         num_rdma_bytes=0, low_latency_mode=False, uid=1, timeout_s=5.0)
+
+
+def test_maps_every_peer_but_itself_and_caps_the_grid(fake):
+    host = socket.gethostname()
+    peers = [peer(host, 4096, "GPU-A", 0x2000), None, peer(host, 4096, "GPU-B", 0x3000), peer(host, 4096, "GPU-A", 0x4000)]
+    comm = FakeComm(1, peers)
+    w = ipc.IpcWindow(ctx_for(comm, 1, 4), 4096, 256, "num_nvl_bytes")
+    assert w.bases[1] == w.base and len(w._opened) == 3
+    assert w.bases[0] == 0x9000_0000 + 0x2000 and w.bases[3] == 0x9000_0000 + 0x4000
+    assert w.peer_bases.tolist() == w.bases
+    assert w.max_blocks == 132 // 3 and w.grid(64) == 44 and w.grid(8) == 8 and w.grid(0) == 1
+    assert w.recorded_error() is None and comm.barriers == 1
+    w.errors.words[0], w.errors.words[3] = 1, 2
+    assert w.recorded_error()[0] == 1 and w.recorded_error()[3] == 2
+    base = w.base
+    w.close()
+    assert sorted(fake.closed) == sorted(w._opened) and fake.freed == [base] and comm.barriers == 2
+    w.close()   # idempotent
+    assert fake.freed == [base]
+
+
+@pytest.mark.parametrize("bad,match", [("host", "one node"), ("size", "same num_nvl_bytes")])
+def test_refuses_mixed_groups_and_frees_its_window(fake, bad, match):
+    host = socket.gethostname()
+    other = peer("elsewhere" if bad == "host" else host, 4096 if bad == "host" else 8192, "GPU-B", 0x2000)
+    comm = FakeComm(0, [None, other])
+    with pytest.raises((RuntimeError, ValueError), match=match):
+        ipc.IpcWindow(ctx_for(comm, 0, 2), 4096, 256, "num_nvl_bytes")
+    assert len(fake.freed) == 1 and not fake.opened
