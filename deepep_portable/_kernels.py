@@ -66,6 +66,24 @@ def zero_async(t: torch.Tensor, stream: StreamLike) -> None:
         _C.memset_d8_async(dev, t.data_ptr(), 0, nbytes, stream_handle(stream, dev))
 
 
+class KernelCache:
+    """jit.load memoized per (source, kernel, defines, forced arch) for one device: the hot path of
+    an op should not rebuild jit's cache keys on every call."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._fns: dict = {}
+
+    def get(self, source: str, name: str, defines: dict):
+        import os
+
+        key = (source, name, tuple(sorted(defines.items())), os.environ.get("DEEPEP_PORTABLE_FORCE_ARCH"))
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = jit.load(source, name, defines, self.device)
+        return fn
+
+
 # ---- dispatch layout ----------------------------------------------------------------------------
 
 LAYOUT_SOURCE = "common/kernels/layout.cu"

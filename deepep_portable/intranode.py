@@ -14,9 +14,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import jit
 from . import layout as L
-from ._kernels import launch, stream_handle
+from ._kernels import KernelCache, launch, stream_handle
 from .handles import DispatchHandle
 from .ipc import CommTimeoutError, IpcWindow, MappedWords
 from .transports.base import BufferContext, DispatchArgs, DispatchResult
@@ -73,7 +72,6 @@ class IntranodeEngine:
         self.ctx = ctx
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
         self.broken: Optional[str] = None
-        self._kernels: dict = {}
         # DEEPEP_PORTABLE_PROFILE=1: CUDA events between the phases of each op and host timings,
         # summarized by profile_report() (used by `bench`); off by default (events cost time).
         self._profile = os.environ.get("DEEPEP_PORTABLE_PROFILE", "0") == "1"
@@ -82,6 +80,7 @@ class IntranodeEngine:
         self.window = IpcWindow(ctx, ctx.num_nvl_bytes, L.CONTROL_BYTES, "num_nvl_bytes")
         self.dev, self.base, self.peer_bases = self.window.dev, self.window.base, self.window.peer_bases
         self.errors = self.window.errors
+        self._kernel_cache = KernelCache(self.dev)
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
@@ -133,12 +132,7 @@ class IntranodeEngine:
         params.timeout_ns = int(self.ctx.timeout_s * 1e9)
 
     def _kernel(self, source: str, name: str, defines: dict):
-        """jit.load, memoized per shape here (the hot path should not rebuild cache keys)."""
-        key = (source, name, tuple(sorted(defines.items())), os.environ.get("DEEPEP_PORTABLE_FORCE_ARCH"))
-        fn = self._kernels.get(key)
-        if fn is None:
-            fn = self._kernels[key] = jit.load(source, name, defines, self.dev)
-        return fn
+        return self._kernel_cache.get(source, name, defines)
 
     def _mark(self, marks: Optional[list], stream) -> None:
         if marks is not None:

@@ -37,7 +37,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "JitCompileError", "CompileResult", "KernelFamily", "find_nvcc", "nvcc_version", "kernel_root",
@@ -267,6 +267,29 @@ def compile_cached(source_relpath: str, defines: Optional[Defines] = None, arch:
     os.makedirs(directory, exist_ok=True)
     out_path = os.path.join(directory, f"{stem}.{arch}.{key[:32]}.{'fatbin' if ptx else 'cubin'}")
 
+    def build() -> bytes:
+        with tempfile.TemporaryDirectory(prefix="deepep_portable_nvcc_") as tmp:
+            tmp_out = os.path.join(tmp, "out.bin")
+            cmd = [nvcc, *flags, *(f"-D{k}={v}" for k, v in defs), source, "-o", tmp_out]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+            except OSError as e:
+                raise JitCompileError(f"cannot run nvcc: {e}", cmd) from e
+            log = (proc.stdout + proc.stderr).strip()
+            if proc.returncode != 0 or not os.path.isfile(tmp_out):
+                raise JitCompileError(f"nvcc failed (exit {proc.returncode}) compiling {source_relpath} "
+                                      f"for {arch}", cmd, log)
+            with open(tmp_out, "rb") as f:
+                return f.read()
+
+    data, hit, seconds = cached_artifact(out_path, build)
+    return CompileResult(data, out_path, hit, seconds, arch, ptx)
+
+
+def cached_artifact(out_path: str, build: Callable[[], bytes]) -> Tuple[bytes, bool, float]:
+    """The bytes cached at `out_path`, or `build()` run once (a per-file lock keeps concurrent
+    ranks from compiling the same thing twice) and stored atomically. (data, cache_hit, seconds)."""
+
     def read_hit() -> Optional[bytes]:
         try:
             with open(out_path, "rb") as f:
@@ -277,28 +300,16 @@ def compile_cached(source_relpath: str, defines: Optional[Defines] = None, arch:
 
     data = read_hit()
     if data is not None:
-        return CompileResult(data, out_path, True, 0.0, arch, ptx)
+        return data, True, 0.0
     with _key_lock(out_path + ".lock"):
         data = read_hit()  # another process may have finished it while we waited
         if data is not None:
-            return CompileResult(data, out_path, True, 0.0, arch, ptx)
-        with tempfile.TemporaryDirectory(prefix="deepep_portable_nvcc_") as tmp:
-            tmp_out = os.path.join(tmp, "out.bin")
-            cmd = [nvcc, *flags, *(f"-D{k}={v}" for k, v in defs), source, "-o", tmp_out]
-            t0 = time.perf_counter()
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
-            except OSError as e:
-                raise JitCompileError(f"cannot run nvcc: {e}", cmd) from e
-            seconds = time.perf_counter() - t0
-            log = (proc.stdout + proc.stderr).strip()
-            if proc.returncode != 0 or not os.path.isfile(tmp_out):
-                raise JitCompileError(f"nvcc failed (exit {proc.returncode}) compiling {source_relpath} "
-                                      f"for {arch}", cmd, log)
-            with open(tmp_out, "rb") as f:
-                data = f.read()
+            return data, True, 0.0
+        t0 = time.perf_counter()
+        data = build()
+        seconds = time.perf_counter() - t0
         _atomic_write(out_path, data)
-    return CompileResult(data, out_path, False, seconds, arch, ptx)
+    return data, False, seconds
 
 
 def compile(source_relpath: str, defines: Optional[Defines] = None, arch: str = "sm_90", **kwargs) -> bytes:

@@ -161,35 +161,22 @@ def compile_linked_cached(source: str, defines: Optional[Defines] = None, arch: 
     os.makedirs(directory, exist_ok=True)
     out_path = os.path.join(directory, f"{stem}.nvshmem.{arch}.{key[:32]}.cubin")
 
-    def read_hit() -> Optional[bytes]:
-        try:
-            with open(out_path, "rb") as f:
-                data = f.read()
-            return data or None
-        except OSError:
-            return None
-
-    data = read_hit()
-    if data is not None:
-        return CompileResult(data, out_path, True, 0.0, arch, False)
-    with jit._key_lock(out_path + ".lock"):
-        data = read_hit()
-        if data is not None:
-            return CompileResult(data, out_path, True, 0.0, arch, False)
+    def build() -> bytes:
         with tempfile.TemporaryDirectory(prefix="deepep_portable_nvshmem_") as tmp:
             obj = os.path.join(tmp, "kernel.o")
             cubin = os.path.join(tmp, "kernel.cubin")
             includes = [f"-I{root}", f"-I{paths.include_dir}", *(f"-I{d}" for d in cccl)]
             cc = [nvcc, *compile_flags, *includes, *(f"-D{k}={v}" for k, v in defs), src, "-o", obj]
-            seconds = _run(cc, tmp, f"compiling {source} for {arch} (-rdc, NVSHMEM {paths.version})")
+            _run(cc, tmp, f"compiling {source} for {arch} (-rdc, NVSHMEM {paths.version})")
             ln = [nvcc, *link_flags, obj, paths.device_lib, "-o", cubin]
-            seconds += _run(ln, tmp, f"device-linking {source} for {arch} against {paths.device_lib}")
+            _run(ln, tmp, f"device-linking {source} for {arch} against {paths.device_lib}")
             if not os.path.isfile(cubin):
                 raise JitCompileError(f"nvcc -dlink produced no {cubin}", ln)
             with open(cubin, "rb") as f:
-                data = f.read()
-        jit._atomic_write(out_path, data)
-    return CompileResult(data, out_path, False, seconds, arch, False)
+                return f.read()
+
+    data, hit, seconds = jit.cached_artifact(out_path, build)
+    return CompileResult(data, out_path, hit, seconds, arch, False)
 
 
 def compile_linked(source: str, defines: Optional[Defines] = None, arch: str = "sm_90", **kwargs) -> bytes:

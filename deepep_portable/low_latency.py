@@ -20,14 +20,13 @@ The combine kernel checks it and reports a mismatch instead of silently racing.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional, Tuple
 
 import torch
 
 from . import jit
 from . import layout as L
-from ._kernels import launch, stream_handle
+from ._kernels import KernelCache, launch, stream_handle
 from .handles import LowLatencyHandle
 from .intranode import _ptr, _struct
 from .ipc import CommTimeoutError, IpcWindow
@@ -77,7 +76,6 @@ class LowLatencyEngine:
         self.base: Optional[int] = None
         self.broken: Optional[str] = None
         self._calls = 0                 # LL calls launched through this engine (host mirror of the device counter)
-        self._kernels: dict = {}
         if ctx.num_rdma_bytes == 0:
             return
         if ctx.device.type != "cuda":
@@ -90,6 +88,7 @@ class LowLatencyEngine:
         self.window = IpcWindow(ctx, ctx.num_rdma_bytes, ctx.num_rdma_bytes, "num_rdma_bytes")
         self.dev, self.base, self.peer_bases = self.window.dev, self.window.base, self.window.peer_bases
         self.errors = self.window.errors
+        self._kernel_cache = KernelCache(self.dev)
 
     # ---- errors ----------------------------------------------------------------------------------
     def check(self) -> None:
@@ -147,11 +146,7 @@ class LowLatencyEngine:
         p.timeout_ns = int(self.ctx.timeout_s * 1e9)
 
     def _kernel(self, source: str, name: str, defines: dict):
-        key = (source, name, tuple(sorted(defines.items())), os.environ.get("DEEPEP_PORTABLE_FORCE_ARCH"))
-        fn = self._kernels.get(key)
-        if fn is None:
-            fn = self._kernels[key] = jit.load(source, name, defines, self.dev)
-        return fn
+        return self._kernel_cache.get(source, name, defines)
 
     def _grid(self) -> int:
         """The caller's SM budget (Buffer.num_sms), capped so every rank sharing this GPU fits at once."""
