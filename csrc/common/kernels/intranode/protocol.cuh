@@ -97,23 +97,6 @@ DEEPEP_DEVICE void end_round(const PeerBuffers& bufs, const ControlLayout& ctrl,
         *bufs.at<volatile uint64_t>(bufs.rank, ctrl.round) = n;
 }
 
-// Copy `num_int4` 16-byte words with a warp, several loads in flight per lane.
-DEEPEP_DEVICE void warp_copy_int4(int4* __restrict__ dst, const int4* __restrict__ src, int num_int4, int lane) {
-    constexpr int kUnroll = 8;
-    int i = lane;
-    for (; i + 32 * (kUnroll - 1) < num_int4; i += 32 * kUnroll) {
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-            v[u] = src[i + 32 * u];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-            dst[i + 32 * u] = v[u];
-    }
-    for (; i < num_int4; i += 32)
-        dst[i] = src[i];
-}
-
 // A warp's copy of one row in chunks of kChunk 16-byte words per lane: the caller issues the first
 // chunk's loads, then its other loads for the row (scales, top-k), then stores, so one row costs
 // one memory round trip instead of one per part.
@@ -141,10 +124,5 @@ struct RowCopy {
         }
     }
 };
-
-DEEPEP_DEVICE void warp_copy_words(int* __restrict__ dst, const int* __restrict__ src, int num_words, int lane) {
-    for (int i = lane; i < num_words; i += 32)
-        dst[i] = src[i];
-}
 
 }  // namespace deepep_portable::intranode
