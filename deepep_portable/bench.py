@@ -8,6 +8,7 @@ included, over the op's time; the time reported is the slowest rank's median.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -254,6 +255,8 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
 
 
 def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():   # ranks share the cores: no oversubscribed thread pools
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if cfg.num_sms is not None:   # spawned ranks import the module afresh: set it here, not in the parent
         deep_ep.Buffer.set_num_sms(cfg.num_sms)
     rows: List[Row] = []
