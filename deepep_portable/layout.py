@@ -127,6 +127,7 @@ LL_CTRL_RECVD = 8                # u64: calls whose receive kernel finished
 LL_CTRL_SEND_ARRIVE = 16         # u32: blocks of the running send kernel that finished
 LL_CTRL_RECV_ARRIVE = 20         # u32: same for the receive kernel
 LL_CTRL_ERROR = 24               # u32: first error code (device-side claim)
+LL_CTRL_LAST = 32                # u64 [kind (dispatch, combine)][half]: last call of that kind that used that half
 LL_MSG_HEADER = ALIGN            # bytes before a dispatch message's payload (int32 source token)
 
 

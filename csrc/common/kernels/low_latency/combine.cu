@@ -53,7 +53,8 @@ struct LLCombineParams {
 extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __grid_constant__ LLCombineParams p) {
     const Common& c = p.c;
     const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
-    const uint64_t seq = begin_call(c, c.ctrl_sent);
+    const Call call = begin_call(c, c.ctrl_sent, kKindCombine);
+    const uint64_t seq = call.seq;
     const int half = static_cast<int>(seq & 1);
     const int lane = threadIdx.x % 32;
     const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
@@ -72,6 +73,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
         const int64_t range = p.layout_range[e * num_ranks + s];
         const int64_t begin = range >> 32, count = range & 0xffffffffll;
         const int g = me * num_local + e;
+        const uint64_t recvd = lane == 0 ? peer_recvd(c, s) : 0;   // checked below, before the signal
         for (int64_t j = 0; j < count; ++j) {
             const int64_t row = begin + j;
             const int token = p.src_info[e * slots + row];
@@ -80,16 +82,18 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
         }
         __threadfence_system();
         __syncwarp();
-        if (lane == 0)
+        if (lane == 0) {
+            check_overwrite(c, kOpCombine, recvd, call, s);
             tr.signal(0, s, combine_signal_off(c, half, g), signal_value(seq, static_cast<uint32_t>(count)));
+        }
     }
-    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq);
+    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq, kKindCombine);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __grid_constant__ LLCombineParams p) {
     const Common& c = p.c;
     const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
-    const uint64_t seq = begin_call(c, c.ctrl_recvd);
+    const uint64_t seq = begin_call(c, c.ctrl_recvd).seq;
     const int half = static_cast<int>(seq & 1);
     const ErrorSink sink = sink_of(c, kOpCombine);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);

@@ -103,7 +103,8 @@ DEEPEP_DEVICE void cast_row_fp8(const int4* __restrict__ row, char* data, float*
 extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __grid_constant__ LLDispatchParams p) {
     const Common& c = p.c;
     const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
-    const uint64_t seq = begin_call(c, c.ctrl_sent);
+    const Call call = begin_call(c, c.ctrl_sent, kKindDispatch);
+    const uint64_t seq = call.seq;
     const int half = static_cast<int>(seq & 1);
     const int lane = threadIdx.x % 32;
     const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
@@ -114,6 +115,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __
 
     for (int g = warp; g < num_experts; g += num_warps) {
         const int dst = g / num_local, local = g % num_local;
+        const uint64_t recvd = lane == 0 ? peer_recvd(c, dst) : 0;   // checked below, before the signal
         uint32_t count = 0;
         for (int64_t t0 = 0; t0 < p.num_tokens; t0 += 32) {
             const int64_t t = t0 + lane;
@@ -145,16 +147,18 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __
         // put_signal_warp does: the receiver that reads the count sees the messages.
         __threadfence_system();
         __syncwarp();
-        if (lane == 0)
+        if (lane == 0) {
+            check_overwrite(c, kOpDispatch, recvd, call, dst);
             tr.signal(0, dst, dispatch_signal_off(c, half, local, me), signal_value(seq, count));
+        }
     }
-    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq);
+    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq, kKindDispatch);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(const __grid_constant__ LLDispatchParams p) {
     const Common& c = p.c;
     const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
-    const uint64_t seq = begin_call(c, c.ctrl_recvd);
+    const uint64_t seq = begin_call(c, c.ctrl_recvd).seq;
     const int half = static_cast<int>(seq & 1);
     const ErrorSink sink = sink_of(c, kOpDispatch);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);

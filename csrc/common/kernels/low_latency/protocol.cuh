@@ -19,11 +19,21 @@
 // zeroed between calls; a receiver waits until the value reaches seq << 32 and reports an overrun if
 // it is already past seq (a peer two calls ahead: the caller broke the double-buffering rule).
 //
-// Safety of the double buffer: a peer writes my half h for call seq + 2 only after its receive of
-// call seq + 1 finished, which needs my send of call seq + 1, which my stream runs after my receive of
-// call seq (hooks: call each hook before the next-but-one LL op). Every wait is bounded and reports
-// (op, rank, peer) to the ErrorSink; a kernel whose wait failed skips its copies but still finishes
-// its bookkeeping, so no other block of any rank is left spinning forever.
+// Safety of the double buffer: dispatch and combine use disjoint regions and signals of a half, so
+// a send of call m can only clobber the half of the previous call of the SAME kind on the same half
+// (call `prev`, usually m - 2). Without hooks that is safe: a peer's send m runs after its receive
+// of m - 1, which needs my send of m - 1, which my stream runs after my receive of prev. With hooks
+// the precondition (DeepEP has the same one) is: every rank enqueues the receive (hook) of a call
+// before it makes the next-but-one call of the same kind (e.g. dispatch, dispatch, hook, hook,
+// combine, combine is fine). Nothing on the device enforces it, so it is DETECTED both ways:
+//  * sender: the send kernel records, per (kind, half), the last call that used it (ctrl_last) and
+//    reads the destination's RECVD before writing; RECVD < prev means the peer has not finished
+//    receiving prev, whose bytes are about to be overwritten -> kErrorOverwrite on the sender;
+//  * receiver: a signal already carrying a later call -> kErrorOverrun.
+// The host keeps receives in call order (hooks in call order, exactly once, no hook-less op while a
+// hook is pending), so RECVD + 1 is always the call of the receive kernel being launched. Every wait
+// is bounded and reports (op, rank, peer) to the ErrorSink; a kernel whose wait failed skips its
+// copies but still finishes its bookkeeping, so no other block of any rank is left spinning forever.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -53,6 +63,9 @@ constexpr int kThreads = 512;          // __launch_bounds__ of every LL kernel (
 constexpr int kOpDispatch = 3;         // ErrorSink op codes (host: low_latency.OP_NAMES)
 constexpr int kOpCombine = 4;
 constexpr int kErrorOverrun = 3;       // a signal already carries a later call: hooks called too late
+constexpr int kErrorOverwrite = 4;     // a send found its destination still receiving the half's previous call
+constexpr int kKindDispatch = 0;       // index of ctrl_last[kind][half]
+constexpr int kKindCombine = 1;
 constexpr int kFp8Block = 128;         // channels per FP8 scale
 constexpr int kMsgHeader = 16;         // bytes before the payload of a dispatch message (int32 source token)
 
@@ -65,6 +78,7 @@ struct Common {
     int64_t ctrl_recvd;
     int64_t ctrl_send_arrive;
     int64_t ctrl_recv_arrive;
+    int64_t ctrl_last;               // u64 [kind][half]: the last call of that kind that used that half
     int64_t dispatch_signal_offset;  // half 0; half 1 is + signal_half_stride
     int64_t combine_signal_offset;
     int64_t signal_half_stride;
@@ -88,29 +102,61 @@ DEEPEP_DEVICE U* own(const Common& c, int64_t off) {
     return reinterpret_cast<U*>(c.peer_bases[c.rank] + static_cast<uint64_t>(off));
 }
 
-// Sequence number of this kernel's call: counter + 1 (read by every block before any block can
-// finish, see end_call). Every thread of the block gets the same value.
-DEEPEP_DEVICE uint64_t begin_call(const Common& c, int64_t counter_off) {
-    __shared__ uint64_t s_seq;
-    if (threadIdx.x == 0)
-        s_seq = *own<volatile uint64_t>(c, counter_off) + 1;
+DEEPEP_DEVICE int64_t last_off(const Common& c, int kind, int half) {
+    return c.ctrl_last + 8 * (2 * kind + half);
+}
+
+// The call a kernel belongs to: seq = counter + 1 (read by every block before any block can finish,
+// see end_call) and, for a send kernel (kind >= 0), prev = the last call of the same kind that used
+// half seq & 1 (0: none). Every thread of the block gets the same values.
+struct Call {
+    uint64_t seq;
+    uint64_t prev;
+};
+
+DEEPEP_DEVICE Call begin_call(const Common& c, int64_t counter_off, int kind = -1) {
+    __shared__ uint64_t s_seq, s_prev;
+    if (threadIdx.x == 0) {
+        const uint64_t seq = *own<volatile uint64_t>(c, counter_off) + 1;
+        s_seq = seq;
+        s_prev = kind >= 0 ? *own<volatile uint64_t>(c, last_off(c, kind, static_cast<int>(seq & 1))) : 0;
+    }
     __syncthreads();
-    return s_seq;
+    return Call{s_seq, s_prev};
 }
 
 // The last block of the grid to get here stores counter = seq (all blocks read it in begin_call
-// before arriving) and re-arms the arrival word for the next launch.
-DEEPEP_DEVICE void end_call(const Common& c, int64_t counter_off, int64_t arrive_off, uint64_t seq) {
+// before arriving), for a send kernel also ctrl_last[kind][half] = seq, and re-arms the arrival word
+// for the next launch. Every block's accesses (the receive kernel's reads of the half) are ordered
+// before the arrival (__syncthreads + system fence), and the counter store is a system-scope
+// release: a peer that reads RECVD >= seq (the sender-side overwrite check) knows they are done.
+DEEPEP_DEVICE void end_call(const Common& c, int64_t counter_off, int64_t arrive_off, uint64_t seq, int kind = -1) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
+        __threadfence_system();
         const unsigned int prev = atomicAdd(own<unsigned int>(c, arrive_off), 1u);
         if (prev == gridDim.x - 1) {
+            __threadfence_system();   // acquire side of the arrivals: every block's accesses before the stores
             atomicExch(own<unsigned int>(c, arrive_off), 0u);
-            *own<volatile uint64_t>(c, counter_off) = seq;
-            __threadfence();
+            if (kind >= 0)
+                *own<volatile uint64_t>(c, last_off(c, kind, static_cast<int>(seq & 1))) = seq;
+            st_release_sys(own<uint64_t>(c, counter_off), seq);
         }
     }
+}
+
+// Sender-side overwrite check, part 1 (one lane, before writing into `peer`'s half): the peer's
+// RECVD. A plain volatile load: in the valid case the peer stored RECVD >= prev before the signals
+// this rank already acquired (causality), so it cannot read stale; the value is only used in part 2,
+// so the writes do not wait for the round trip.
+DEEPEP_DEVICE uint64_t peer_recvd(const Common& c, int peer) {
+    return *reinterpret_cast<const volatile uint64_t*>(c.peer_bases[peer] + static_cast<uint64_t>(c.ctrl_recvd));
+}
+
+// Part 2: report (once per buffer) when the peer had not finished receiving call `prev` of this half.
+DEEPEP_DEVICE void check_overwrite(const Common& c, int op, uint64_t recvd, const Call& call, int peer) {
+    if (recvd < call.prev)
+        report_error(sink_of(c, op), kErrorOverwrite, peer, static_cast<int>(call.seq));
 }
 
 DEEPEP_DEVICE uint64_t signal_value(uint64_t seq, uint32_t count) {
@@ -155,7 +201,10 @@ DEEPEP_DEVICE int64_t combine_row_off(const Common& c, int half, int expert, int
 // ---- FP8 cast (bit-exact with tests/oracle.py fp8_cast on the CPU) ------------------------------------
 // amax = max |x| over 128 channels, clamped to >= 1e-4f; scale = amax / 448 (correctly rounded);
 // round_scale: the smallest power of two >= scale (from the bits: scale is a positive normal float);
-// data = e4m3(x / scale), round to nearest even (|x / scale| <= 448 up to rounding: no saturation hit).
+// data = e4m3(x / scale), round to nearest even. Saturation modes differ (torch's .to(float8_e4m3fn)
+// gives NaN from 464 up, __NV_SATFINITE clamps to 448) but are never reached: |x| <= amax and scale >=
+// amax / 448 correctly rounded, so |x / scale| <= 448 * (1 + 2^-23), which rounds to 448. Bit-exact for
+// finite inputs; NaN/Inf inputs are outside the contract (fmaxf drops NaN, torch's amax keeps it).
 DEEPEP_HOST_DEVICE float fp8_scale(float amax, bool round_scale) {
     amax = amax < 1e-4f ? 1e-4f : amax;
 #ifdef __CUDA_ARCH__
