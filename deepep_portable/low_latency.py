@@ -10,8 +10,16 @@ signal values lives in device memory, so CUDA-graph replays keep counting. With
 `return_recv_hook=True` the op launches only the send kernel and returns `hook`; calling it later
 does `comm_stream.wait_stream(current)`, launches the receive kernel on the comm stream, then
 `current.wait_stream(comm_stream)` (current = the torch stream current when the hook is called).
-No kernel runs between the two phases. Call each hook before the next-but-one LL op (the double
-buffer holds two calls; a later peer would overwrite the half being read: reported as an overrun).
+No kernel runs between the two phases.
+
+Receive kernels take their call number from a device counter (RECVD + 1), so they must run in call
+order: hooks are called in call order, each exactly once, and an op without a hook is refused while
+an earlier hook is pending (each raises a clear error here instead of pairing the wrong halves).
+Double buffer precondition (DeepEP's too): every rank calls the hook of call n before its
+next-but-one call of the same kind (dispatch / combine), e.g. dispatch, dispatch, hook, hook,
+combine, combine is fine. Violations are detected on the device, never silent: the sender reports
+kErrorOverwrite when its destination has not finished receiving the half's previous call, the
+receiver kErrorOverrun when a signal already carries a later call; the Buffer is unusable after.
 
 `get_next_low_latency_combine_buffer` hands out the combine send area of the half the next call
 will use, by host-side parity of the calls made through this engine; that equals the device
@@ -38,10 +46,10 @@ COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
 TRANSPORT_DEFINE = "DEEPEP_TRANSPORT_NVLINK"
 THREADS = 512                      # kThreads in protocol.cuh
 OP_NAMES = {3: "low_latency_dispatch", 4: "low_latency_combine"}
-ERROR_TIMEOUT, ERROR_OVERRUN = 1, 3
+ERROR_TIMEOUT, ERROR_OVERRUN, ERROR_OVERWRITE = 1, 3, 4   # ErrorCode / kErrorOverrun / kErrorOverwrite
 
 _COMMON = ["peer_bases", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_send_arrive", "ctrl_recv_arrive",
-           "dispatch_signal_offset", "combine_signal_offset", "signal_half_stride", "dispatch_recv_offset",
+           "ctrl_last", "dispatch_signal_offset", "combine_signal_offset", "signal_half_stride", "dispatch_recv_offset",
            "combine_recv_offset", "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes",
            "error_claim", "error_host", "timeout_ns"]
 LLDispatchParams = _struct("LLDispatchParams", [
@@ -63,7 +71,11 @@ def scale_shape(num_local: int, slots: int, hidden: int, use_ue8m0: bool) -> Tup
 
 
 class _DeviceView:
-    """A raw device range as something torch.as_tensor can wrap without a copy (int16 elements)."""
+    """A raw device range as something torch.as_tensor can wrap without a copy (int16 elements).
+
+    __cuda_array_interface__ v2: data (ptr, read_only=False), C-contiguous (strides None), no
+    stream (nothing to synchronize: the memory is not produced by a torch stream). The tensor owns
+    nothing: it must not be used after the Buffer that owns the memory is destroyed."""
 
     def __init__(self, ptr: int, numel: int) -> None:
         self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (numel,), "typestr": "<i2",
@@ -76,6 +88,8 @@ class LowLatencyEngine:
         self.base: Optional[int] = None
         self.broken: Optional[str] = None
         self._calls = 0                 # LL calls launched through this engine (host mirror of the device counter)
+        self._recvs = 0                 # receive kernels launched (host mirror of RECVD): always in call order
+        self._epoch = 0                 # bumped by clean_low_latency_buffer: hooks from before it are refused
         if ctx.num_rdma_bytes == 0:
             return
         if ctx.device.type != "cuda":
@@ -108,6 +122,11 @@ class LowLatencyEngine:
             err = RuntimeError(f"{op} on rank {rank}: the zero-copy combine buffer belongs to the other buffer "
                                f"half (call {detail} on the device): a CUDA graph with an odd number of "
                                f"low-latency calls? this Buffer cannot be used again")
+        elif code == ERROR_OVERWRITE:
+            err = RuntimeError(f"{op} on rank {rank}: call {detail} found peer {peer} still receiving the previous "
+                               f"call of the same kind in that buffer half (its data was being overwritten): a "
+                               f"receive hook was called after the next-but-one low-latency op of the same kind; "
+                               f"this Buffer cannot be used again")
         elif code == ERROR_OVERRUN:
             err = RuntimeError(f"{op} on rank {rank}: peer {peer} is already at call {detail}, two calls ahead: "
                                f"a receive hook was called after the next-but-one low-latency op; this Buffer "
@@ -136,6 +155,7 @@ class LowLatencyEngine:
         p.rank, p.num_ranks = self.rank, self.num_ranks
         p.ctrl_sent, p.ctrl_recvd = L.LL_CTRL_SENT, L.LL_CTRL_RECVD
         p.ctrl_send_arrive, p.ctrl_recv_arrive = L.LL_CTRL_SEND_ARRIVE, L.LL_CTRL_RECV_ARRIVE
+        p.ctrl_last = L.LL_CTRL_LAST
         p.dispatch_signal_offset, p.combine_signal_offset = lay.dispatch_signal_offset(), lay.combine_signal_offset()
         p.signal_half_stride = lay.signal_half_stride
         p.dispatch_recv_offset, p.combine_recv_offset = lay.dispatch_recv_offset(), lay.combine_recv_offset()
@@ -154,26 +174,60 @@ class LowLatencyEngine:
 
         return self.window.grid(Buffer.num_sms)
 
+    def _current_stream(self):
+        return torch.cuda.current_stream(self.ctx.device)
+
     def _two_phase(self, send, recv, params, return_recv_hook: bool, keep: tuple) -> Optional[Callable[[], None]]:
-        """Launch the send kernel now; the receive kernel now or in the returned hook."""
+        """Launch the send kernel now; the receive kernel now or in the returned hook.
+
+        Receive kernels number themselves RECVD + 1 on the device, so they are launched in call order
+        (see the module docstring); `keep` holds what the receive kernel reads or writes until then."""
+        if not return_recv_hook and self._recvs != self._calls:
+            raise RuntimeError(f"{self._calls - self._recvs} receive hook(s) of earlier low-latency calls are still "
+                               f"pending: call them (in call order) before a low-latency op without "
+                               f"return_recv_hook=True")
         comm = self.ctx.comm_stream
         grid = self._grid()
         launch(send, grid, THREADS, params, stream_handle(comm))
         self._calls += 1
         if not return_recv_hook:
             launch(recv, grid, THREADS, params, stream_handle(comm))
+            self._recvs += 1
             return None
         blob = bytes(params)   # frozen now: the hook launches exactly this call's receive
+        call, epoch = self._calls, self._epoch
+        state = {"keep": keep}
 
         def hook() -> None:
-            _ = keep   # outputs and stats stay alive until the receive kernel is enqueued
+            if state["keep"] is None:
+                raise RuntimeError("this low-latency receive hook was already called (each hook runs once)")
+            if epoch != self._epoch:
+                raise RuntimeError("clean_low_latency_buffer was called after the op that returned this hook")
+            if call != self._recvs + 1:
+                raise RuntimeError(f"low-latency receive hooks must be called in call order: this is call {call}, "
+                                   f"but call {self._recvs + 1} has not been received yet")
             self.check()
-            current = torch.cuda.current_stream(self.ctx.device)
+            current = self._current_stream()
             comm.wait_stream(current)
             recv.launch(grid, THREADS, 0, stream_handle(comm), blob, None, False)
+            self._recvs += 1
+            # Tensors the receive kernel uses were allocated on the caller's stream at op time: their
+            # memory must not be reused before the kernel ran, whatever stream frees them.
+            used = [t for t in state["keep"] if isinstance(t, torch.Tensor) and t.is_cuda]
+            if used and not torch.cuda.is_current_stream_capturing():
+                for t in used:
+                    t.record_stream(comm)
+            state["keep"] = None
             current.wait_stream(comm)
 
         return hook
+
+    @staticmethod
+    def _check_aligned(name: str, t: torch.Tensor) -> None:
+        """The kernels move rows as 16-byte words: a misaligned view would fault (and kill the context)."""
+        if t.numel() and t.data_ptr() % 16:
+            raise ValueError(f"{name} must start at a 16-byte aligned address (got a view at offset "
+                             f"{t.data_ptr() % 16} mod 16): pass a fresh tensor or .clone() it")
 
     # ---- ops ---------------------------------------------------------------------------------------
     def dispatch(self, args: LowLatencyDispatchArgs) -> LowLatencyDispatchResult:
@@ -184,6 +238,7 @@ class LowLatencyEngine:
         T, E, R = args.num_max_dispatch_tokens_per_rank, args.num_experts, self.num_ranks
         num_local, slots = E // R, R * T
         lay = self._layout(T, hidden, E)
+        self._check_aligned("x", x)
         dev = x.device
         # outputs on the current stream (Buffer made the right one current), like the reference
         scales = None
@@ -225,6 +280,8 @@ class LowLatencyEngine:
                                                                   device=x.device)
         if not out.is_contiguous():
             raise ValueError("low_latency_combine(out=...) must be contiguous")
+        self._check_aligned("x", x)
+        self._check_aligned("out", out)
         p = LLCombineParams()
         self._common(p, lay)
         p.x, p.src_info, p.layout_range = x.data_ptr(), handle.src_info.data_ptr(), handle.layout_range.data_ptr()
@@ -246,7 +303,10 @@ class LowLatencyEngine:
         return (self._calls + 1) & 1
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        """bf16 [E_local, R*T, H] view of the combine send area of the next call's half."""
+        """bf16 [E_local, R*T, H] view of the combine send area of the next call's half.
+
+        A view of this Buffer's memory (no copy, no ownership): valid until the next-but-one LL call
+        (peers' later dispatches write there) and never after the Buffer is destroyed."""
         self._require()
         T, hidden, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         lay = self._layout(T, hidden, E)
@@ -268,7 +328,8 @@ class LowLatencyEngine:
         self.ctx.comm.barrier()        # nobody still signals into my buffer
         _C.memset_d8_async(self.dev, self.base, 0, lay.data_offset, 0)
         _C.stream_synchronize(self.dev, 0)
-        self._calls = 0
+        self._calls = self._recvs = 0
+        self._epoch += 1
         self.ctx.comm.barrier()        # nobody signals before everyone is clean
 
     def destroy(self) -> None:

@@ -73,9 +73,37 @@ def test_param_struct_field_order_matches_source(source, cstruct, struct):
 @pytest.mark.parametrize("hidden,topk", [(128, 1), (7168, 8), (7680, 9), (2048, 8)])
 @pytest.mark.parametrize("source", [ll.DISPATCH_SOURCE, ll.COMBINE_SOURCE])
 def test_kernels_compile(source, hidden, topk):
-    archs = ("sm_90", "sm_80") if (hidden, topk) == (7168, 8) else ("sm_90",)
-    for arch in archs:
+    for arch in ("sm_90", "sm_80"):
         assert jit.compile(source, ll.kernel_defines(hidden, topk), arch)
+
+
+def _kernel_body(ptx: str, kernel: str) -> str:
+    start = ptx.index(f".entry {kernel}(")
+    end = ptx.find(".entry ", start + 1)
+    return ptx[start:] if end < 0 else ptx[start:end]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_no_fused_multiply_add(tmp_path, arch):
+    """The FP8 cast and the combine sum are bit-exact with tests/oracle.py only without contraction:
+    products and sums rounded separately (__fmul_rn / __fadd_rn / __fdiv_rn), so no fma in the PTX."""
+    for source in (ll.DISPATCH_SOURCE, ll.COMBINE_SOURCE):
+        text = _ptx(tmp_path, source, arch, ll.kernel_defines(7680, 9))
+        assert "fma." not in text, f"{source} ({arch}) contains fused multiply-add"
+        assert ".entry" in text
+
+
+@needs_nvcc
+def test_sender_checks_overwrite_and_counters_are_released(tmp_path):
+    """The send kernels read the destination's RECVD (overwrite detection) and the counters are stored
+    with a system-scope release (a peer reads RECVD across the fabric)."""
+    for source, send, recv in ((ll.DISPATCH_SOURCE, "ll_dispatch_send", "ll_dispatch_recv"),
+                               (ll.COMBINE_SOURCE, "ll_combine_send", "ll_combine_recv")):
+        text = _ptx(tmp_path, source, "sm_90", ll.kernel_defines(2048, 8))
+        for kernel in (send, recv):
+            assert "st.release.sys.global.u64" in _kernel_body(text, kernel), kernel
+        assert "ld.volatile" in _kernel_body(text, send)
 
 
 def test_families_registered():
@@ -122,8 +150,12 @@ def test_layout_regions(tokens, hidden, ranks, experts):
     assert lay.num_local_experts * ranks * tokens * hidden * 2 == lay.combine_send_bytes
     assert experts * tokens * hidden * 2 == lay.combine_recv_bytes
     # the control words the kernels use
-    assert L.LL_CTRL_ERROR + 4 <= L.LL_CONTROL_BYTES
-    assert len({L.LL_CTRL_SENT, L.LL_CTRL_RECVD, L.LL_CTRL_SEND_ARRIVE, L.LL_CTRL_RECV_ARRIVE, L.LL_CTRL_ERROR}) == 5
+    words = sorted([(L.LL_CTRL_SENT, 8), (L.LL_CTRL_RECVD, 8), (L.LL_CTRL_SEND_ARRIVE, 4),
+                    (L.LL_CTRL_RECV_ARRIVE, 4), (L.LL_CTRL_ERROR, 4), (L.LL_CTRL_LAST, 8 * 2 * 2)])
+    for (a, size_a), (b, _) in zip(words, words[1:]):
+        assert a + size_a <= b
+    assert words[-1][0] + words[-1][1] <= L.LL_CONTROL_BYTES
+    assert L.LL_CTRL_SENT % 8 == 0 and L.LL_CTRL_RECVD % 8 == 0 and L.LL_CTRL_LAST % 8 == 0
 
 
 def test_scale_storage_is_column_major():
@@ -220,3 +252,69 @@ def test_fp8_cast_code_matches_oracle(cast_exe, round_scale):
         packed = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
         _, exp_packed = oracle.fp8_cast(x, True, True)
         assert torch.equal(packed.to(torch.int32), exp_packed)
+
+
+# ---- host engine bookkeeping (no GPU: kernels and streams are stand-ins) ----------------------------
+class _Stream:
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait_stream(self, other) -> None:
+        self.waits += 1
+
+
+class _Fn:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def launch(self, *args) -> None:
+        self.log.append(self.name)
+
+
+def _fake_engine(monkeypatch):
+    from types import SimpleNamespace
+
+    eng = ll.LowLatencyEngine.__new__(ll.LowLatencyEngine)
+    eng.ctx = SimpleNamespace(comm_stream=_Stream(), device=torch.device("cpu"))
+    eng.base, eng.broken = None, None
+    eng._calls = eng._recvs = eng._epoch = 0
+    eng._grid = lambda: 1
+    stream = _Stream()
+    eng._current_stream = lambda: stream
+    monkeypatch.setattr(ll, "launch", lambda fn, *a, **k: fn.launch())
+    monkeypatch.setattr(ll, "stream_handle", lambda *a, **k: 0)
+    return eng
+
+
+def test_receive_hooks_run_in_call_order_once(monkeypatch):
+    """Receive kernels number themselves RECVD + 1: launching them out of call order would pair a call's
+    outputs with another call's half. The engine refuses that instead of corrupting."""
+    log: list = []
+    eng = _fake_engine(monkeypatch)
+    p = ll.LLDispatchParams()
+    keep = (torch.zeros(1),)
+    h1 = eng._two_phase(_Fn("send1", log), _Fn("recv1", log), p, True, keep)
+    h2 = eng._two_phase(_Fn("send2", log), _Fn("recv2", log), p, True, keep)
+    with pytest.raises(RuntimeError, match="call order"):
+        h2()
+    with pytest.raises(RuntimeError, match="pending"):
+        eng._two_phase(_Fn("send3", log), _Fn("recv3", log), p, False, keep)
+    h1()
+    with pytest.raises(RuntimeError, match="already called"):
+        h1()
+    h2()
+    assert eng._two_phase(_Fn("send3", log), _Fn("recv3", log), p, False, keep) is None
+    assert log == ["send1", "send2", "recv1", "recv2", "send3", "recv3"]
+    assert (eng._calls, eng._recvs) == (3, 3)
+    h4 = eng._two_phase(_Fn("send4", log), _Fn("recv4", log), p, True, keep)
+    eng._epoch += 1          # what clean_low_latency_buffer does
+    eng._calls = eng._recvs = 0
+    with pytest.raises(RuntimeError, match="clean_low_latency_buffer"):
+        h4()
+
+
+def test_misaligned_rows_refused():
+    x = torch.zeros(33, dtype=torch.bfloat16)
+    ll.LowLatencyEngine._check_aligned("x", x[:32])
+    with pytest.raises(ValueError, match="16-byte"):
+        ll.LowLatencyEngine._check_aligned("x", x[1:])
