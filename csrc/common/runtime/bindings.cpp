@@ -148,6 +148,9 @@ PYBIND11_MODULE(_C, m) {
         }), py::arg("image"), py::arg("device"),
            "Load a cubin/fatbin into the device's primary context.")
         .def_property_readonly("device", &ModuleHandle::device)
+        .def_property_readonly("handle", [](const ModuleHandle& mod) {
+            return reinterpret_cast<std::uintptr_t>(mod.module());
+        }, "The CUmodule as an int (e.g. for nvshmemx_cumodule_init). Valid while this Module lives.")
         .def("function", [](const std::shared_ptr<ModuleHandle>& mod, const std::string& name) {
             return Function(mod, name);
         }, py::arg("name"), "Look up an extern \"C\" kernel by name.");
