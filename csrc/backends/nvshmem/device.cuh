@@ -24,20 +24,35 @@
 //  * put_signal_warp uses nvshmemx_putmem_signal_nbi_warp(..., NVSHMEM_SIGNAL_SET, pe). The
 //    put-with-signal routines "copy data from a contiguous local data object to a data object on a
 //    specified PE and subsequently update a remote flag to signal completion" (Signaling Operations):
-//    the signal update is ordered after the data, so a PE that reads the new signal value reads
-//    the data. Signal updates are atomic with respect to other signal operations on that object.
+//    the signal update is ordered after the data ("the delivery of signal flag on the remote PE
+//    indicates only the delivery of its corresponding dest data words", OpenSHMEM 1.5 put-with-signal
+//    notes), so a PE that reads the new signal value THROUGH A POINT-TO-POINT ROUTINE (wait_ge
+//    below) reads the data. Signal updates are atomic with respect to other signal operations on
+//    that object and to the point-to-point routines that access it.
 //  * signal() is nvshmem_fence() then nvshmemx_signal_op(..., NVSHMEM_SIGNAL_SET, pe). nvshmem_fence
 //    "ensures ordering of delivery of operations on symmetric data objects": every operation issued
 //    to a PE before the fence (memory stores, blocking and non-blocking puts, AMOs) is delivered
 //    before any later operation to that PE (Memory Ordering). It orders delivery, not completion,
-//    and only per target PE, which is exactly the contract's (channel, peer) promise. Puts issued
-//    by the other lanes of the warp (put_warp is warp-collective) are ordered before the fence by
-//    the __syncwarp at the end of put_warp: call signal() from a lane of the warp that issued them.
-//  * wait_ge polls this PE's own copy of the signal with system-scope acquire loads
-//    (common/kernels/signal.cuh), the same acquire nvshmem_signal_wait_until would give, plus the
+//    and only per target PE, which is exactly the contract's (channel, peer) promise. Like every
+//    SHMEM ordering routine it covers the CALLING thread's operations only, so the puts issued by
+//    the other lanes of a warp-collective put_warp are brought in by the __syncwarp at the end of
+//    put_warp (a warp barrier orders memory among its lanes; for NVLink / same-GPU peers, where
+//    puts are stores, the fence is a system-scope fence, cumulative over what the lane observed):
+//    call signal() from a lane of the warp that issued the puts, or after a __syncthreads.
+//  * wait_ge polls this PE's copy of the signal with nvshmem_uint64_test(NVSHMEM_CMP_GE), NOT a plain
+//    load: the fence notes say the TARGET PE must use the point-to-point routines (wait_until /
+//    test) "to guarantee ordering of its memory accesses", and signal updates are only atomic with
+//    respect to those routines (Signaling Operations, atomicity). The documentation does not call
+//    the test's own read an acquire, so a successful test is followed by a system-scope acquire
+//    fence (what the contract's acquire-poll promises for data written by NVLink / same-GPU stores). The loop adds the
 //    deadline and ErrorSink record of the contract (NVSHMEM's wait_until has no timeout).
 //  * flush is nvshmem_quiet(): completion of every earlier put / AMO / store of the calling thread
 //    (remote completion, stronger than the contract's local completion; no weaker public call).
+//
+// Scopes: put_warp / put_signal_warp call NVSHMEM's *_warp routines, which every lane of a
+// converged warp must call with the same arguments; signal / put_value / wait_ge / flush are
+// single-thread routines (nvshmem_fence, nvshmemx_signal_op, nvshmem_uint64_p, nvshmem_uint64_test,
+// nvshmem_quiet); peer_ptr (nvshmem_ptr) any thread.
 #pragma once
 
 #include <cstdint>
@@ -104,11 +119,22 @@ struct NvshmemTransport {
         nvshmem_uint64_p(local_ptr<uint64_t>(dst_off), v, peer);
     }
 
-    // One thread. Acquire-poll of MY window's copy of the signal; false and an error record naming
-    // `peer` once deadline_ns (globaltimer) passes.
+    // One thread. Acquire-poll (nvshmem_uint64_test + acquire fence, see the header comment) of MY
+    // window's copy of the signal; false and an error record naming `peer` once deadline_ns
+    // (globaltimer) passes.
     DEEPEP_DEVICE bool wait_ge(int64_t sig_off, uint64_t v, uint64_t deadline_ns, const ErrorSink& sink,
                                int peer) const {
-        return deepep_portable::wait_ge(local_ptr<const uint64_t>(sig_off), v, deadline_ns, sink, peer);
+        uint64_t* sig = local_ptr<uint64_t>(sig_off);
+        while (!nvshmem_uint64_test(sig, NVSHMEM_CMP_GE, v)) {
+            if (deepep_portable::globaltimer_ns() > deadline_ns) {
+                deepep_portable::report_error(sink, deepep_portable::kErrorTimeout, peer, static_cast<int>(v));
+                return false;
+            }
+        }
+        // The test is not documented as an acquire: this fence makes it one at system scope, so reads
+        // after wait_ge (and, through a later __syncthreads, other threads' reads) see the data.
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+        return true;
     }
 
     // One thread. Earlier ops of this thread are complete (sources reusable); nvshmem_quiet also
