@@ -11,11 +11,20 @@ NVSHMEM 3.8.0's pip package, for sm_80, sm_90, sm_90a and sm_100):
 Step 2 makes nvlink resolve the NVSHMEM device symbols and emit one executable ELF (a cubin,
 `ET_EXEC`, SASS for sm_XX only) that cuModuleLoadData accepts. (`nvlink -cubin` is not an option of
 nvlink 13; `nvcc -dlink -cubin` drives it correctly.) The cubin holds NVSHMEM's device state
-(`nvshmemi_device_state_d` ...) uninitialised: after loading it, call
-nvshmem_runtime.cumodule_init(module) before the first launch.
+(`nvshmemi_device_state_d` ...) uninitialised: load it with
+nvshmem_runtime.NvshmemRuntime.load_module(result), which also calls nvshmemx_cumodule_init, before
+the first launch.
 
 No PTX variant: a device-linked image is SASS for one architecture, so DEEPEP_PORTABLE_FORCE_ARCH
 (run the sm_80 variant through PTX JIT) does not apply to NVSHMEM kernels.
+
+One installation: the headers, libnvshmem_device.a and libnvshmem_host.so.3 must be the same NVSHMEM
+release (the device library's code and the host library's device-state layout that
+nvshmemx_cumodule_init copies in must agree). nvshmem_build_paths() takes all three from the one
+installation probe.nvshmem_info() finds (the one nvshmem_runtime loads) and refuses headers whose
+NVSHMEM_VENDOR_*_VERSION differ from the host library's version; every cubin comes back as a
+LinkedCompileResult naming that installation, and nvshmem_runtime.NvshmemRuntime.load_module
+refuses a cubin linked against another one.
 
 Cache: like jit.compile_cached, under jit.cache_dir(), atomic writes, per-key lock. The key is
 jit's (source, every file under csrc/common/kernels and csrc/backends, defines, flags, nvcc version)
@@ -24,6 +33,7 @@ plus the NVSHMEM version, the device library's path, size and mtime, and the inc
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import tempfile
@@ -35,7 +45,8 @@ from . import jit
 from .jit import (BASE_FLAGS, CompileResult, Defines, JitCompileError, cache_dir, find_nvcc, kernel_root,
                   nvcc_version)
 
-__all__ = ["NvshmemBuildPaths", "nvshmem_build_paths", "cuda_include_dirs", "compile_linked_cached",
+__all__ = ["NvshmemBuildPaths", "LinkedCompileResult", "nvshmem_build_paths", "header_version",
+           "cuda_include_dirs", "compile_linked_cached",
            "compile_linked", "command_lines", "SELFTEST_SOURCE", "SELFTEST_KERNEL",
            "selftest_source_path", "compile_selftest"]
 
@@ -46,12 +57,46 @@ class NvshmemBuildPaths:
     lib_dir: str
     device_lib: str      # libnvshmem_device.a
     version: str         # e.g. "3.8.0", or "unknown (...)" when the host library did not answer
+    host_lib: str = ""   # libnvshmem_host.so.3 of the same installation (what the runtime must load)
+
+
+@dataclass(frozen=True)
+class LinkedCompileResult(CompileResult):
+    """A device-linked cubin plus the NVSHMEM installation it was linked against."""
+    nvshmem: Optional[NvshmemBuildPaths] = None
+
+
+_VERSION_DEFINE = re.compile(rb"^[ \t]*#[ \t]*define[ \t]+NVSHMEM_VENDOR_(MAJOR|MINOR|PATCH)_VERSION[ \t]+(\d+)",
+                             re.MULTILINE)
+
+
+def header_version(include_dir: str) -> Optional[str]:
+    """"MAJOR.MINOR.PATCH" from the NVSHMEM_VENDOR_*_VERSION macros (documented library constants)
+    defined somewhere under include_dir, or None when they are not found."""
+    found = {}
+    for dirpath, _dirs, files in os.walk(include_dir):
+        for name in sorted(files):
+            if not name.endswith((".h", ".hpp", ".cuh")):
+                continue
+            try:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            if b"NVSHMEM_VENDOR_" not in text:
+                continue
+            for m in _VERSION_DEFINE.finditer(text):
+                found.setdefault(m.group(1).decode(), m.group(2).decode())
+            if len(found) == 3:
+                return f"{found['MAJOR']}.{found['MINOR']}.{found['PATCH']}"
+    return None
 
 
 def nvshmem_build_paths() -> NvshmemBuildPaths:
     """Where NVSHMEM's headers and device library are (the installation probe.nvshmem_info finds:
     $NVSHMEM_HOME, the pip package nvidia-nvshmem-cu13/cu12, LD_LIBRARY_PATH, system dirs).
-    Raises JitCompileError naming what was searched when something is missing."""
+    Raises JitCompileError naming what was searched when something is missing, and when the
+    headers are another NVSHMEM release than the host library (see the module docstring)."""
     from .transports import probe
 
     info = probe.nvshmem_info()
@@ -68,8 +113,15 @@ def nvshmem_build_paths() -> NvshmemBuildPaths:
     inc = info.get("include_dir")
     if not inc:
         raise JitCompileError(f"NVSHMEM at {lib_dir} has no include/nvshmem.h next to its lib directory")
-    version = info.get("version") or f"unknown ({info.get('version_error')})"
-    return NvshmemBuildPaths(inc, lib_dir, device_lib, version)
+    version = info.get("version")
+    headers = header_version(inc)
+    if version and headers and headers != version:
+        raise JitCompileError(f"NVSHMEM version mismatch: the headers in {inc} are {headers} but {host} is "
+                              f"{version}; kernels must be built against the installation whose host library "
+                              "runs them (fix NVSHMEM_HOME / the nvidia-nvshmem package)")
+    if not version:
+        version = f"unknown ({info.get('version_error')})"
+    return NvshmemBuildPaths(inc, lib_dir, device_lib, version, host)
 
 
 _toolkit_cache: dict = {}
@@ -133,7 +185,7 @@ def _run(cmd: List[str], cwd: str, what: str) -> float:
 def compile_linked_cached(source: str, defines: Optional[Defines] = None, arch: str = "sm_90", *,
                           root: Optional[str] = None, extra_flags: Sequence[str] = (),
                           cache: Optional[str] = None,
-                          nvshmem: Optional[NvshmemBuildPaths] = None) -> CompileResult:
+                          nvshmem: Optional[NvshmemBuildPaths] = None) -> LinkedCompileResult:
     """Compile `source` (relative to `root`, default jit.kernel_root(), or an absolute path) with
     -rdc and device-link it against libnvshmem_device.a into a cubin for `arch`, unless cached.
     The kernel tree (-I<root>) is kernel_root() unless `root` is given."""
@@ -176,7 +228,7 @@ def compile_linked_cached(source: str, defines: Optional[Defines] = None, arch: 
                 return f.read()
 
     data, hit, seconds = jit.cached_artifact(out_path, build)
-    return CompileResult(data, out_path, hit, seconds, arch, False)
+    return LinkedCompileResult(data, out_path, hit, seconds, arch, False, paths)
 
 
 def compile_linked(source: str, defines: Optional[Defines] = None, arch: str = "sm_90", **kwargs) -> bytes:
@@ -271,7 +323,8 @@ def selftest_source_path(cache: Optional[str] = None) -> str:
     return path
 
 
-def compile_selftest(arch: str = "sm_90", data_bytes: int = 4096, cache: Optional[str] = None) -> CompileResult:
+def compile_selftest(arch: str = "sm_90", data_bytes: int = 4096,
+                     cache: Optional[str] = None) -> LinkedCompileResult:
     """The self-test kernel, device-linked for `arch` (data_bytes: a multiple of 16)."""
     if data_bytes <= 0 or data_bytes % 16:
         raise ValueError(f"data_bytes must be a positive multiple of 16, got {data_bytes}")

@@ -24,6 +24,17 @@ nothing to call through ctypes), each checked against the headers by tests/test_
     nvshmemx_hostlib_finalize instead, and the device state of each JIT module (the only device
     code here) is filled by nvshmemx_cumodule_init.
 
+CUDA context: NVSHMEM initialises in the calling thread's current context, _C.Module loads into the
+device's primary context, and nvshmemx_cumodule_init must see the module in NVSHMEM's context. So
+NvshmemRuntime checks, before init and before each cumodule_init, that the current context is
+`device`'s primary context; with no current context it makes the primary context current itself
+(what cudaSetDevice does); another context current raises.
+
+One installation: the library loaded here is the one probe.nvshmem_info finds, the same that
+jit_link.nvshmem_build_paths links against; load_module refuses a cubin linked against another
+version or installation, and loading refuses when another libnvshmem_host.so is already mapped in
+the process (two NVSHMEM host libraries in one process would mix their global symbols).
+
 Init attr version: the v2 layout (with cuda_device_id) is what NVSHMEM 3.8's headers define; older
 libraries (3.4.x on the lent H200) may only know v1 (the header's own fallback,
 nvshmemx_init_init_attr_ver_only, writes v1 version words). We send v2 when the library reports
@@ -40,12 +51,12 @@ import ctypes
 import functools
 import os
 import threading
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 __all__ = ["NvshmemUnavailable", "load_library", "library_path", "version", "SYMBOLS", "UniqueId",
            "UniqueIdArgs", "InitArgsV1", "InitArgsV2", "InitAttrV1", "InitAttrV2", "INIT_WITH_UNIQUEID",
-           "nvshmem_environment", "apply_environment", "NvshmemRuntime", "CudaModule", "SelftestParams",
-           "TransportParams"]
+           "nvshmem_environment", "apply_environment", "NvshmemRuntime", "SelftestParams", "TransportParams",
+           "check_linked_against_loaded"]
 
 INIT_WITH_UNIQUEID = 1 << 3          # NVSHMEMX_INIT_WITH_UNIQUEID (host/nvshmemx_api.h, enum flags)
 UNIQUEID_PADDING = 124               # bootstrap_device_host/nvshmem_uniqueid.h
@@ -144,6 +155,26 @@ SYMBOLS: Dict[str, Tuple[Any, list]] = {
 }
 
 
+def _mapped_files() -> List[str]:
+    """Paths of the files mapped into this process (/proc/self/maps; [] where there is none)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return [line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6]
+    except OSError:
+        return []
+
+
+def _other_nvshmem_host_libs(path: str) -> List[str]:
+    """libnvshmem_host.so* files mapped in this process that are not `path` (after realpath)."""
+    mine = os.path.realpath(path)
+    others = []
+    for f in _mapped_files():
+        if os.path.basename(f).startswith("libnvshmem_host.so") and os.path.realpath(f) != mine \
+                and f not in others:
+            others.append(f)
+    return others
+
+
 @functools.lru_cache(maxsize=None)
 def _load() -> Tuple[Optional[ctypes.CDLL], str, Optional[str]]:
     from .transports import probe
@@ -153,6 +184,11 @@ def _load() -> Tuple[Optional[ctypes.CDLL], str, Optional[str]]:
     if path is None:
         return None, ("libnvshmem_host.so.3 not found (searched: " + ", ".join(info.get("searched", []))
                       + "); pip install nvidia-nvshmem-cu13 or set NVSHMEM_HOME"), None
+    others = _other_nvshmem_host_libs(path)
+    if others:
+        return None, (f"another NVSHMEM host library ({', '.join(others)}) is already loaded in this process; "
+                      f"loading {path} as well would give two NVSHMEMs with mixed symbols. Point NVSHMEM_HOME "
+                      "at that installation (or unset it) so that one installation is used"), path
     try:
         lib = ctypes.CDLL(path)
     except OSError as e:
@@ -243,6 +279,76 @@ def apply_environment(options: Optional[Mapping[str, Any]] = None) -> Dict[str, 
     return env
 
 
+# ---- CUDA context and installation checks --------------------------------------------------------
+
+def _libcuda():
+    """The initialised libcuda handle (probe's), or NvshmemUnavailable with the reason."""
+    from .transports import probe
+
+    lib, why = probe._libcuda()
+    if lib is None:
+        raise NvshmemUnavailable(why)
+    return lib
+
+
+def _cu(lib, fn: str, *args) -> None:
+    rc = getattr(lib, fn)(*args)
+    if rc != 0:
+        raise RuntimeError(f"{fn} failed with CUresult {rc}")
+
+
+def _primary_release(lib, dev: int) -> None:
+    fn = getattr(lib, "cuDevicePrimaryCtxRelease_v2", None) or lib.cuDevicePrimaryCtxRelease
+    fn(ctypes.c_int(dev))
+
+
+def ensure_primary_context(device: int) -> bool:
+    """Make sure `device`'s primary context is current on this thread. True when this call made it
+    current (and holds a retain the caller releases with release_primary_context), False when it
+    already was. Raises RuntimeError when another context is current."""
+    lib = _libcuda()
+    dev = ctypes.c_int()
+    _cu(lib, "cuDeviceGet", ctypes.byref(dev), ctypes.c_int(int(device)))
+    primary = ctypes.c_void_p()
+    _cu(lib, "cuDevicePrimaryCtxRetain", ctypes.byref(primary), dev)
+    current = ctypes.c_void_p()
+    _cu(lib, "cuCtxGetCurrent", ctypes.byref(current))
+    if not current.value:
+        _cu(lib, "cuCtxSetCurrent", primary)
+        return True  # keep the retain while we rely on the context
+    _primary_release(lib, dev.value)
+    if current.value != primary.value:
+        raise RuntimeError(f"the CUDA context current on this thread is not device {device}'s primary context; "
+                           "NVSHMEM and the kernels must share it (torch.cuda.set_device(device) before "
+                           "creating NvshmemRuntime)")
+    return False
+
+
+def release_primary_context(device: int) -> None:
+    lib = _libcuda()
+    dev = ctypes.c_int()
+    _cu(lib, "cuDeviceGet", ctypes.byref(dev), ctypes.c_int(int(device)))
+    _primary_release(lib, dev.value)
+
+
+def check_linked_against_loaded(paths) -> None:
+    """Raise NvshmemUnavailable unless `paths` (jit_link.NvshmemBuildPaths a cubin was linked with)
+    names the NVSHMEM installation and version this process loaded."""
+    loaded_path = library_path()
+    lib = load_library()
+    v = [ctypes.c_int(-1) for _ in range(3)]
+    lib.nvshmemx_vendor_get_version_info(*(ctypes.byref(x) for x in v))
+    loaded = ".".join(str(x.value) for x in v)
+    if paths.version != loaded:
+        raise NvshmemUnavailable(f"NVSHMEM version mismatch: the kernel was device-linked against "
+                                 f"{paths.device_lib} (NVSHMEM {paths.version}) but this process runs "
+                                 f"{loaded_path} (NVSHMEM {loaded}); rebuild it against the loaded installation")
+    if loaded_path and os.path.realpath(paths.lib_dir) != os.path.realpath(os.path.dirname(loaded_path)):
+        raise NvshmemUnavailable(f"NVSHMEM installation mismatch: the kernel was device-linked against "
+                                 f"{paths.device_lib} but this process runs {loaded_path}; link and run with "
+                                 "one installation")
+
+
 # ---- the runtime ---------------------------------------------------------------------------------
 
 _state_lock = threading.Lock()
@@ -252,8 +358,9 @@ _active: Optional["NvshmemRuntime"] = None
 class NvshmemRuntime:
     """NVSHMEM initialised over our Comm by unique id. One per process (NVSHMEM is process-global).
 
-    `comm` is a deepep_portable.comm.Comm (or anything with rank, size, broadcast_object). Rank r
-    of the comm becomes PE r. Call with the CUDA device's primary context current on this thread.
+    `comm` is a deepep_portable.comm.Comm (or anything with rank, size, allgather_object). Rank r
+    of the comm becomes PE r. `device`'s primary context must be current on this thread, or no
+    context at all (then it is made current here); see the module docstring.
     """
 
     def __init__(self, comm: Any, device: int, options: Optional[Mapping[str, Any]] = None) -> None:
@@ -261,23 +368,36 @@ class NvshmemRuntime:
         self.lib = load_library()
         self.device = int(device)
         self.rank, self.size = int(comm.rank), int(comm.size)
-        self.env = apply_environment(options)
+        self.env = apply_environment(options)  # before any NVSHMEM call that may read it
         self.version = version()
+        self._modules: Dict[int, Any] = {}
+        self._allocs: Dict[int, int] = {}
+        self._own_context = False
+        self._extra_retains = 0
+        self.finalized = False
         with _state_lock:
             if _active is not None:
                 raise RuntimeError("NVSHMEM is already initialised in this process (one NvshmemRuntime "
                                    "per process; finalize() the previous one first)")
-            uid = new_unique_id()
+            # Every rank checks its CUDA context and rank 0 creates the unique id; one allgather then
+            # gives every rank rank 0's id AND every rank's error, so nobody enters the UID bootstrap
+            # (where it would wait for the missing ranks) unless all ranks are ready.
             err = ""
-            if self.rank == 0:
+            try:
+                self._own_context = ensure_primary_context(self.device)
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                self._own_context = False
+                err = f"{type(e).__name__}: {e}"
+            uid = new_unique_id()
+            if self.rank == 0 and not err:
                 rc = self.lib.nvshmemx_get_uniqueid(ctypes.byref(uid))
                 if rc != 0:
                     err = f"nvshmemx_get_uniqueid failed with {rc}"
-            # Every rank learns rank 0's id (or its error) before anyone calls init, so a failure on
-            # rank 0 cannot leave the others blocked inside the UID bootstrap.
-            blob, err = comm.broadcast_object((bytes(uid), err) if self.rank == 0 else None, 0)
-            if err:
-                raise RuntimeError(f"NVSHMEM unique id on rank 0: {err}")
+            everyone = comm.allgather_object((bytes(uid) if self.rank == 0 else b"", err))
+            bad = [f"rank {r}: {e}" for r, (_, e) in enumerate(everyone) if e]
+            if bad:
+                raise RuntimeError("NVSHMEM init skipped on every rank: " + "; ".join(bad))
+            blob = everyone[0][0]
             ctypes.memmove(ctypes.byref(uid), blob, ctypes.sizeof(UniqueId))
             self._uid = uid  # keep alive: attr points at it
             v2 = self.version >= (3, 8, 0)
@@ -298,9 +418,6 @@ class NvshmemRuntime:
         self.n_pes = int(self.lib.nvshmem_n_pes())
         if (self.my_pe, self.n_pes) != (self.rank, self.size):
             raise RuntimeError(f"NVSHMEM PE {self.my_pe}/{self.n_pes} != comm rank {self.rank}/{self.size}")
-        self._allocs: Dict[int, int] = {}
-        self._modules: Dict[int, bool] = {}
-        self.finalized = False
 
     # memory
     def malloc(self, nbytes: int) -> int:
@@ -329,17 +446,38 @@ class NvshmemRuntime:
         self.lib.nvshmemx_barrier_all_on_stream(ctypes.c_void_p(int(stream)))
 
     # JIT modules
-    def cumodule_init(self, cu_module: int) -> None:
-        """Fill NVSHMEM's device state in a loaded, device-linked module (before its first launch)."""
-        rc = self.lib.nvshmemx_cumodule_init(ctypes.c_void_p(int(cu_module)))
+    def load_module(self, compiled: Any) -> Any:
+        """Load a jit_link.LinkedCompileResult as a deepep_portable._C.Module on this runtime's device
+        and register it with nvshmemx_cumodule_init. Refuses a cubin linked against another NVSHMEM
+        version or installation. The runtime keeps the Module alive until finalize()."""
+        paths = getattr(compiled, "nvshmem", None)
+        if paths is None:
+            raise TypeError("load_module takes a jit_link.LinkedCompileResult (the cubin and the NVSHMEM "
+                            f"installation it was linked against), got {type(compiled).__name__}")
+        check_linked_against_loaded(paths)
+        from . import _C
+
+        module = _C.Module(compiled.image, self.device)
+        self.cumodule_init(module)
+        return module
+
+    def cumodule_init(self, module: Any) -> None:
+        """Fill NVSHMEM's device state in a loaded, device-linked module (a _C.Module, kept alive until
+        finalize) before its first launch. Prefer load_module, which also checks the installation."""
+        handle = int(getattr(module, "handle", module))
+        if ensure_primary_context(self.device):  # the module's context must be current (raises if not)
+            self._extra_retains += 1
+        rc = self.lib.nvshmemx_cumodule_init(ctypes.c_void_p(handle))
         if rc != 0:
             raise RuntimeError(f"nvshmemx_cumodule_init failed with {rc} (was the module device-linked "
                                "with libnvshmem_device.a of the same NVSHMEM version?)")
-        self._modules[int(cu_module)] = True
+        self._modules[handle] = module
 
-    def cumodule_finalize(self, cu_module: int) -> None:
-        if self._modules.pop(int(cu_module), None):
-            self.lib.nvshmemx_cumodule_finalize(ctypes.c_void_p(int(cu_module)))
+    def cumodule_finalize(self, module: Any) -> None:
+        handle = int(getattr(module, "handle", module))
+        if handle in self._modules:
+            self.lib.nvshmemx_cumodule_finalize(ctypes.c_void_p(handle))
+            del self._modules[handle]  # drops our reference after NVSHMEM let go of it
 
     def finalize(self) -> None:
         """Collective: frees what is left, finalizes registered modules, then NVSHMEM itself."""
@@ -352,6 +490,9 @@ class NvshmemRuntime:
             self.free(p)
         self.lib.nvshmemx_hostlib_finalize()
         self.finalized = True
+        for _ in range(self._extra_retains + (1 if self._own_context else 0)):
+            release_primary_context(self.device)
+        self._own_context, self._extra_retains = False, 0
         with _state_lock:
             if _active is self:
                 _active = None
@@ -371,59 +512,3 @@ class SelftestParams(ctypes.Structure):
     _fields_ = [("t", TransportParams), ("src", ctypes.c_uint64), ("seq", ctypes.c_uint64),
                 ("timeout_ns", ctypes.c_uint64), ("claim", ctypes.c_uint64), ("host", ctypes.c_uint64),
                 ("out", ctypes.c_uint64), ("skip_signal_to", ctypes.c_int32), ("probe_timeout", ctypes.c_int32)]
-
-
-# ---- a minimal module loader exposing the CUmodule (until _C.Module does) ------------------------
-
-class CudaModule:
-    """Load a cubin with the CUDA driver API through ctypes (libcuda.so.1), in `device`'s primary
-    context, and launch its kernels. Exists because nvshmemx_cumodule_init needs the CUmodule
-    handle, which deepep_portable._C.Module does not expose yet."""
-
-    _CU_LAUNCH_PARAM_END = 0
-    _CU_LAUNCH_PARAM_BUFFER_POINTER = 1
-    _CU_LAUNCH_PARAM_BUFFER_SIZE = 2
-
-    def __init__(self, image: bytes, device: int) -> None:
-        try:
-            self.cu = ctypes.CDLL("libcuda.so.1")
-        except OSError as e:
-            raise NvshmemUnavailable(f"libcuda.so.1 not loadable: {e}") from e
-        self._check(self.cu.cuInit(0), "cuInit")
-        dev = ctypes.c_int()
-        self._check(self.cu.cuDeviceGet(ctypes.byref(dev), int(device)), "cuDeviceGet")
-        ctx = ctypes.c_void_p()
-        self._check(self.cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-        self._dev, self._ctx = dev, ctx
-        self._check(self.cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        self._image = ctypes.create_string_buffer(bytes(image), len(image))
-        mod = ctypes.c_void_p()
-        self._check(self.cu.cuModuleLoadData(ctypes.byref(mod), self._image), "cuModuleLoadData")
-        self.handle = int(mod.value)
-
-    def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            name = ctypes.c_char_p()
-            self.cu.cuGetErrorName(rc, ctypes.byref(name))
-            raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else rc}")
-
-    def launch(self, kernel: str, grid: int, block: int, params: ctypes.Structure, stream: int = 0,
-               shared_mem: int = 0) -> None:
-        fn = ctypes.c_void_p()
-        self._check(self.cu.cuModuleGetFunction(ctypes.byref(fn), ctypes.c_void_p(self.handle), kernel.encode()),
-                    f"cuModuleGetFunction({kernel})")
-        buf = ctypes.create_string_buffer(bytes(params), ctypes.sizeof(params))
-        size = ctypes.c_size_t(ctypes.sizeof(params))
-        extra = (ctypes.c_void_p * 5)(self._CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.cast(buf, ctypes.c_void_p),
-                                      self._CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.cast(ctypes.byref(size), ctypes.c_void_p),
-                                      self._CU_LAUNCH_PARAM_END)
-        self._check(self.cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, shared_mem, ctypes.c_void_p(stream), None,
-                                           extra), f"cuLaunchKernel({kernel})")
-
-    def synchronize(self) -> None:
-        self._check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
-
-    def unload(self) -> None:
-        if self.handle:
-            self.cu.cuModuleUnload(ctypes.c_void_p(self.handle))
-            self.handle = 0

@@ -156,9 +156,13 @@ def test_host_library_loads_and_resolves_every_symbol():
         assert getattr(lib, name), name
     v = nr.version()
     assert v >= (3, 0, 0)
-    pip = probe.nvshmem_info()["pip"].get("nvidia-nvshmem-cu13")
-    if pip:
+    info = probe.nvshmem_info()
+    pip = info["pip"].get("nvidia-nvshmem-cu13")
+    from_pip = os.sep + os.path.join("nvidia", "nvshmem", "lib") + os.sep in info["host_lib"]
+    if pip and from_pip and not os.environ.get("NVSHMEM_HOME"):
         assert ".".join(map(str, v)) == ".".join(pip.split(".")[:3])
+    # the headers jit_link compiles against are the same release as the library loaded here
+    assert jit_link.header_version(info["include_dir"]) == ".".join(map(str, v))
 
 
 def test_missing_library_gives_a_reason(monkeypatch):
@@ -179,22 +183,28 @@ _LAYOUT_PROGRAM = r"""
 #include <nvshmemx.h>
 #define S(T) std::printf("sizeof %s %zu\n", #T, sizeof(T))
 #define O(T, f) std::printf("offsetof %s.%s %zu\n", #T, #f, offsetof(T, f))
+// init attr / args v2 (cuda_device_id) exist from NVSHMEM 3.8 on (3.4.x, on the lent H200: v1 only)
+#define HAS_V2 (NVSHMEM_VENDOR_MAJOR_VERSION * 100 + NVSHMEM_VENDOR_MINOR_VERSION >= 308)
 int main() {
+    std::printf("value has_v2 %d\n", (int)HAS_V2);
     S(nvshmemx_uniqueid_v1); O(nvshmemx_uniqueid_v1, version); O(nvshmemx_uniqueid_v1, internal);
     S(nvshmemx_uniqueid_args_v1); O(nvshmemx_uniqueid_args_v1, version); O(nvshmemx_uniqueid_args_v1, id);
     O(nvshmemx_uniqueid_args_v1, myrank); O(nvshmemx_uniqueid_args_v1, nranks);
     S(nvshmemx_init_args_v1); O(nvshmemx_init_args_v1, version); O(nvshmemx_init_args_v1, uid_args);
     O(nvshmemx_init_args_v1, content);
-    S(nvshmemx_init_args_v2); O(nvshmemx_init_args_v2, version); O(nvshmemx_init_args_v2, uid_args);
-    O(nvshmemx_init_args_v2, cuda_device_id); O(nvshmemx_init_args_v2, content);
     S(nvshmemx_init_attr_v1); O(nvshmemx_init_attr_v1, version); O(nvshmemx_init_attr_v1, mpi_comm);
     O(nvshmemx_init_attr_v1, args);
-    S(nvshmemx_init_attr_v2); O(nvshmemx_init_attr_v2, version); O(nvshmemx_init_attr_v2, mpi_comm);
-    O(nvshmemx_init_attr_v2, args);
     std::printf("same nvshmemx_uniqueid_t %d\n", (int)(sizeof(nvshmemx_uniqueid_t) == sizeof(nvshmemx_uniqueid_v1)));
-    std::printf("same nvshmemx_init_attr_t %d\n", (int)(sizeof(nvshmemx_init_attr_t) == sizeof(nvshmemx_init_attr_v2)));
     nvshmemx_uniqueid_t u = NVSHMEMX_UNIQUEID_INITIALIZER;
     std::printf("value uid.version %d\n", u.version);
+    std::printf("value flag.uniqueid %d\n", (int)NVSHMEMX_INIT_WITH_UNIQUEID);
+    std::printf("value signal.set %d\n", (int)NVSHMEM_SIGNAL_SET);
+#if HAS_V2
+    S(nvshmemx_init_args_v2); O(nvshmemx_init_args_v2, version); O(nvshmemx_init_args_v2, uid_args);
+    O(nvshmemx_init_args_v2, cuda_device_id); O(nvshmemx_init_args_v2, content);
+    S(nvshmemx_init_attr_v2); O(nvshmemx_init_attr_v2, version); O(nvshmemx_init_attr_v2, mpi_comm);
+    O(nvshmemx_init_attr_v2, args);
+    std::printf("same nvshmemx_init_attr_t %d\n", (int)(sizeof(nvshmemx_init_attr_t) == sizeof(nvshmemx_init_attr_v2)));
     nvshmemx_init_attr_t a = NVSHMEMX_INIT_ATTR_INITIALIZER;
     std::printf("value attr_v2.version %d\n", a.version);
     std::printf("value attr_v2.args.version %d\n", a.args.version);
@@ -202,10 +212,14 @@ int main() {
     std::printf("value attr_v2.args.uid_args.myrank %d\n", a.args.uid_args.myrank);
     std::printf("value attr_v2.args.cuda_device_id %d\n", a.args.cuda_device_id);
     nvshmemx_init_attr_v1 b = NVSHMEMX_INIT_ATTR_V1_INITIALIZER;
+#else
+    std::printf("same nvshmemx_init_attr_t %d\n", (int)(sizeof(nvshmemx_init_attr_t) == sizeof(nvshmemx_init_attr_v1)));
+    nvshmemx_init_attr_t b = NVSHMEMX_INIT_ATTR_INITIALIZER;  // v1 is the default there
+    std::printf("value attr_v1.args.uid_args.version %d\n", b.args.uid_args.version);
+    std::printf("value attr_v1.args.uid_args.myrank %d\n", b.args.uid_args.myrank);
+#endif
     std::printf("value attr_v1.version %d\n", b.version);
     std::printf("value attr_v1.args.version %d\n", b.args.version);
-    std::printf("value flag.uniqueid %d\n", (int)NVSHMEMX_INIT_WITH_UNIQUEID);
-    std::printf("value signal.set %d\n", (int)NVSHMEM_SIGNAL_SET);
     return 0;
 }
 """
@@ -243,6 +257,7 @@ def test_reimplemented_structs_match_the_headers(tmp_path):
     mirrors = {"nvshmemx_uniqueid_v1": nr.UniqueId, "nvshmemx_uniqueid_args_v1": nr.UniqueIdArgs,
                "nvshmemx_init_args_v1": nr.InitArgsV1, "nvshmemx_init_args_v2": nr.InitArgsV2,
                "nvshmemx_init_attr_v1": nr.InitAttrV1, "nvshmemx_init_attr_v2": nr.InitAttrV2}
+    has_v2 = got[("value", "has_v2")] == 1
     checked = 0
     for (what, name), value in got.items():
         if what == "sizeof":
@@ -252,23 +267,61 @@ def test_reimplemented_structs_match_the_headers(tmp_path):
             t, f = name.split(".")
             assert getattr(mirrors[t], f).offset == value, name
             checked += 1
-    assert checked == 6 + 19  # every sizeof and offsetof printed above was compared
+    # every sizeof and offsetof the program printed was compared (v1 always, v2 where it exists)
+    assert checked == (4 + 12) + ((2 + 7) if has_v2 else 0)
     assert got[("same", "nvshmemx_uniqueid_t")] == 1
-    assert got[("same", "nvshmemx_init_attr_t")] == 1, "nvshmemx_init_attr_t is no longer v2: update the mirror"
+    assert got[("same", "nvshmemx_init_attr_t")] == 1, "nvshmemx_init_attr_t changed: update the mirror"
+    # the runtime sends v2 exactly when the headers of that release define it
+    assert has_v2 == (tuple(int(x) for x in paths.version.split(".")) >= (3, 8, 0))
 
     uid = nr.new_unique_id()
     assert uid.version == got[("value", "uid.version")]
-    a2 = nr.new_init_attr(True, -1)
-    assert a2.version == got[("value", "attr_v2.version")]
-    assert a2.args.version == got[("value", "attr_v2.args.version")]
-    assert a2.args.uid_args.version == got[("value", "attr_v2.args.uid_args.version")]
-    assert a2.args.uid_args.myrank == got[("value", "attr_v2.args.uid_args.myrank")]
-    assert a2.args.cuda_device_id == got[("value", "attr_v2.args.cuda_device_id")]
     a1 = nr.new_init_attr(False)
     assert a1.version == got[("value", "attr_v1.version")]
     assert a1.args.version == got[("value", "attr_v1.args.version")]
+    if has_v2:
+        a2 = nr.new_init_attr(True, -1)
+        assert a2.version == got[("value", "attr_v2.version")]
+        assert a2.args.version == got[("value", "attr_v2.args.version")]
+        assert a2.args.uid_args.version == got[("value", "attr_v2.args.uid_args.version")]
+        assert a2.args.uid_args.myrank == got[("value", "attr_v2.args.uid_args.myrank")]
+        assert a2.args.cuda_device_id == got[("value", "attr_v2.args.cuda_device_id")]
+    else:
+        assert a1.args.uid_args.version == got[("value", "attr_v1.args.uid_args.version")]
+        assert a1.args.uid_args.myrank == got[("value", "attr_v1.args.uid_args.myrank")]
     assert nr.INIT_WITH_UNIQUEID == got[("value", "flag.uniqueid")]
     assert got[("value", "signal.set")] == 9
+
+
+def test_kernel_param_structs_match_field_by_field(cache, tmp_path):
+    """Every field offset of the ctypes mirrors TransportParams / SelftestParams equals the device
+    struct's (static_asserts generated from the mirrors, compiled with the kernel source)."""
+    nvcc = _nvcc_or_skip()
+    paths = _nvshmem_or_skip()
+    lines = [jit_link.SELFTEST_SOURCE, "#include <cstddef>"]
+    for host, dev in ((nr.TransportParams, "NvshmemTransport"), (nr.SelftestParams, "SelftestParams")):
+        lines.append(f"static_assert(sizeof({dev}) == {ctypes.sizeof(host)}, \"sizeof {dev}\");")
+        for name, *_ in host._fields_:
+            off = getattr(host, name).offset
+            lines.append(f"static_assert(offsetof({dev}, {name}) == {off}, \"{dev}.{name} offset\");")
+    src = tmp_path / "layout_check.cu"
+    src.write_text("\n".join(lines) + "\n")
+    cmd = [nvcc, *jit.BASE_FLAGS, "-rdc=true", "-dc", "-arch=sm_90", f"-I{jit.kernel_root()}",
+           f"-I{paths.include_dir}", *(f"-I{d}" for d in jit_link.cuda_include_dirs(nvcc)),
+           "-DDATA_BYTES=4096", str(src), "-o", str(tmp_path / "layout_check.o")]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_wait_ge_uses_the_point_to_point_test_routine():
+    """The receive side goes through nvshmem_uint64_test (the documented way a target PE orders its
+    reads after a put-with-signal / fence) plus an acquire fence, never a bare load."""
+    text = open(os.path.join(jit.kernel_root(), "backends", "nvshmem", "device.cuh")).read()
+    body = text[text.index("DEEPEP_DEVICE bool wait_ge"):]
+    body = body[:body.index("\n    }\n")]
+    assert "nvshmem_uint64_test(" in body and "NVSHMEM_CMP_GE" in body
+    assert "fence.acq_rel.sys" in body
+    assert "deepep_portable::wait_ge(" not in body and "ld_acquire_sys" not in body
 
 
 def test_environment():
@@ -309,15 +362,16 @@ def test_unique_id_and_attr_with_the_real_library():
 
 
 class _FakeComm:
-    """Two ranks in one process: rank 0's broadcast payload is replayed to rank 1."""
+    """Ranks in one process, run one after the other: each rank's allgather contribution is
+    recorded, and a rank sees every contribution made so far, padded with what `others` says the
+    ranks not run yet contribute (rank 0 runs first, so later ranks see its unique id)."""
 
-    def __init__(self, rank, size, box):
-        self.rank, self.size, self.box = rank, size, box
+    def __init__(self, rank, size, box, others=("", "")):
+        self.rank, self.size, self.box, self.others = rank, size, box, others
 
-    def broadcast_object(self, obj, root=0):
-        if self.rank == root:
-            self.box["b"] = obj
-        return self.box["b"]
+    def allgather_object(self, obj):
+        self.box[self.rank] = obj
+        return [self.box.get(r, (b"", self.others[1]) if r != self.rank else obj) for r in range(self.size)]
 
 
 class _FakeLib:
@@ -352,6 +406,8 @@ def test_runtime_bootstrap_flow_without_a_gpu(monkeypatch):
     box = {}
     monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)  # restored afterwards
     monkeypatch.delenv("NVSHMEM_IB_SL", raising=False)
+    contexts = []
+    monkeypatch.setattr(nr, "ensure_primary_context", lambda d: contexts.append(d) or False)
     runtimes = []
     for rank in (0, 1):
         fake = _FakeLib(real, rank, 2)
@@ -362,6 +418,7 @@ def test_runtime_bootstrap_flow_without_a_gpu(monkeypatch):
                 nr.NvshmemRuntime(_FakeComm(0, 2, {}), device=0)
         rt.finalize()
         runtimes.append((rt, fake))
+    assert contexts == [0, 1], "each rank must check its device's context before init"
     assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1" and os.environ["NVSHMEM_IB_SL"] == "3"
     inits = [f.calls[0] for _, f in runtimes]
     want_attr = "InitAttrV2" if nr.version() >= (3, 8, 0) else "InitAttrV1"
@@ -370,11 +427,129 @@ def test_runtime_bootstrap_flow_without_a_gpu(monkeypatch):
     assert all(f.calls[-1] == ("finalize",) for _, f in runtimes)
 
 
-def test_cuda_module_without_driver_says_why():
+def test_a_failing_rank_stops_every_rank_before_the_bootstrap(monkeypatch):
+    """A rank whose CUDA context is wrong reports it through the id exchange: no rank calls init
+    (which would block in the UID bootstrap waiting for it)."""
+    real = _lib_or_skip()
+
+    def bad_context(device):
+        if device == 1:
+            raise RuntimeError("not the primary context")
+        return False
+
+    monkeypatch.setattr(nr, "ensure_primary_context", bad_context)
+    fakes = []
+    for rank in (0, 1):
+        fake = _FakeLib(real, rank, 2)
+        fakes.append(fake)
+        monkeypatch.setattr(nr, "_load", lambda fake=fake: (fake, "", "fake"))
+        # rank 0 sees rank 1's error (what a real allgather delivers), rank 1 sees its own
+        comm = _FakeComm(rank, 2, {}, others=("", "RuntimeError: not the primary context"))
+        with pytest.raises(RuntimeError, match="rank 1: RuntimeError: not the primary context"):
+            nr.NvshmemRuntime(comm, device=rank)
+    assert all(not f.calls for f in fakes), "nobody may enter nvshmemx_hostlib_init_attr"
+
+
+class _FakeCuda:
+    """cuDeviceGet / cuDevicePrimaryCtxRetain / cuCtxGetCurrent / cuCtxSetCurrent / release."""
+
+    def __init__(self, current):
+        self.current, self.primary, self.retains, self.set_to = current, 0xC0DE, 0, None
+
+    def cuDeviceGet(self, ref, ordinal):
+        ref._obj.value = ordinal.value
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, ref, dev):
+        self.retains += 1
+        ref._obj.value = self.primary
+        return 0
+
+    def cuCtxGetCurrent(self, ref):
+        ref._obj.value = self.current
+        return 0
+
+    def cuCtxSetCurrent(self, ctx):
+        self.set_to = self.current = ctx.value
+        return 0
+
+    def cuDevicePrimaryCtxRelease_v2(self, dev):
+        self.retains -= 1
+        return 0
+
+
+def test_context_check(monkeypatch):
+    none = _FakeCuda(current=None)
+    monkeypatch.setattr(nr, "_libcuda", lambda: none)
+    assert nr.ensure_primary_context(0) is True and none.set_to == 0xC0DE and none.retains == 1
+    nr.release_primary_context(0)
+    assert none.retains == 0
+    primary = _FakeCuda(current=0xC0DE)
+    monkeypatch.setattr(nr, "_libcuda", lambda: primary)
+    assert nr.ensure_primary_context(0) is False and primary.set_to is None and primary.retains == 0
+    other = _FakeCuda(current=0xBAD)
+    monkeypatch.setattr(nr, "_libcuda", lambda: other)
+    with pytest.raises(RuntimeError, match="not device 0's primary context"):
+        nr.ensure_primary_context(0)
+    assert other.retains == 0 and other.set_to is None
+
+
+# ---- one installation: link and run with the same NVSHMEM ---------------------------------------
+
+def test_compiled_cubin_names_its_installation(cache):
+    _nvcc_or_skip()
+    paths = _nvshmem_or_skip()
+    res = jit_link.compile_selftest("sm_90", data_bytes=4096, cache=cache)
+    assert isinstance(res, jit_link.LinkedCompileResult) and res.nvshmem == paths
+    assert paths.host_lib and os.path.dirname(paths.host_lib) == paths.lib_dir
+
+
+def test_headers_of_another_release_are_refused(monkeypatch, tmp_path):
+    paths = _nvshmem_or_skip()
+    info = dict(probe.nvshmem_info())
+    assert jit_link.header_version(paths.include_dir) == paths.version
+    inc = tmp_path / "include"
+    inc.mkdir()
+    (inc / "nvshmem.h").write_text("#define NVSHMEM_VENDOR_MAJOR_VERSION 3\n#define NVSHMEM_VENDOR_MINOR_VERSION 4\n"
+                                   "#  define NVSHMEM_VENDOR_PATCH_VERSION 5\n")
+    assert jit_link.header_version(str(inc)) == "3.4.5"
+    monkeypatch.setattr(probe, "nvshmem_info", lambda: {**info, "include_dir": str(inc), "version": "3.8.0"})
+    with pytest.raises(jit.JitCompileError, match=r"version mismatch.*3\.4\.5.*3\.8\.0"):
+        jit_link.nvshmem_build_paths()
+
+
+def test_a_cubin_of_another_installation_is_refused():
+    _lib_or_skip()
+    paths = _nvshmem_or_skip()
+    nr.check_linked_against_loaded(paths)  # the real pair matches
+    other_version = jit_link.NvshmemBuildPaths(paths.include_dir, paths.lib_dir, paths.device_lib, "3.4.5-x")
+    with pytest.raises(nr.NvshmemUnavailable, match="version mismatch"):
+        nr.check_linked_against_loaded(other_version)
+    other_place = jit_link.NvshmemBuildPaths("/elsewhere/include", "/elsewhere/lib",
+                                             "/elsewhere/lib/libnvshmem_device.a", paths.version)
+    with pytest.raises(nr.NvshmemUnavailable, match="installation mismatch"):
+        nr.check_linked_against_loaded(other_place)
+    rt = object.__new__(nr.NvshmemRuntime)
+    with pytest.raises(TypeError, match="LinkedCompileResult"):
+        rt.load_module(b"\x7fELF")
+    with pytest.raises(nr.NvshmemUnavailable, match="version mismatch"):
+        rt.load_module(jit_link.LinkedCompileResult(b"\x7fELF", "x", True, 0.0, "sm_90", False, other_version))
+
+
+def test_a_second_nvshmem_in_the_process_is_refused(monkeypatch):
+    _nvshmem_or_skip()
+    monkeypatch.setattr(nr, "_mapped_files", lambda: ["/opt/other/lib/libnvshmem_host.so.3"])
+    nr._load.cache_clear()
     try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        with pytest.raises(nr.NvshmemUnavailable, match="libcuda.so.1"):
-            nr.CudaModule(b"\x7fELF", 0)
-    else:
-        pytest.skip("a CUDA driver is installed here")
+        why = nr.load_error()
+        assert "already loaded" in why and "/opt/other/lib/libnvshmem_host.so.3" in why, why
+    finally:
+        nr._load.cache_clear()
+
+
+def test_module_exposes_its_cumodule_handle():
+    """_C.Module.handle (the CUmodule as an int) is what nvshmemx_cumodule_init takes."""
+    _C = pytest.importorskip("deepep_portable._C")
+    prop = _C.Module.__dict__.get("handle")
+    assert isinstance(prop, property) and prop.fset is None, "Module.handle: a read-only property"
+    assert not hasattr(nr, "CudaModule"), "the ctypes module loader is gone: _C.Module does it"

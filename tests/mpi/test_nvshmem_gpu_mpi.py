@@ -10,8 +10,10 @@ every NvshmemTransport primitive) runs twice:
   round 2: PE 0 sends nothing to PE 1: PE 1's wait_ge must return false and its ErrorSink must
            record a timeout naming PE 0; every other PE succeeds.
 Skipped without CUDA, NVSHMEM, nvcc, or with fewer than 2 ranks. NVSHMEM is initialised once per
-process (one test function), and results are exchanged before any assert so that a failing rank
-does not leave the others hanging in a collective.
+process (one test function). Collectives never meet a rank that failed alone: compile and module
+load are agreed over MPI before the first NVSHMEM collective, every kernel wait has a deadline, and
+results are exchanged before any assert. Wrap the run in `timeout` anyway (a rank dying inside an
+NVSHMEM collective leaves the others there).
 """
 from __future__ import annotations
 
@@ -63,24 +65,38 @@ def test_nvshmem_put_signal_ring_and_timeout(mpi_comm, pg, device):
     if rank == 0:  # compile once; the others hit the cache (the per-key lock would also serialize)
         jit_link.compile_selftest(arch, DATA)
     mpi_comm.Barrier()
-    image = jit_link.compile_selftest(arch, DATA).image
+    compiled = jit_link.compile_selftest(arch, DATA)
 
-    rt = nr.NvshmemRuntime(comm, dev)
+    from deepep_portable import _C
+
+    cu = ctypes.CDLL("libcuda.so.1")  # our own handle: argtypes set here touch nobody else's
+    cu.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
+    cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+
+    rt = nr.NvshmemRuntime(comm, dev)  # raises on every rank if any rank is not ready
     results = {}
-    mod = None
+    all_results = []
     try:
-        mod = nr.CudaModule(image, dev)
-        cu = mod.cu
-        cu.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
-        cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
-        cu.cuMemsetD8_v2.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t]
-        rt.cumodule_init(mod.handle)
-
-        window = rt.malloc(WINDOW)
+        # Local steps that can fail alone (installation check, module load, cumodule_init), agreed
+        # before the first collective (nvshmem_malloc) so that no rank is left inside it.
+        err = None
+        try:
+            mod = rt.load_module(compiled)
+            fn = mod.function(jit_link.SELFTEST_KERNEL)
+            if fn.param_size >= 0:
+                assert fn.param_size == ctypes.sizeof(nr.SelftestParams), (fn.param_size,
+                                                                          ctypes.sizeof(nr.SelftestParams))
+        except Exception as e:  # noqa: BLE001
+            err = f"{type(e).__name__}: {e}"
+        errs = [e for e in mpi_comm.allgather(err) if e]
+        if errs:  # every rank takes this branch together: straight to the teardown
+            raise RuntimeError("module setup failed: " + "; ".join(errs))
+        window = rt.malloc(WINDOW)  # collective, same size on every PE
         src = rt.malloc(DATA)
         assert window and src
         pat = _pattern(rank)
-        assert cu.cuMemsetD8_v2(window, 0, WINDOW) == 0
+        _C.memset_d8_async(dev, window, 0, WINDOW, 0)
+        _C.stream_synchronize(dev, 0)
         assert cu.cuMemcpyHtoD_v2(src, pat, DATA) == 0
         results["peer_ptr_self"] = rt.ptr(window, rank) == window
 
@@ -93,12 +109,11 @@ def test_nvshmem_put_signal_ring_and_timeout(mpi_comm, pg, device):
             out.fill_(-7)
             host.zero_()
             torch.cuda.synchronize(device)
-            assert cu.cuCtxSynchronize() == 0
             rt.barrier_all()  # every PE's window is ready before anyone sends
             p = nr.SelftestParams(nr.transport_params(rt, window), src, seq, int(timeout_s * 1e9),
                                   claim.data_ptr(), host.data_ptr(), out.data_ptr(), skip_to, 0)
-            mod.launch(jit_link.SELFTEST_KERNEL, 1, 32, p)
-            mod.synchronize()
+            fn.launch(1, 32, 0, 0, bytes(p))   # one warp, legacy default stream
+            _C.stream_synchronize(dev, 0)
             rt.barrier_all()  # every PE's kernel (and its nvshmem_quiet) is done
             got = ctypes.create_string_buffer(WINDOW)
             assert cu.cuMemcpyDtoH_v2(got, window, WINDOW) == 0
@@ -123,11 +138,8 @@ def test_nvshmem_put_signal_ring_and_timeout(mpi_comm, pg, device):
     except Exception as e:  # noqa: BLE001 - report after the collective teardown
         results["exception"] = f"{type(e).__name__}: {e}"
     finally:
-        if mod is not None and mod.handle:
-            rt.cumodule_finalize(mod.handle)
-            mod.unload()
         all_results = mpi_comm.allgather(results)
-        rt.finalize()
+        rt.finalize()  # cumodule_finalize of the loaded module, nvshmem_free, hostlib_finalize
 
     for r, res in enumerate(all_results):
         assert "exception" not in res, f"rank {r}: {res['exception']}"
