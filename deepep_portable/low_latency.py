@@ -90,6 +90,7 @@ class LowLatencyEngine:
         self._calls = 0                 # LL calls launched through this engine (host mirror of the device counter)
         self._recvs = 0                 # receive kernels launched (host mirror of RECVD): always in call order
         self._epoch = 0                 # bumped by clean_low_latency_buffer: hooks from before it are refused
+        self._signal_experts: Optional[int] = None   # num_experts whose signal slots the buffer holds
         if ctx.num_rdma_bytes == 0:
             return
         if ctx.device.type != "cuda":
@@ -174,6 +175,18 @@ class LowLatencyEngine:
 
         return self.window.grid(Buffer.num_sms)
 
+    def _check_signal_geometry(self, num_experts: int) -> None:
+        """The signal slots' places depend on num_experts only; with another num_experts they would land on
+        bytes that held payload (garbage sequence numbers). Changing it needs clean_low_latency_buffer.
+        (Changing T or hidden moves only the data halves: safe once every rank's previous LL call has
+        completed, e.g. after a barrier; the double-buffer argument holds only between calls of one shape.)"""
+        if self._signal_experts is None:
+            self._signal_experts = num_experts
+        elif num_experts != self._signal_experts:
+            raise ValueError(f"this low-latency buffer holds the signals of num_experts={self._signal_experts}; "
+                             f"call clean_low_latency_buffer(..., num_experts={num_experts}) on every rank before "
+                             f"using num_experts={num_experts}")
+
     def _current_stream(self):
         return torch.cuda.current_stream(self.ctx.device)
 
@@ -238,6 +251,7 @@ class LowLatencyEngine:
         T, E, R = args.num_max_dispatch_tokens_per_rank, args.num_experts, self.num_ranks
         num_local, slots = E // R, R * T
         lay = self._layout(T, hidden, E)
+        self._check_signal_geometry(E)
         self._check_aligned("x", x)
         dev = x.device
         # outputs on the current stream (Buffer made the right one current), like the reference
@@ -280,6 +294,7 @@ class LowLatencyEngine:
                                                                   device=x.device)
         if not out.is_contiguous():
             raise ValueError("low_latency_combine(out=...) must be contiguous")
+        self._check_signal_geometry(E)
         self._check_aligned("x", x)
         self._check_aligned("out", out)
         p = LLCombineParams()
@@ -330,6 +345,7 @@ class LowLatencyEngine:
         _C.stream_synchronize(self.dev, 0)
         self._calls = self._recvs = 0
         self._epoch += 1
+        self._signal_experts = num_experts
         self.ctx.comm.barrier()        # nobody signals before everyone is clean
 
     def destroy(self) -> None:

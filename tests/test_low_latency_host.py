@@ -278,6 +278,7 @@ def _fake_engine(monkeypatch):
     eng.ctx = SimpleNamespace(comm_stream=_Stream(), device=torch.device("cpu"))
     eng.base, eng.broken = None, None
     eng._calls = eng._recvs = eng._epoch = 0
+    eng._signal_experts = None
     eng._grid = lambda: 1
     stream = _Stream()
     eng._current_stream = lambda: stream
@@ -318,3 +319,14 @@ def test_misaligned_rows_refused():
     ll.LowLatencyEngine._check_aligned("x", x[:32])
     with pytest.raises(ValueError, match="16-byte"):
         ll.LowLatencyEngine._check_aligned("x", x[1:])
+
+
+def test_num_experts_change_needs_clean(monkeypatch):
+    """Signal slots move with num_experts: onto bytes that held payload unless the buffer is cleaned."""
+    eng = _fake_engine(monkeypatch)
+    eng._check_signal_geometry(256)
+    eng._check_signal_geometry(256)
+    with pytest.raises(ValueError, match="clean_low_latency_buffer"):
+        eng._check_signal_geometry(128)
+    eng._signal_experts = 128      # what clean_low_latency_buffer(..., 128) records
+    eng._check_signal_geometry(128)
