@@ -15,6 +15,7 @@ stats, and the combine result: the kernel avoids FMA, so LL combine is exact too
 - Hook mode: the op returns with nothing left running (a rank that is 1 s late does not hold up
   torch.cuda.synchronize() on the others), and the outputs are written by hook() (poisoned before it).
 - CUDA graph capture of dispatch + combine (no hook), replayed with new contents.
+- Two micro-batches in flight (dispatch, dispatch, hook, hook, combine, combine), hooks out of order refused.
 - Timeout (last): rank 1 skips a call; the others raise CommTimeoutError naming the op, their rank and
   peer 1 at their next call; a fresh Buffer works afterwards.
 """
@@ -356,6 +357,73 @@ def test_ll_cuda_graph(pg, device, request, base_seed):
     if ck.agree(not ck.errors):
         run_pair(buf, pg, gen, device, ck, hidden=2048, num_tokens=5, mode="fp8", zero_copy=True,
                  tag="eager after graph")
+    ck.done()
+
+
+def test_ll_two_micro_batches(pg, device, request, base_seed):
+    """DeepEP's overlap pattern: dispatch, dispatch (both hooked), hook, hook, combine, combine (hooked):
+    both buffer halves in flight at once. A hook called out of call order is refused (nothing launched)."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    experts = num_experts_for(EXPERTS, num_ranks)
+    hidden, buf = 2048, _SHARED.buf
+    ck = GpuChecker(pg)
+    batches = []
+    for mb in range(2):
+        n = int(torch.randint(1, T + 1, (1,), generator=gen))
+        h = dict(x=make_x(gen, n, hidden), idx=make_topk(n, TOPK, experts, gen), w=torch.rand(n, TOPK, generator=gen))
+        x_all, idx_all = allgather(h["x"], pg), allgather(h["idx"], pg)
+        exps = [oracle.low_latency_dispatch(j, experts, T, x_all, idx_all) for j in range(num_ranks)]
+        y_all = []
+        for ex in exps:   # the "expert": y = recv_x * 2 on the valid rows
+            y = torch.zeros_like(ex.recv_x)
+            for e, c in enumerate(ex.recv_count.tolist()):
+                y[e, :c] = ex.recv_x[e, :c] * 2
+            y_all.append(y)
+        h["exp"], h["y"] = exps[rank], y_all[rank]
+        h["exp_out"] = oracle.low_latency_combine(rank, experts, T, y_all, idx_all, h["w"])
+        batches.append(h)
+    torch.cuda.synchronize()
+    dist.barrier(group=pg)
+
+    def dispatches():
+        return [buf.low_latency_dispatch(h["x"].to(device), h["idx"].to(device), T, experts, use_fp8=False,
+                                         return_recv_hook=True) for h in batches]
+
+    outs = ck.run("[micro-batches] two hooked dispatches", dispatches)
+    if not ck.agree(outs is not None):
+        ck.done()
+        return
+
+    def out_of_order():
+        try:
+            outs[1][4]()
+        except RuntimeError as e:
+            return "call order" in str(e)
+        return False
+
+    ck.true(ck.run("[micro-batches] hook 1 before hook 0", out_of_order) is True,
+            "hook of the second dispatch called first was not refused")
+    for mb in range(2):
+        ck.run(f"[micro-batches] dispatch hook {mb}", outs[mb][4])
+    for mb, (h, o) in enumerate(zip(batches, outs)):
+        ck.bits(o[1], h["exp"].recv_count, f"[micro-batch {mb}] recv_count")
+        got = ck.host(o[0], f"[micro-batch {mb}] recv_x")
+        if got is not None:
+            for e, c in enumerate(h["exp"].recv_count.tolist()):
+                ck.bits(got[e, :c], h["exp"].recv_x[e, :c], f"[micro-batch {mb}] recv_x[expert {e}]")
+    if ck.agree(not ck.errors):
+        def combines():
+            res = [buf.low_latency_combine(h["y"].to(device), h["idx"].to(device), h["w"].to(device), o[2],
+                                           return_recv_hook=True) for h, o in zip(batches, outs)]
+            for _, _, c_hook in res:
+                c_hook()
+            return [r[0] for r in res]
+
+        combined = ck.run("[micro-batches] two hooked combines", combines)
+        if combined is not None:
+            for mb, (h, c) in enumerate(zip(batches, combined)):
+                ck.bits(c, h["exp_out"], f"[micro-batch {mb}] combined")
     ck.done()
 
 
