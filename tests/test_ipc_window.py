@@ -3,7 +3,6 @@ exchanged, every peer but itself is opened, mixed hosts or sizes are refused (fr
 grids are capped for ranks that share a GPU, and close() unmaps and frees."""
 import ctypes
 import socket
-import types
 
 import pytest
 import torch

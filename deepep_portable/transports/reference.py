@@ -224,7 +224,7 @@ class ReferenceTransport(Transport):
         device = x.device
         tokens, send_counts = self._send_order(handle.is_token_in_rank)
         recv_counts = self._recv_counts_from_prefix(handle.rank_prefix_matrix)
-        num_recv, num_rows = sum(recv_counts), handle.num_recv_rows
+        num_rows = handle.num_recv_rows
         pieces_u8 = [_row_bytes(x)] + ([_row_bytes(x_scales)] if x_scales is not None else [])
         rows = torch.cat([p.index_select(0, tokens) for p in pieces_u8], dim=1)
         recv = self._exchange_rows(rows, send_counts, recv_counts)
@@ -288,7 +288,7 @@ class ReferenceTransport(Transport):
         return half
 
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs) -> LowLatencyDispatchResult:
-        rank, num_ranks = self.ctx.rank, self.ctx.num_ranks
+        num_ranks = self.ctx.num_ranks
         x, topk_idx = args.x, args.topk_idx
         device = x.device
         num_tokens, hidden = x.shape
@@ -385,7 +385,6 @@ class ReferenceTransport(Transport):
         x, topk_idx, topk_weights, handle = args.x, args.topk_idx, args.topk_weights, args.handle
         device = x.device
         num_local_experts, slots, hidden = x.shape
-        num_experts = handle.num_experts
         num_tokens, num_topk = topk_idx.shape
         self._flip_half()
         # With zero_copy, x is the buffer from get_next_low_latency_combine_buffer: the reference reads
