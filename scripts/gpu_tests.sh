@@ -8,17 +8,7 @@
 set -uo pipefail
 RANKS=${1:-4}
 STEPS=${2:-"build doctor single mpi bench"}
-OUT=${OUT:-$PWD/.gpu_out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export DEEPEP_PORTABLE_CACHE_DIR=${DEEPEP_PORTABLE_CACHE_DIR:-$PWD/.jit_cache}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-PY=${PYTHON:-python3}
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then      # wheels the machine lacks (pytest-mpi)
-    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 
 declare -a SUMMARY
 step() {   # step NAME CMD... : run, log to $OUT/NAME.log, remember the outcome

@@ -5,18 +5,7 @@
 # the benchmarks (normal: 4096 and 16384 tokens; low-latency: 128 tokens) with the ideal-copy
 # ceiling and all_to_all_single over NCCL as the baseline. Logs under $OUT (or .gpu_out).
 set -uo pipefail
-OUT=${OUT:-$PWD/.gpu_out}
-mkdir -p "$OUT"
-# Never use NVLink multicast here (it can take a shared host's GPUs out of service).
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export DEEPEP_PORTABLE_CACHE_DIR=${DEEPEP_PORTABLE_CACHE_DIR:-$PWD/.jit_cache}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-PY=${PYTHON:-python3}
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
 echo "=== $GPUS GPUs"
 nvidia-smi topo -m 2>&1 | tee "$OUT/topo.txt"

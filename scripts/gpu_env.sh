@@ -1,0 +1,14 @@
+# Sourced by the GPU scripts (gpu_tests.sh, multi_gpu.sh): the environment every GPU run shares.
+# Sets OUT (logs), PY, CUDA_HOME, the JIT cache and PYTHONPATH; installs carried wheels (.whl/).
+OUT=${OUT:-$PWD/.gpu_out}
+mkdir -p "$OUT"
+# Never use NVLink multicast (on a shared host it can take the GPUs out of service for everyone).
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export DEEPEP_PORTABLE_CACHE_DIR=${DEEPEP_PORTABLE_CACHE_DIR:-$PWD/.jit_cache}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then      # wheels the machine lacks (pytest-mpi)
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
