@@ -39,7 +39,7 @@ from .handles import LowLatencyHandle
 from .intranode import _ptr, _struct
 from .ipc import CommTimeoutError, IpcWindow
 from .transports.base import (BufferContext, LowLatencyCombineArgs, LowLatencyDispatchArgs,
-                              LowLatencyDispatchResult)
+                              LowLatencyDispatchResult, allocate_low_latency_outputs, scale_shape)  # noqa: F401
 
 DISPATCH_SOURCE = "common/kernels/low_latency/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
@@ -62,12 +62,6 @@ LLCombineParams = _struct("LLCombineParams", [
 
 def kernel_defines(hidden: int, num_topk: int) -> dict:
     return {TRANSPORT_DEFINE: 1, "HIDDEN": hidden, "NUM_TOPK": num_topk}
-
-
-def scale_shape(num_local: int, slots: int, hidden: int, use_ue8m0: bool) -> Tuple[int, int, int]:
-    """Storage shape [E_local, S, R*T] of the column-major scales (transpose(1, 2) is the API view)."""
-    cols = hidden // 128 // 4 if use_ue8m0 else hidden // 128
-    return num_local, cols, slots
 
 
 class _DeviceView:
@@ -249,23 +243,14 @@ class LowLatencyEngine:
         num_tokens, hidden = x.shape
         num_topk = idx.size(1)
         T, E, R = args.num_max_dispatch_tokens_per_rank, args.num_experts, self.num_ranks
-        num_local, slots = E // R, R * T
+        num_local = E // R
         lay = self._layout(T, hidden, E)
         self._check_signal_geometry(E)
         self._check_aligned("x", x)
         dev = x.device
         # outputs on the current stream (Buffer made the right one current), like the reference
-        scales = None
-        if args.use_fp8:
-            recv_x = torch.empty(num_local, slots, hidden, dtype=torch.float8_e4m3fn, device=dev)
-            dtype = torch.int32 if args.use_ue8m0 else torch.float32
-            scales = torch.empty(scale_shape(num_local, slots, hidden, args.use_ue8m0), dtype=dtype,
-                                 device=dev).transpose(1, 2)
-        else:
-            recv_x = torch.empty(num_local, slots, hidden, dtype=torch.bfloat16, device=dev)
-        recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
-        src_info = torch.empty(num_local, slots, dtype=torch.int32, device=dev)
-        layout_range = torch.empty(num_local, R, dtype=torch.int64, device=dev)
+        recv_x, scales, recv_count, src_info, layout_range = allocate_low_latency_outputs(
+            num_local, R, T, hidden, args.use_fp8, args.use_ue8m0, dev)
 
         p = LLDispatchParams()
         self._common(p, lay)

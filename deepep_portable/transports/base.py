@@ -97,6 +97,32 @@ class LowLatencyCombineArgs:
     combine_wait_recv_cost_stats: Optional[torch.Tensor]
 
 
+def scale_shape(num_local: int, slots: int, hidden: int, use_ue8m0: bool) -> Tuple[int, int, int]:
+    """Storage shape [E_local, S, R*T] of the column-major scales (transpose(1, 2) is the API view);
+    S = hidden/128 fp32 scales, or hidden/512 int32 words of four packed UE8M0 exponents."""
+    cols = hidden // 128 // 4 if use_ue8m0 else hidden // 128
+    return num_local, cols, slots
+
+
+def allocate_low_latency_outputs(num_local: int, num_ranks: int, num_max_tokens: int, hidden: int,
+                                 use_fp8: bool, use_ue8m0: bool, device: torch.device):
+    """DeepEP's low-latency dispatch outputs, on the current stream, for every backend alike:
+    (recv_x [E_local, R*T, H] fp8 or bf16, scales (column-major view) or None, recv_count [E_local],
+    src_info [E_local, R*T], layout_range [E_local, R])."""
+    slots = num_ranks * num_max_tokens
+    scales = None
+    if use_fp8:
+        recv_x = torch.empty(num_local, slots, hidden, dtype=torch.float8_e4m3fn, device=device)
+        scales = torch.empty(scale_shape(num_local, slots, hidden, use_ue8m0),
+                             dtype=torch.int32 if use_ue8m0 else torch.float32, device=device).transpose(1, 2)
+    else:
+        recv_x = torch.empty(num_local, slots, hidden, dtype=torch.bfloat16, device=device)
+    recv_count = torch.empty(num_local, dtype=torch.int32, device=device)
+    src_info = torch.empty(num_local, slots, dtype=torch.int32, device=device)
+    layout_range = torch.empty(num_local, num_ranks, dtype=torch.int64, device=device)
+    return recv_x, scales, recv_count, src_info, layout_range
+
+
 class Transport(abc.ABC):
     """One backend serving one Buffer."""
 

@@ -27,7 +27,7 @@ import torch
 
 from ..handles import DispatchHandle, LowLatencyHandle
 from .base import (BufferContext, DispatchArgs, DispatchResult, LowLatencyCombineArgs,
-                   LowLatencyDispatchArgs, LowLatencyDispatchResult, Transport)
+                   LowLatencyDispatchArgs, LowLatencyDispatchResult, Transport, allocate_low_latency_outputs)
 
 FP8_MAX = 448.0          # largest finite float8_e4m3fn
 FP8_AMAX_MIN = 1e-4      # per-128-channel amax is clamped to at least this before computing the scale
@@ -315,20 +315,8 @@ class ReferenceTransport(Transport):
 
         # Outputs are allocated now (like DeepEP's buffer views) but hold data only after the receive.
         num_scales = hidden // FP8_BLOCK
-        recv_x_scales = None
-        if args.use_fp8:
-            recv_x = torch.empty(num_local_experts, slots, hidden, dtype=torch.float8_e4m3fn, device=device)
-            if args.use_ue8m0:
-                recv_x_scales = torch.empty(num_local_experts, num_scales // 4, slots, dtype=torch.int32,
-                                            device=device).transpose(1, 2)
-            else:
-                recv_x_scales = torch.empty(num_local_experts, num_scales, slots, dtype=torch.float32,
-                                            device=device).transpose(1, 2)
-        else:
-            recv_x = torch.empty(num_local_experts, slots, hidden, dtype=torch.bfloat16, device=device)
-        recv_count = torch.empty(num_local_experts, dtype=torch.int32, device=device)
-        src_info = torch.empty(num_local_experts, slots, dtype=torch.int32, device=device)
-        layout_range = torch.empty(num_local_experts, num_ranks, dtype=torch.int64, device=device)
+        recv_x, recv_x_scales, recv_count, src_info, layout_range = allocate_low_latency_outputs(
+            num_local_experts, num_ranks, max_tokens, hidden, args.use_fp8, args.use_ue8m0, device)
 
         start = time.perf_counter_ns()
         recv_counts = self._comm.all_to_all_counts(send_counts)
