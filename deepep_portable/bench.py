@@ -225,8 +225,11 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
     if recv_bf16 is None:
         data, scales = recv_x
         recv_bf16 = (data.float() * scales.repeat_interleave(128, dim=2)).to(torch.bfloat16)
-        src = _fp8_cast(x)
-        ref_x = (src[0].float() * src[1].repeat_interleave(128, dim=1)).to(torch.bfloat16)
+        # The reference cast runs on the CPU: on CUDA, torch divides by the Python scalar 448 as a
+        # multiplication by its reciprocal, which is off by one ulp of the scale now and then (seen
+        # on the H200: one FP8 step of difference, x4 through the top-k weights).
+        src = _fp8_cast(x.cpu())
+        ref_x = (src[0].float() * src[1].repeat_interleave(128, dim=1)).to(torch.bfloat16).to(device)
     else:
         ref_x = x
     combined, _, _ = buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle)

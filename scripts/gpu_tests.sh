@@ -4,7 +4,10 @@
 # MPS (no thread-percentage cap: each kernel's grid is the SM budget), then the benchmarks.
 # Logs go to $OUT (or .gpu_out); a summary table is printed last.
 #   usage: bash scripts/gpu_tests.sh [ranks=4] [steps="build doctor single mpi bench"]
-#   other steps: mpi2 (the MPI suite at 2 ranks), cache (tar the JIT cache into $OUT). NUM_SMS=16.
+#   other steps: precompile (every kernel family for sm_90, all cores), mpi2 (the MPI suite at 2 ranks), ll (the low-latency GPU tests at N ranks),
+#   nvshmem (the NVSHMEM self-test at 2 PEs), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
+#   benchll (bench --mode low_latency), cache (tar the JIT cache into $OUT).
+#   NUM_SMS=16; every step is killed after STEP_TIMEOUT seconds (default 420).
 set -uo pipefail
 RANKS=${1:-4}
 STEPS=${2:-"build doctor single mpi bench"}
@@ -15,7 +18,7 @@ step() {   # step NAME CMD... : run, log to $OUT/NAME.log, remember the outcome
     local name=$1; shift
     local t0=$SECONDS
     echo "=== $name: $*"
-    "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout -k 10 "${STEP_TIMEOUT:-420}" "$@" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     SUMMARY+=("$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -a -E 'passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-80)")")
     return 0
@@ -34,16 +37,25 @@ MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x PYTHONPATH 
 for s in $STEPS; do
     case $s in
     build)  step build $PY setup.py build_ext --inplace ;;
+    precompile) step precompile $PY -m deepep_portable precompile --arch sm_90 ;;
     doctor) step doctor $PY -m deepep_portable doctor ;;
     single) step single $PY -m pytest -q -p no:cacheprovider tests/test_jit.py tests/test_validation.py tests/gpu ;;
     mpi)    start_mps; step mpi $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi; stop_mps ;;
     mpi2)   start_mps; step mpi2 $MPIRUN -n 2 $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi; stop_mps ;;
+    ll)     start_mps; step ll $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
+    nvshmem) start_mps; step nvshmem $MPIRUN -n 2 $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_nvshmem_gpu_mpi.py; stop_mps ;;
+    profile) start_mps
+            DEEPEP_PORTABLE_PROFILE=1 step profile $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 4096 16384
+            stop_mps ;;
+    benchll) start_mps
+            DEEPEP_PORTABLE_LL_KERNELS=${DEEPEP_PORTABLE_LL_KERNELS:-1} step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --mode low_latency --tokens 128
+            stop_mps ;;
     cache)  tar czf "$OUT/jit_cache.tgz" -C "$DEEPEP_PORTABLE_CACHE_DIR" . ;;
     bench)  start_mps
             step bench_normal $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 512 4096 16384
             step bench_normal_bf16 $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --no-fp8 --tokens 4096
             step bench_reference $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport reference --mode normal --tokens 4096 --warmup 1 --iters 3
-            step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --mode low_latency --tokens 128
+            DEEPEP_PORTABLE_LL_KERNELS=${DEEPEP_PORTABLE_LL_KERNELS:-1} step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --mode low_latency --tokens 128
             stop_mps ;;
     *) echo "unknown step $s" ;;
     esac

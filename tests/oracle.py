@@ -48,7 +48,7 @@ def fp8_cast(x: torch.Tensor, round_scale: bool = False,
     data = (blocks / scale[:, :, None]).to(torch.float8_e4m3fn).reshape(n, h)
     if not use_ue8m0:
         return data, scale
-    biased = (exponent.to(torch.int64) + 127).reshape(n, -1, 4)
+    biased = (exponent.to(torch.int64) + 127).reshape(n, h // (4 * FP8_BLOCK), 4)   # explicit: n may be 0
     word = biased[:, :, 0] | (biased[:, :, 1] << 8) | (biased[:, :, 2] << 16) | (biased[:, :, 3] << 24)
     word = torch.where(word >= 2 ** 31, word - 2 ** 32, word)
     return data, word.to(torch.int32)

@@ -52,6 +52,14 @@ def test_fp8_cast_matches_reference_transport_bit_for_bit(round_scale, use_ue8m0
     assert scales.dtype == ref_scales.dtype and torch.equal(scales, ref_scales)
 
 
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, True)])
+def test_fp8_cast_of_zero_tokens(round_scale, use_ue8m0):
+    """A rank with no tokens casts an empty [0, H] tensor (found on the GPU: reshape(0, -1, 4) is ambiguous)."""
+    data, scales = oracle.fp8_cast(torch.empty(0, 1024, dtype=torch.bfloat16), round_scale, use_ue8m0)
+    assert data.shape == (0, 1024)
+    assert scales.shape == ((0, 2) if use_ue8m0 else (0, 8))
+
+
 def test_fp8_cast_definition():
     x = _fp8_inputs()
     data, scales = oracle.fp8_cast(x)
