@@ -49,8 +49,12 @@ HEADER = ["op", "tokens", "hidden", "topk", "experts", "prec", "time_us", "GB/s"
           "SMs", "transport"]
 
 
-def _timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int) -> float:
-    """Median seconds of fn (events on CUDA; perf_counter on the CPU)."""
+def _timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int, group=None) -> float:
+    """Median seconds of fn (events on CUDA; perf_counter on the CPU).
+
+    With `group`, every timed call starts after a barrier, so all ranks start together: a collective
+    op's time then excludes the skew with which the ranks' timers would otherwise start (a rank that
+    starts early would count its wait for the others). The ceiling is timed the same way."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -58,12 +62,16 @@ def _timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
+            if group is not None:
+                dist.barrier(group=group)
             start.record()
             fn()
             end.record()
             end.synchronize()
             samples.append(start.elapsed_time(end) / 1e3)
         else:
+            if group is not None:
+                dist.barrier(group=group)
             t0 = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t0)
@@ -98,7 +106,7 @@ def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int,
         def copy():
             dst.copy_(src)
     dist.barrier(group=group)
-    return _slowest(_timer(device, copy, warmup, iters), group)
+    return _slowest(_timer(device, copy, warmup, iters, group), group)
 
 
 def _nccl_all_to_all(rank: int, world: int, group, per_rank_rows: List[int], recv_rows: List[int],
@@ -117,7 +125,7 @@ def _nccl_all_to_all(rank: int, world: int, group, per_rank_rows: List[int], rec
         dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
 
     dist.barrier(group=group)
-    return _slowest(_timer(device, a2a, cfg.warmup, cfg.iters), group)
+    return _slowest(_timer(device, a2a, cfg.warmup, cfg.iters, group), group)
 
 
 def _random_topk(num_tokens: int, num_experts: int, topk: int, device: torch.device, gen: torch.Generator):
@@ -173,8 +181,8 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
     sent_rows = int(in_rank.sum())
     dispatch_bytes = sent_rows * (hidden * (1 if cfg.fp8 else 2) + (hidden // 128 * 4 if cfg.fp8 else 0))
     combine_bytes = sent_rows * hidden * 2
-    t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters), group)
-    t_combine = _slowest(_timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters), group)
+    t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
+    t_combine = _slowest(_timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group), group)
     c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
     c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
     engine = getattr(buf._backend, "engine", None)
@@ -245,9 +253,9 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
     pairs = int((topk_idx >= 0).sum())
     dispatch_bytes = pairs * (hidden + hidden // 128 * 4 if cfg.fp8 else hidden * 2)
     combine_bytes = pairs * hidden * 2
-    t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters), group)
+    t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
     t_combine = _slowest(_timer(device, lambda: buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle),
-                                cfg.warmup, cfg.iters), group)
+                                cfg.warmup, cfg.iters, group), group)
     c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
     c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
     prec = "fp8" if cfg.fp8 else "bf16"

@@ -35,9 +35,10 @@ _CONTROL = ["round", "current", "ready", "error", "num_tokens", "done", "count_t
 DispatchParams = _struct("DispatchParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
     "send_list_offset", "send_area_offset", "slot_bytes", "capacity", "scales_offset", "topk_idx_offset",
-    "topk_weights_offset", "x", "x_scales", "topk_idx", "topk_weights", "send_pos", "num_tokens_per_rank",
+    "topk_weights_offset", "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "send_pos",
+    "num_tokens_per_rank",
     "num_tokens_per_expert", "num_tokens", "num_scales", "num_experts", "recv_x", "recv_scales",
-    "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "rank_prefix_matrix", "my_offset_at",
+    "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "rank_prefix_matrix", "send_rows",
     "num_recv_out", "expert_counts_out", "host_out", "max_recv_rows", "expert_alignment", "notify_only",
     "error_claim", "error_host", "timeout_ns"])
 CombineParams = _struct("CombineParams", [
@@ -48,18 +49,6 @@ CombineParams = _struct("CombineParams", [
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
-
-
-def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
-    """[N, R] int32: the index of token t among the tokens sent to rank r (-1 where not sent).
-
-    The scan runs along the contiguous axis of the transposed mask: a cumsum down dim 0 of a narrow
-    [N, R] tensor is a scan of R long columns, which torch runs with few threads, each serially over
-    N tokens (the phase profile of 2026-11-29 shows a host wait growing ~0.15 us per token).
-    """
-    columns = is_token_in_rank.to(torch.int32).t().contiguous()    # [R, N], really contiguous
-    pos = columns.cumsum(1, dtype=torch.int32).sub_(1).masked_fill_(~is_token_in_rank.t(), -1)
-    return pos.t().contiguous()
 
 
 class IntranodeEngine:
@@ -181,13 +170,21 @@ class IntranodeEngine:
         if num_experts > L.max_experts_in_control(R):
             raise ValueError(f"the nvlink transport supports up to {L.max_experts_in_control(R)} experts")
 
+        dev = self.ctx.device
         if cached:
             state = handle.transport_state
             send_pos, per_rank = state["send_pos"], state["num_tokens_per_rank"]
         else:
             per_rank = args.num_tokens_per_rank
-            with torch.cuda.stream(comm):
-                send_pos = send_positions(args.is_token_in_rank)
+        # Small int32 outputs that only comm-stream kernels write, in one allocation on the comm stream:
+        # [send_pos N*R (not cached) | send_rows N*R (not cached) | rank_prefix R*R | num_recv 1]
+        small_n = (0 if cached else 2 * N * R) + R * R + 1
+        with torch.cuda.stream(comm):
+            small = torch.empty(small_n, dtype=torch.int32, device=dev)
+        if not cached:
+            send_pos, send_rows = small[:N * R].view(N, R), small[N * R:2 * N * R].view(N, R)
+        rank_prefix = small[small_n - 1 - R * R:small_n - 1].view(R, R)
+        num_recv_dev = small[small_n - 1:]
 
         p = DispatchParams()
         self._common(p)
@@ -200,6 +197,7 @@ class IntranodeEngine:
         p.x, p.x_scales = x.data_ptr(), _ptr(x_scales)
         p.topk_idx = 0 if cached else _ptr(args.topk_idx)
         p.topk_weights = 0 if cached else _ptr(args.topk_weights)
+        p.is_token_in_rank = 0 if cached else args.is_token_in_rank.data_ptr()
         p.send_pos, p.num_tokens_per_rank = send_pos.data_ptr(), per_rank.data_ptr()
         p.num_tokens_per_expert = 0 if cached else args.num_tokens_per_expert.data_ptr()
         p.num_tokens, p.num_scales, p.num_experts = N, num_scales, num_experts
@@ -214,14 +212,9 @@ class IntranodeEngine:
         launch(stage, grid, THREADS, p, s)
         self._mark(marks, comm)
 
-        dev = self.ctx.device
         experts_per_rank = num_experts // R
-        with torch.cuda.stream(comm):
-            num_recv_dev = torch.empty(1, dtype=torch.int32, device=dev)
-            rank_prefix = torch.empty(R, R, dtype=torch.int32, device=dev)
-            my_offset_at = torch.empty(R, dtype=torch.int32, device=dev)
-        p.num_recv_out, p.rank_prefix_matrix, p.my_offset_at = (num_recv_dev.data_ptr(), rank_prefix.data_ptr(),
-                                                                 my_offset_at.data_ptr())
+        p.num_recv_out, p.rank_prefix_matrix = num_recv_dev.data_ptr(), rank_prefix.data_ptr()
+        p.send_rows = 0 if cached else send_rows.data_ptr()
         counts_list: List[int] = []
         if cached:
             rows, num_recv = handle.num_recv_rows, handle.num_recv_tokens
@@ -238,7 +231,7 @@ class IntranodeEngine:
             self._mark(marks, comm)
             counts_list = [self.notify.words[2 + e] for e in range(experts_per_rank)]
             rows = num_recv
-            p.host_out, p.rank_prefix_matrix, p.my_offset_at = 0, 0, 0
+            p.host_out = 0
 
         recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
         recv_scales = None if x_scales is None else torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
@@ -258,8 +251,6 @@ class IntranodeEngine:
         if cached:
             return DispatchResult(recv_x, recv_scales, None, None, [], handle)
 
-        with torch.cuda.stream(comm):
-            send_rows = torch.where(send_pos >= 0, send_pos + my_offset_at.unsqueeze(0), send_pos).contiguous()
         new_handle = DispatchHandle(
             rank_prefix_matrix=rank_prefix, recv_src_idx=recv_src, is_token_in_rank=args.is_token_in_rank,
             send_rows=send_rows, num_recv_tokens=num_recv, num_recv_rows=rows, num_tokens=N, hidden=hidden,

@@ -48,20 +48,3 @@ def test_control_area_fits():
     for ranks in (1, 8, 72):
         assert L.ctrl_expert_count(ranks) + 4 * 256 <= L.CONTROL_BYTES
         assert L.max_experts_in_control(ranks) >= 256
-
-
-def test_send_positions_match_a_plain_scan():
-    import torch
-
-    gen = torch.Generator().manual_seed(3)
-    for n, r in ((0, 3), (1, 1), (37, 8), (4096, 8), (100, 72)):
-        mask = torch.rand(n, r, generator=gen) < 0.4
-        expected = torch.full((n, r), -1, dtype=torch.int32)
-        for j in range(r):
-            count = 0
-            for t in range(n):
-                if mask[t, j]:
-                    expected[t, j] = count
-                    count += 1
-        got = intranode.send_positions(mask)
-        assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, expected)

@@ -420,6 +420,8 @@ CASES = {
                                               use_topk=False, expert_alignment=4),
     "bf16-h4096-top8-sm8-worst-exact": dict(hidden=4096, topk=8, experts=256, tokens="typical", num_sms=8,
                                             worst_extra=0, num_bias=1),
+    # more tokens than one step of the stage kernel's send-position scan (512), with fewer blocks than ranks
+    "bf16-h2048-top8-1100-tokens-sm4": dict(hidden=2048, topk=8, experts=256, tokens=1100, num_sms=4),
     "bf16-h7168-top8-dense-default-config": dict(hidden=7168, topk=8, experts=256, tokens="small", num_sms=None,
                                                  p_none=0.0, all_none=False),
 }

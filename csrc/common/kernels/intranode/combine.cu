@@ -88,6 +88,11 @@ DEEPEP_DEVICE int4 pack_bf16x8(const float (&acc)[8]) {
     return v;
 }
 
+// send_rows[t][lane] for lanes < R (ranks beyond 32 are read directly by the caller).
+DEEPEP_DEVICE int load_send_row(const CombineParams& p, int64_t t, int lane) {
+    return lane < kNumRanks && lane < 32 ? p.send_rows[t * kNumRanks + lane] : -1;
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(512) intranode_combine_stage(const __grid_constant__ CombineParams p) {
@@ -128,12 +133,18 @@ extern "C" __global__ void __launch_bounds__(512) intranode_combine_pull(const _
         return;
     const int lane = threadIdx.x % 32;
     const int warps = gridDim.x * (blockDim.x / 32);
-    for (int64_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < p.num_tokens; t += warps) {
-        // Where token t sits on each rank (lane r holds rank r's row while R <= 32).
+    const int64_t first = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    // Where a token sits on each rank: lanes r < R load send_rows[t][r] together (one coalesced load,
+    // issued one token ahead so its latency hides behind the previous token's rows).
+    int next_row = first < p.num_tokens ? load_send_row(p, first, lane) : -1;
+    for (int64_t t = first; t < p.num_tokens; t += warps) {
+        const int my_row = next_row;
+        if (t + warps < p.num_tokens)
+            next_row = load_send_row(p, t + warps, lane);
         const int4* src[kNumRanks];
 #pragma unroll
         for (int r = 0; r < kNumRanks; ++r) {
-            const int row = p.send_rows[t * kNumRanks + r];
+            const int row = kNumRanks <= 32 ? __shfl_sync(0xffffffffu, my_row, r) : p.send_rows[t * kNumRanks + r];
             src[r] = row >= 0 ? reinterpret_cast<const int4*>(bufs.at<const char>(r, p.send_area_offset) +
                                                               static_cast<int64_t>(row) * p.slot_bytes)
                               : nullptr;

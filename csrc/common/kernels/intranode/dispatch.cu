@@ -1,10 +1,13 @@
 // Intranode dispatch, pull-based (see protocol.cuh for the round protocol).
 //
 //   intranode_dispatch_stage:  copy my tokens once into my send area (payload, scales, top-k),
-//                              write the per-destination send lists and my counts.
+//                              write the per-destination send lists and my counts. The send
+//                              positions (index of token t among my tokens for rank r) are scanned
+//                              here, one block per destination rank, while the other warps copy rows.
 //   intranode_dispatch_pull:   wait for every peer's READY, derive the receive layout from the
 //                              peers' counts (rows ordered by source rank, then source token),
-//                              and copy my rows straight from the peers' send areas into recv_x.
+//                              and copy my rows straight from the peers' send areas into recv_x;
+//                              it also writes the handle's send_rows (where each of my tokens lands).
 //                              With notify_only it stops after publishing the counts (the host
 //                              then allocates exactly num_recv rows and launches it again).
 //
@@ -61,7 +64,9 @@ struct DispatchParams {
     const int* x_scales;            // [num_tokens, num_scales] (4-byte words), or null
     const int64_t* topk_idx;        // [num_tokens, NUM_TOPK] global expert ids, or null
     const float* topk_weights;      // [num_tokens, NUM_TOPK], or null
-    const int* send_pos;            // [num_tokens, R]: index in my send list to rank r, -1 = not sent
+    const bool* is_token_in_rank;   // [num_tokens, R]: the stage kernel scans it into send_pos (null: cached)
+    int* send_pos;                  // [num_tokens, R]: index in my send list to rank r, -1 = not sent
+                                    // (written by the stage kernel, or given by a cached handle)
     const int* num_tokens_per_rank; // [R]
     const int* num_tokens_per_expert;  // [num_experts], or null (cached dispatch)
     int64_t num_tokens;
@@ -74,7 +79,7 @@ struct DispatchParams {
     float* recv_topk_weights;       // [max_recv_rows, NUM_TOPK]
     int* recv_src_idx;              // [max_recv_rows]
     int* rank_prefix_matrix;        // [R, R]: [i][j] = rows ranks 0..i send to rank j (or null)
-    int* my_offset_at;              // [R]: first row of my tokens in rank j's receive layout (or null)
+    int* send_rows;                 // [num_tokens, R]: row of my token t at rank j, -1 = not sent (or null)
     int* num_recv_out;              // [1] (or null)
     int* expert_counts_out;         // [num_experts / R], aligned to expert_alignment (or null)
     int* host_out;                  // mapped: [0] = ready flag, [1] = num_recv, [2..] expert counts (or null)
@@ -98,10 +103,45 @@ DEEPEP_DEVICE PeerBuffers bufs_of(const DispatchParams& p) {
 }
 
 constexpr int kOpDispatch = 1;
+constexpr int kThreads = 512;   // every launch (host: intranode.THREADS)
+constexpr int kWarps = kThreads / 32;
+
+// Send positions for destination ranks blockIdx.x, blockIdx.x + gridDim.x, ...: the k-th of my tokens
+// (in source order) that goes to rank r gets slot k of my send list to r. A block-wide scan over the
+// mask column, 512 tokens per step (ballot + popc within a warp, warp totals through shared memory).
+DEEPEP_DEVICE void scan_send_positions(const DispatchParams& p, int* send_list) {
+    __shared__ int warp_total[kWarps];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int r = blockIdx.x; r < kNumRanks; r += gridDim.x) {
+        int carry = 0;   // my tokens before this step that go to r
+        for (int64_t base = 0; base < p.num_tokens; base += blockDim.x) {
+            const int64_t t = base + threadIdx.x;
+            const bool sent = t < p.num_tokens && p.is_token_in_rank[t * kNumRanks + r];
+            const unsigned int ballot = __ballot_sync(0xffffffffu, sent);
+            if (lane == 0)
+                warp_total[warp] = __popc(ballot);
+            __syncthreads();
+            int before = carry, step_total = 0;
+#pragma unroll
+            for (int w = 0; w < kWarps; ++w) {
+                before += w < warp ? warp_total[w] : 0;
+                step_total += warp_total[w];
+            }
+            const int pos = before + __popc(ballot & ((1u << lane) - 1u));
+            if (t < p.num_tokens) {
+                p.send_pos[t * kNumRanks + r] = sent ? pos : -1;
+                if (sent)
+                    send_list[r * p.capacity + pos] = static_cast<int>(t);
+            }
+            carry += step_total;
+            __syncthreads();   // warp_total is rewritten by the next step
+        }
+    }
+}
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(512) intranode_dispatch_stage(const __grid_constant__ DispatchParams p) {
+extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_stage(const __grid_constant__ DispatchParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const uint64_t n = begin_round(bufs, p.ctrl, p.timeout_ns, sink_of(p, kOpDispatch));
     if (n == 0)
@@ -116,6 +156,9 @@ extern "C" __global__ void __launch_bounds__(512) intranode_dispatch_stage(const
     }
     int* send_list = bufs.at<int>(bufs.rank, p.send_list_offset);
     char* send_area = bufs.at<char>(bufs.rank, p.send_area_offset);
+    const bool scan = p.is_token_in_rank != nullptr;
+    if (scan)
+        scan_send_positions(p, send_list);   // after begin_round: no peer reads my send lists any more
     const int lane = threadIdx.x % 32;
     const int warps = gridDim.x * (blockDim.x / 32);
     for (int64_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < p.num_tokens; t += warps) {
@@ -149,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(512) intranode_dispatch_stage(const
                 reinterpret_cast<int*>(slot + p.topk_idx_offset)[lane + 32 * u] = id[u];
                 reinterpret_cast<float*>(slot + p.topk_weights_offset)[lane + 32 * u] = weight[u];
             }
-        for (int r = lane; r < kNumRanks; r += 32) {
+        for (int r = lane; r < kNumRanks && !scan; r += 32) {   // cached dispatch: positions given
             const int pos = p.send_pos[t * kNumRanks + r];
             if (pos >= 0)
                 send_list[r * p.capacity + pos] = static_cast<int>(t);
@@ -157,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(512) intranode_dispatch_stage(const
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512) intranode_dispatch_pull(const __grid_constant__ DispatchParams p) {
+extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_pull(const __grid_constant__ DispatchParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const ErrorSink sink = sink_of(p, kOpDispatch);
     const uint64_t n = await_peers_ready(bufs, p.ctrl, p.timeout_ns, sink);
@@ -182,15 +225,12 @@ extern "C" __global__ void __launch_bounds__(512) intranode_dispatch_pull(const 
     if (blockIdx.x == 0) {
         if (threadIdx.x == 0 && num_recv_all > p.max_recv_rows)
             report_error(sink, kErrorCapacity, -1, num_recv_all);
-        if (p.rank_prefix_matrix != nullptr || p.my_offset_at != nullptr) {
+        if (p.rank_prefix_matrix != nullptr) {
             for (int j = threadIdx.x; j < kNumRanks; j += blockDim.x) {
                 int acc = 0;
                 for (int i = 0; i < kNumRanks; ++i) {
-                    if (i == me && p.my_offset_at != nullptr)
-                        p.my_offset_at[j] = acc;
                     acc += bufs.at<const volatile int>(i, p.ctrl.count_to)[j];
-                    if (p.rank_prefix_matrix != nullptr)
-                        p.rank_prefix_matrix[i * kNumRanks + j] = acc;
+                    p.rank_prefix_matrix[i * kNumRanks + j] = acc;
                 }
             }
         }
@@ -218,6 +258,24 @@ extern "C" __global__ void __launch_bounds__(512) intranode_dispatch_pull(const 
     }
     if (p.notify_only)
         return;
+
+    if (p.send_rows != nullptr) {
+        // My rows at rank j start after the rows of ranks 0..me-1 there.
+        __shared__ int my_offset_at[kNumRanks];
+        for (int j = threadIdx.x; j < kNumRanks; j += blockDim.x) {
+            int acc = 0;
+            for (int i = 0; i < me; ++i)
+                acc += bufs.at<const volatile int>(i, p.ctrl.count_to)[j];
+            my_offset_at[j] = acc;
+        }
+        __syncthreads();
+        const int64_t n = p.num_tokens * kNumRanks;
+        for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
+             k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+            const int pos = p.send_pos[k];
+            p.send_rows[k] = pos >= 0 ? pos + my_offset_at[k % kNumRanks] : -1;
+        }
+    }
 
     // Each warp takes 32 consecutive rows; lane k first resolves row base+k (its source rank and
     // source token: one remote index load per lane, all in flight together), then the warp copies
