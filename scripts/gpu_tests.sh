@@ -55,7 +55,6 @@ for s in $STEPS; do
             step bench_normal $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 512 4096 16384
             step bench_normal_bf16 $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --no-fp8 --tokens 4096
             step bench_reference $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport reference --mode normal --tokens 4096 --warmup 1 --iters 3
-            DEEPEP_PORTABLE_LL_KERNELS=${DEEPEP_PORTABLE_LL_KERNELS:-1} step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --mode low_latency --tokens 128
             stop_mps ;;
     *) echo "unknown step $s" ;;
     esac
