@@ -49,12 +49,19 @@ HEADER = ["op", "tokens", "hidden", "topk", "experts", "prec", "time_us", "GB/s"
           "SMs", "transport"]
 
 
-def _timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int, group=None) -> float:
+LL_LOOP = 10   # low-latency ops are timed as back-to-back calls (see _timer)
+
+
+def _timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int, group=None,
+           loop: int = 1) -> float:
     """Median seconds of fn (events on CUDA; perf_counter on the CPU).
 
-    With `group`, every timed call starts after a barrier, so all ranks start together: a collective
+    With `group`, every timed sample starts after a barrier, so all ranks start together: a collective
     op's time then excludes the skew with which the ranks' timers would otherwise start (a rank that
-    starts early would count its wait for the others). The ceiling is timed the same way."""
+    starts early would count its wait for the others). The ceiling is timed the same way.
+    With `loop` > 1 a sample is `loop` back-to-back calls, divided by `loop` (low-latency ops: the
+    steady-state time of a call, as consecutive layers issue them; the barrier's exit skew is then
+    paid once per sample instead of once per call)."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -65,16 +72,18 @@ def _timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int
             if group is not None:
                 dist.barrier(group=group)
             start.record()
-            fn()
+            for _ in range(loop):
+                fn()
             end.record()
             end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
+            samples.append(start.elapsed_time(end) / 1e3 / loop)
         else:
             if group is not None:
                 dist.barrier(group=group)
             t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
+            for _ in range(loop):
+                fn()
+            samples.append((time.perf_counter() - t0) / loop)
     return statistics.median(samples)
 
 
@@ -91,7 +100,8 @@ def _blocks(buf: "deep_ep.Buffer") -> int:
     return engine._grid(deep_ep.Buffer.num_sms) if engine is not None else deep_ep.Buffer.num_sms
 
 
-def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int, group, blocks: int) -> float:
+def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int, group, blocks: int,
+                  loop: int = 1) -> float:
     """Seconds for one plain copy of num_bytes on this device, every rank copying at once; on the
     GPU with the same block budget as the communication kernels."""
     num_bytes = max(16, (num_bytes + 15) // 16 * 16)
@@ -106,7 +116,7 @@ def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int,
         def copy():
             dst.copy_(src)
     dist.barrier(group=group)
-    return _slowest(_timer(device, copy, warmup, iters, group), group)
+    return _slowest(_timer(device, copy, warmup, iters, group, loop), group)
 
 
 def _nccl_all_to_all(rank: int, world: int, group, per_rank_rows: List[int], recv_rows: List[int],
@@ -253,11 +263,17 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
     pairs = int((topk_idx >= 0).sum())
     dispatch_bytes = pairs * (hidden + hidden // 128 * 4 if cfg.fp8 else hidden * 2)
     combine_bytes = pairs * hidden * 2
-    t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
+    loop = LL_LOOP if device.type == "cuda" else 1
+    t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group, loop), group)
     t_combine = _slowest(_timer(device, lambda: buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle),
-                                cfg.warmup, cfg.iters, group), group)
-    c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
-    c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
+                                cfg.warmup, cfg.iters, group, loop), group)
+    c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), loop)
+    c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), loop)
+    engine = getattr(buf._backend, "ll_engine", None)
+    if engine is not None and getattr(engine, "_profile", False):
+        report = engine.profile_report()
+        if rank == 0:
+            print(f"[profile rank 0, {tokens} tokens] " + ", ".join(f"{k} {v:.0f} us" for k, v in report), flush=True)
     prec = "fp8" if cfg.fp8 else "bf16"
     for op, t, c, nbytes, p in (("ll_dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                                 ("ll_combine", t_combine, c_combine, combine_bytes, "bf16")):

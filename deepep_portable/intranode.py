@@ -210,6 +210,7 @@ class IntranodeEngine:
         marks = [] if self._profile else None
         self._mark(marks, comm)
         launch(stage, grid, THREADS, p, s)
+        self._host_time("dispatch:until_stage_launch", t_host)
         self._mark(marks, comm)
 
         experts_per_rank = num_experts // R
@@ -228,6 +229,7 @@ class IntranodeEngine:
             t_wait = time.perf_counter()
             num_recv = self._wait_notify("dispatch")
             self._host_time("dispatch:wait_notify", t_wait)
+            t_wait = time.perf_counter()
             self._mark(marks, comm)
             counts_list = [self.notify.words[2 + e] for e in range(experts_per_rank)]
             rows = num_recv
@@ -244,6 +246,8 @@ class IntranodeEngine:
             recv_x.data_ptr(), _ptr(recv_scales), _ptr(recv_idx), _ptr(recv_w), recv_src.data_ptr())
         p.notify_only, p.max_recv_rows = 0, rows
         launch(pull, grid, THREADS, p, s)
+        if not cached and args.num_worst_tokens == 0:
+            self._host_time("dispatch:notify_to_pull_launch", t_wait)
         self._mark(marks, comm)
         if marks is not None:
             self._marks.append(("dispatch", marks))

@@ -135,13 +135,15 @@ LL_MSG_HEADER = ALIGN            # bytes before a dispatch message's payload (in
 class LowLatencyLayout:
     """Geometry of the low-latency buffer for one call shape (identical on every rank):
 
-        [ control | signals of half 0 | signals of half 1 | data of half 0 | data of half 1 ]
+        [ control | signals of half 0 | signals of half 1 | data of half 0 | data of half 1 | send stage ]
 
     signals of a half: dispatch u64 [E_local][R] (slot (e, s) written by source s), then combine u64
     [E] (slot g written by g's rank). Data of a half: the dispatch receive slots (one message per
     (local expert, source rank, token)) sharing bytes with the combine send area (the zero-copy
     buffer, bf16 [E_local][R*T][H]), then the combine receive slots bf16 [E][T][H]. The signal
     areas sit apart from the data so a signal slot is never overwritten by payload of the same shape.
+    The send stage holds my tokens' dispatch messages, each built once (FP8 cast included) before it
+    is copied to every expert that selected it: [T] messages, rewritten by every dispatch.
     See csrc/common/kernels/low_latency/protocol.cuh for the protocol."""
 
     num_max_tokens: int
@@ -212,8 +214,12 @@ class LowLatencyLayout:
         return self.data_half_bytes
 
     @property
-    def total_bytes(self) -> int:
+    def send_stage_offset(self) -> int:
         return self.data_offset + 2 * self.data_half_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.send_stage_offset + align_up(self.num_max_tokens * self.message_bytes, 128)
 
 
 def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,

@@ -28,6 +28,7 @@ The combine kernel checks it and reports a mismatch instead of silently racing.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -53,7 +54,7 @@ _COMMON = ["peer_bases", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_s
            "combine_recv_offset", "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes",
            "error_claim", "error_host", "timeout_ns"]
 LLDispatchParams = _struct("LLDispatchParams", [
-    *_COMMON, "x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "recv_x", "recv_scales", "src_info",
+    *_COMMON, "x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "recv_x", "recv_scales", "src_info",
     "layout_range", "recv_count", "cumulative_recv_stats", "wait_stats", "use_ue8m0"])
 LLCombineParams = _struct("LLCombineParams", [
     *_COMMON, "x", "src_info", "layout_range", "expect_half", "topk_idx", "topk_weights", "out", "num_tokens",
@@ -85,6 +86,9 @@ class LowLatencyEngine:
         self._recvs = 0                 # receive kernels launched (host mirror of RECVD): always in call order
         self._epoch = 0                 # bumped by clean_low_latency_buffer: hooks from before it are refused
         self._signal_experts: Optional[int] = None   # num_experts whose signal slots the buffer holds
+        # DEEPEP_PORTABLE_PROFILE=1: CUDA events around the send and receive phases (calls without hooks)
+        self._profile = os.environ.get("DEEPEP_PORTABLE_PROFILE", "0") == "1"
+        self._marks: list = []
         if ctx.num_rdma_bytes == 0:
             return
         if ctx.device.type != "cuda":
@@ -181,11 +185,30 @@ class LowLatencyEngine:
                              f"call clean_low_latency_buffer(..., num_experts={num_experts}) on every rank before "
                              f"using num_experts={num_experts}")
 
+    @staticmethod
+    def _mark(marks: Optional[list], stream) -> None:
+        if marks is not None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+            marks.append(e)
+
+    def profile_report(self):
+        """Median microseconds of each op's send and receive phases: [(op:phase, us), ...]."""
+        import statistics
+
+        torch.cuda.synchronize(self.dev)
+        phases: dict = {}
+        for op, marks in self._marks:
+            for name, a, b in zip(("send", "recv"), marks, marks[1:]):
+                phases.setdefault(f"{op}:{name}", []).append(a.elapsed_time(b) * 1e3)
+        return [(k, statistics.median(v)) for k, v in phases.items()]
+
     def _current_stream(self):
         return torch.cuda.current_stream(self.ctx.device)
 
-    def _two_phase(self, send, recv, params, return_recv_hook: bool, keep: tuple) -> Optional[Callable[[], None]]:
-        """Launch the send kernel now; the receive kernel now or in the returned hook.
+    def _two_phase(self, op: str, sends: tuple, recv, params, return_recv_hook: bool,
+                   keep: tuple) -> Optional[Callable[[], None]]:
+        """Launch the send kernels now; the receive kernel now or in the returned hook.
 
         Receive kernels number themselves RECVD + 1 on the device, so they are launched in call order
         (see the module docstring); `keep` holds what the receive kernel reads or writes until then."""
@@ -195,11 +218,18 @@ class LowLatencyEngine:
                                f"return_recv_hook=True")
         comm = self.ctx.comm_stream
         grid = self._grid()
-        launch(send, grid, THREADS, params, stream_handle(comm))
+        marks = [] if self._profile and not return_recv_hook else None
+        self._mark(marks, comm)
+        for send in sends:
+            launch(send, grid, THREADS, params, stream_handle(comm))
         self._calls += 1
+        self._mark(marks, comm)
         if not return_recv_hook:
             launch(recv, grid, THREADS, params, stream_handle(comm))
             self._recvs += 1
+            self._mark(marks, comm)
+            if marks is not None:
+                self._marks.append((op, marks))
             return None
         blob = bytes(params)   # frozen now: the hook launches exactly this call's receive
         call, epoch = self._calls, self._epoch
@@ -256,16 +286,18 @@ class LowLatencyEngine:
         self._common(p, lay)
         p.x, p.topk_idx, p.num_tokens = x.data_ptr(), idx.data_ptr(), num_tokens
         p.use_fp8, p.round_scale, p.use_ue8m0 = int(args.use_fp8), int(args.round_scale), int(args.use_ue8m0)
+        p.send_stage_offset = lay.send_stage_offset
         p.recv_x, p.recv_scales, p.src_info = recv_x.data_ptr(), _ptr(scales), src_info.data_ptr()
         p.layout_range, p.recv_count = layout_range.data_ptr(), recv_count.data_ptr()
         p.cumulative_recv_stats = _ptr(args.cumulative_local_expert_recv_stats)
         p.wait_stats = _ptr(args.dispatch_wait_recv_cost_stats)
         defines = kernel_defines(hidden, num_topk)
+        stage = self._kernel(DISPATCH_SOURCE, "ll_dispatch_stage", defines)
         send = self._kernel(DISPATCH_SOURCE, "ll_dispatch_send", defines)
         recv = self._kernel(DISPATCH_SOURCE, "ll_dispatch_recv", defines)
         keep = (recv_x, scales, recv_count, src_info, layout_range, args.cumulative_local_expert_recv_stats,
                 args.dispatch_wait_recv_cost_stats)
-        hook = self._two_phase(send, recv, p, args.return_recv_hook, keep)
+        hook = self._two_phase("low_latency_dispatch", (stage, send), recv, p, args.return_recv_hook, keep)
         handle = LowLatencyHandle(src_info, layout_range, T, hidden, E)
         return LowLatencyDispatchResult(recv_x, scales, recv_count, handle, hook)
 
@@ -295,7 +327,7 @@ class LowLatencyEngine:
         send = self._kernel(COMBINE_SOURCE, "ll_combine_send", defines)
         recv = self._kernel(COMBINE_SOURCE, "ll_combine_recv", defines)
         keep = (x, idx, w, out, handle.src_info, handle.layout_range, args.combine_wait_recv_cost_stats)
-        hook = self._two_phase(send, recv, p, args.return_recv_hook, keep)
+        hook = self._two_phase("low_latency_combine", (send,), recv, p, args.return_recv_hook, keep)
         return out, hook
 
     def next_combine_half(self) -> int:
@@ -342,7 +374,7 @@ class LowLatencyEngine:
 
 # Kernel families (what `python -m deepep_portable precompile` and CI compile).
 jit.register_family(
-    "low_latency_dispatch", DISPATCH_SOURCE, ["ll_dispatch_send", "ll_dispatch_recv"],
+    "low_latency_dispatch", DISPATCH_SOURCE, ["ll_dispatch_stage", "ll_dispatch_send", "ll_dispatch_recv"],
     variants=[kernel_defines(7168, 8), kernel_defines(4096, 8), kernel_defines(2048, 8), kernel_defines(7680, 8)])
 jit.register_family(
     "low_latency_combine", COMBINE_SOURCE, ["ll_combine_send", "ll_combine_recv"],

@@ -108,7 +108,7 @@ def test_sender_checks_overwrite_and_counters_are_released(tmp_path):
 
 def test_families_registered():
     fams = jit.families()
-    assert fams["low_latency_dispatch"].kernels == ("ll_dispatch_send", "ll_dispatch_recv")
+    assert fams["low_latency_dispatch"].kernels == ("ll_dispatch_stage", "ll_dispatch_send", "ll_dispatch_recv")
     assert fams["low_latency_combine"].kernels == ("ll_combine_send", "ll_combine_recv")
 
 
@@ -136,6 +136,7 @@ def test_layout_regions(tokens, hidden, ranks, experts):
         assert lay.combine_signal_offset(0) + half * lay.signal_half_stride == lay.combine_signal_offset(half)
         assert lay.dispatch_recv_offset(0) + half * lay.data_half_stride == lay.dispatch_recv_offset(half)
         assert lay.combine_recv_offset(0) + half * lay.data_half_stride == lay.combine_recv_offset(half)
+    regions.append(("send stage", lay.send_stage_offset, tokens * lay.message_bytes))
     regions.sort(key=lambda r: r[1])
     for (name_a, a, size_a), (name_b, b, _) in zip(regions, regions[1:]):
         assert a + size_a <= b, f"{name_a} overlaps {name_b}"
@@ -279,6 +280,7 @@ def _fake_engine(monkeypatch):
     eng.base, eng.broken = None, None
     eng._calls = eng._recvs = eng._epoch = 0
     eng._signal_experts = None
+    eng._profile, eng._marks = False, []
     eng._grid = lambda: 1
     stream = _Stream()
     eng._current_stream = lambda: stream
@@ -294,20 +296,20 @@ def test_receive_hooks_run_in_call_order_once(monkeypatch):
     eng = _fake_engine(monkeypatch)
     p = ll.LLDispatchParams()
     keep = (torch.zeros(1),)
-    h1 = eng._two_phase(_Fn("send1", log), _Fn("recv1", log), p, True, keep)
-    h2 = eng._two_phase(_Fn("send2", log), _Fn("recv2", log), p, True, keep)
+    h1 = eng._two_phase("op", (_Fn("send1", log),), _Fn("recv1", log), p, True, keep)
+    h2 = eng._two_phase("op", (_Fn("send2", log),), _Fn("recv2", log), p, True, keep)
     with pytest.raises(RuntimeError, match="call order"):
         h2()
     with pytest.raises(RuntimeError, match="pending"):
-        eng._two_phase(_Fn("send3", log), _Fn("recv3", log), p, False, keep)
+        eng._two_phase("op", (_Fn("send3", log),), _Fn("recv3", log), p, False, keep)
     h1()
     with pytest.raises(RuntimeError, match="already called"):
         h1()
     h2()
-    assert eng._two_phase(_Fn("send3", log), _Fn("recv3", log), p, False, keep) is None
+    assert eng._two_phase("op", (_Fn("send3", log),), _Fn("recv3", log), p, False, keep) is None
     assert log == ["send1", "send2", "recv1", "recv2", "send3", "recv3"]
     assert (eng._calls, eng._recvs) == (3, 3)
-    h4 = eng._two_phase(_Fn("send4", log), _Fn("recv4", log), p, True, keep)
+    h4 = eng._two_phase("op", (_Fn("send4", log),), _Fn("recv4", log), p, True, keep)
     eng._epoch += 1          # what clean_low_latency_buffer does
     eng._calls = eng._recvs = 0
     with pytest.raises(RuntimeError, match="clean_low_latency_buffer"):

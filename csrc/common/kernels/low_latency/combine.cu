@@ -5,8 +5,9 @@
 //       expert output row x[e][begin + j] into s's combine receive slot (global expert, source
 //       token), then SETs s's combine signal of the global expert to (seq << 32) | count (also for
 //       count 0). It never waits. With zero-copy, x already lies in my buffer: same code, no copy.
-//   ll_combine_recv: every block waits for the combine signals of all experts, then one warp per
-//       token computes, in float32, acc = +0; for k ascending with topk_idx[t][k] != -1:
+//   ll_combine_recv: every block waits for the combine signals of all experts, then the warps share
+//       (token, 512-byte column chunk) items (a token alone would leave most warps idle: T is small)
+//       and compute, per element in float32, acc = +0; for k ascending with topk_idx[t][k] != -1:
 //       acc = acc + (float(row) * weight), product and sum each rounded (__fmul_rn/__fadd_rn: no FMA),
 //       and stores bf16(acc): bit-identical to tests/oracle.py low_latency_combine.
 //
@@ -119,10 +120,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __g
         const int lane = threadIdx.x % 32;
         const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
         const int num_warps = gridDim.x * (kThreads / 32);
-        for (int64_t t = warp; t < p.num_tokens; t += num_warps) {
+        constexpr int kChunks = (kRowInt4 + 31) / 32;   // 32 16-byte columns per item, one per lane
+        for (int64_t item = warp; item < p.num_tokens * kChunks; item += num_warps) {
+            const int64_t t = item / kChunks;
+            const int col = static_cast<int>(item % kChunks) * 32 + lane;
             const int64_t* idx = p.topk_idx + t * kNumTopk;
             const float* w = p.topk_weights + t * kNumTopk;
-            for (int col = lane; col < kRowInt4; col += 32) {
+            if (col < kRowInt4) {
                 float acc[8];
 #pragma unroll
                 for (int i = 0; i < 8; ++i)

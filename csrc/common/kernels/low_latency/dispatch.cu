@@ -1,12 +1,14 @@
 // Low-latency dispatch (see protocol.cuh for the buffer, the call counter and the signals).
 //
+//   ll_dispatch_stage: one warp per token builds its message once in my send stage (header: source
+//       token; payload: the bf16 row, or the FP8 cast of it and its float32 scales), however many
+//       experts selected it (a token goes to up to top-k experts: casting per expert repeats work).
 //   ll_dispatch_send: one warp per global expert g (experts strided over every warp of the grid).
 //       The warp scans my tokens in order (32 at a time, __ballot_sync on "token lists g"), so the
 //       k-th token of mine that selected g goes to slot k of (g's local expert, me) at g's rank:
-//       deterministic, packed, in source-token order. It writes each message (header: source token;
-//       payload: the bf16 row, or the FP8 cast of it and its float32 scales) straight into the
-//       receiver's buffer, then SETs the (local expert, me) signal to (seq << 32) | count, also
-//       when count is 0. It never waits.
+//       deterministic, packed, in source-token order. It copies each staged message straight into
+//       the receiver's buffer, then SETs the (local expert, me) signal to (seq << 32) | count, also
+//       when count is 0. It never waits. (stage + send are the send phase: two kernels on one stream.)
 //   ll_dispatch_recv: one warp per (local expert e, source s) pair. Its lanes wait for the signals
 //       of sources 0..s of expert e (the rows of s start after those of sources < s), then the warp
 //       copies s's messages out of my buffer into recv_x / scales (column-major) / src_info and
@@ -37,7 +39,8 @@ constexpr int kFp8RowInt4 = kHidden / 16;       // fp8 row in 16-byte words
 static_assert(kHidden % kFp8Block == 0, "LL hidden must be a multiple of 128");
 static_assert(kNumTopk >= 1 && kNumTopk <= 128, "bad top-k");
 static_assert(Transport::capabilities().peer_load_store,
-              "LL dispatch writes messages through peer pointers; an RDMA staging path is not written yet");
+              "LL kernels read a peer's RECVD counter through a peer pointer (the overwrite check); a transport "
+              "without peer load/store needs a remote get in the contract first");
 }  // namespace
 
 struct LLDispatchParams {
@@ -48,6 +51,7 @@ struct LLDispatchParams {
     int64_t num_tokens;
     int64_t use_fp8;
     int64_t round_scale;
+    int64_t send_stage_offset;        // my send stage: [T] messages
     // receive
     int4* recv_x;                     // [E_local, R*T, HIDDEN] bf16 or fp8
     void* recv_scales;                // fp32 [E_local][S][R*T] or int32 [E_local][S/4][R*T] (column-major views)
@@ -63,42 +67,76 @@ namespace {
 
 // FP8 cast of one bf16 row by a warp: lanes 0-15 handle block b, lanes 16-31 block b+1; each lane
 // 8 channels (one 16-byte word). Writes H fp8 bytes at `data` and S float32 scales at `scales`.
-DEEPEP_DEVICE void cast_row_fp8(const int4* __restrict__ row, char* data, float* scales, bool round_scale, int lane) {
+// The loads of kBatch block pairs are issued together (the stores in between would otherwise keep
+// the compiler from hoisting them: one memory round trip per pair).
+DEEPEP_DEVICE void cast_row_fp8(const int4* __restrict__ row, char* __restrict__ data, float* __restrict__ scales,
+                                bool round_scale, int lane) {
+    constexpr int kBatch = 8;
     const int half = lane / 16, l16 = lane % 16;
-    for (int b0 = 0; b0 < kNumScales; b0 += 2) {
-        const int b = b0 + half;
-        const bool active = b < kNumScales;
-        int4 raw = make_int4(0, 0, 0, 0);
-        if (active)
-            raw = row[b * 16 + l16];
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-        float f[8];
+    for (int b0 = 0; b0 < kNumScales; b0 += 2 * kBatch) {
+        int4 raw[kBatch];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 v = __bfloat1622float2(h[i]);
-            f[2 * i] = v.x;
-            f[2 * i + 1] = v.y;
+        for (int u = 0; u < kBatch; ++u) {
+            const int b = b0 + 2 * u + half;
+            raw[u] = b < kNumScales ? row[b * 16 + l16] : make_int4(0, 0, 0, 0);
         }
-        float amax = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-            amax = fmaxf(amax, fabsf(f[i]));
+        for (int u = 0; u < kBatch; ++u) {
+            if (b0 + 2 * u >= kNumScales)
+                break;   // uniform over the warp: the shuffles below stay converged
+            const int b = b0 + 2 * u + half;
+            const bool active = b < kNumScales;
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+            float f[8];
 #pragma unroll
-        for (int off = 8; off >= 1; off /= 2)
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));   // stays within each 16-lane half
-        const float scale = fp8_scale(amax, round_scale);
-        if (active) {
-            uint2 out;
-            out.x = static_cast<uint32_t>(fp8x2(f[0], f[1], scale)) | (static_cast<uint32_t>(fp8x2(f[2], f[3], scale)) << 16);
-            out.y = static_cast<uint32_t>(fp8x2(f[4], f[5], scale)) | (static_cast<uint32_t>(fp8x2(f[6], f[7], scale)) << 16);
-            reinterpret_cast<uint2*>(data + b * kFp8Block)[l16] = out;
-            if (l16 == 0)
-                scales[b] = scale;
+            for (int i = 0; i < 4; ++i) {
+                const float2 v = __bfloat1622float2(h[i]);
+                f[2 * i] = v.x;
+                f[2 * i + 1] = v.y;
+            }
+            float amax = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+            for (int off = 8; off >= 1; off /= 2)
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));   // stays within each 16-lane half
+            const float scale = fp8_scale(amax, round_scale);
+            if (active) {
+                uint2 out;
+                out.x = static_cast<uint32_t>(fp8x2(f[0], f[1], scale)) | (static_cast<uint32_t>(fp8x2(f[2], f[3], scale)) << 16);
+                out.y = static_cast<uint32_t>(fp8x2(f[4], f[5], scale)) | (static_cast<uint32_t>(fp8x2(f[6], f[7], scale)) << 16);
+                reinterpret_cast<uint2*>(data + b * kFp8Block)[l16] = out;
+                if (l16 == 0)
+                    scales[b] = scale;
+            }
         }
     }
 }
 
+// Bytes of a message that carry data (header + payload [+ scales]), a multiple of 16.
+DEEPEP_DEVICE int64_t message_used_bytes(bool use_fp8) {
+    return kMsgHeader + (use_fp8 ? align_up<int64_t>(kHidden + kNumScales * 4, 16) : kRowInt4 * 16);
+}
+
 }  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_stage(const __grid_constant__ LLDispatchParams p) {
+    const Common& c = p.c;
+    const int lane = threadIdx.x % 32;
+    const int num_warps = gridDim.x * (kThreads / 32);
+    for (int64_t t = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; t < p.num_tokens; t += num_warps) {
+        char* msg = own<char>(c, p.send_stage_offset + t * c.msg_bytes);
+        const int4* row = p.x + t * kRowInt4;
+        if (lane == 0)
+            *reinterpret_cast<int*>(msg) = static_cast<int>(t);
+        if (p.use_fp8)
+            cast_row_fp8(row, msg + kMsgHeader, reinterpret_cast<float*>(msg + kMsgHeader + kHidden), p.round_scale != 0,
+                         lane);
+        else
+            transport::warp_copy_bytes(msg + kMsgHeader, row, kRowInt4 * 16, lane);
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __grid_constant__ LLDispatchParams p) {
     const Common& c = p.c;
@@ -112,6 +150,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __
     const int num_experts = static_cast<int>(c.num_experts);
     const int num_local = num_experts / static_cast<int>(c.num_ranks);
     const int me = static_cast<int>(c.rank);
+    const int64_t used_bytes = message_used_bytes(p.use_fp8 != 0);
 
     for (int g = warp; g < num_experts; g += num_warps) {
         const int dst = g / num_local, local = g % num_local;
@@ -130,16 +169,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __
                 const int j = __ffs(mask) - 1;
                 mask &= mask - 1;
                 const int64_t token = t0 + j;
-                const int64_t off = dispatch_msg_off(c, half, local, me, count);
-                char* msg = tr.template peer_ptr<char>(off, dst);
-                const int4* row = p.x + token * kRowInt4;
-                if (lane == 0)
-                    *reinterpret_cast<int*>(msg) = static_cast<int>(token);
-                if (p.use_fp8)
-                    cast_row_fp8(row, msg + kMsgHeader, reinterpret_cast<float*>(msg + kMsgHeader + kHidden),
-                                 p.round_scale != 0, lane);
-                else
-                    tr.put_warp(0, dst, off + kMsgHeader, row, kRowInt4 * 16, lane);
+                tr.put_warp(0, dst, dispatch_msg_off(c, half, local, me, count),
+                            own<const char>(c, p.send_stage_offset + token * c.msg_bytes), used_bytes, lane);
                 ++count;
             }
         }
