@@ -14,6 +14,8 @@ def main(argv=None) -> int:
     sub.add_parser("doctor", help="GPUs, links, CUDA/NCCL/NVSHMEM, RDMA devices, and each transport's status")
     pre = sub.add_parser("precompile", help="compile every kernel family into the JIT cache")
     pre.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
+    pre.add_argument("--nvshmem", action="store_true",
+                     help="also device-link the low-latency kernels for the nvshmem transport (needs NVSHMEM)")
     args = parser.parse_args(argv)
 
     if args.command == "bench":
@@ -27,6 +29,9 @@ def main(argv=None) -> int:
 
     for name, arch, seconds, hit in jit.precompile(tuple(args.arch)):
         print(f"{name:40s} {arch:6s} {'cached' if hit else f'{seconds:.1f} s'}")
+    if args.nvshmem:
+        for name, arch, seconds, hit in low_latency.precompile_nvshmem(tuple(a for a in args.arch if a != "sm_80")):
+            print(f"{name:40s} {arch:6s} {'cached' if hit else f'{seconds:.1f} s'}")
     return 0
 
 

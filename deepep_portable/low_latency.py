@@ -1,8 +1,11 @@
-"""Host side of the low-latency (LL) kernels of the `nvlink` transport.
+"""Host side of the low-latency (LL) kernels, for the `nvlink` and `nvshmem` transports.
 
-`LowLatencyEngine` owns one IPC-shared LL buffer per rank (`num_rdma_bytes`; geometry in
+`LowLatencyEngine` owns one LL buffer per rank (`num_rdma_bytes`; geometry in
 layout.LowLatencyLayout, protocol in csrc/common/kernels/low_latency/protocol.cuh), the table of the
-peers' base addresses and the mapped host words the kernels report errors through.
+peers' base addresses and the mapped host words the kernels report errors through. The buffer is a
+window: CUDA IPC (ipc.IpcWindow, transport "nvlink": kernels built with DEEPEP_TRANSPORT_NVLINK) or
+NVSHMEM's symmetric heap (nvshmem_window.NvshmemWindow, transport "nvshmem": kernels built with
+DEEPEP_TRANSPORT_NVSHMEM and device-linked). The kernels are the same source either way.
 
 Every LL op is one *call*: a SEND kernel, then a RECEIVE kernel, both on `ctx.comm_stream` (Buffer
 orders that stream against the caller's). The call counter that picks the buffer half and the
@@ -44,7 +47,7 @@ from .transports.base import (BufferContext, LowLatencyCombineArgs, LowLatencyDi
 
 DISPATCH_SOURCE = "common/kernels/low_latency/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
-TRANSPORT_DEFINE = "DEEPEP_TRANSPORT_NVLINK"
+TRANSPORT_DEFINES = {"nvlink": "DEEPEP_TRANSPORT_NVLINK", "nvshmem": "DEEPEP_TRANSPORT_NVSHMEM"}
 THREADS = 512                      # kThreads in protocol.cuh
 OP_NAMES = {3: "low_latency_dispatch", 4: "low_latency_combine"}
 ERROR_TIMEOUT, ERROR_OVERRUN, ERROR_OVERWRITE = 1, 3, 4   # ErrorCode / kErrorOverrun / kErrorOverwrite
@@ -61,8 +64,8 @@ LLCombineParams = _struct("LLCombineParams", [
     "wait_stats"])
 
 
-def kernel_defines(hidden: int, num_topk: int) -> dict:
-    return {TRANSPORT_DEFINE: 1, "HIDDEN": hidden, "NUM_TOPK": num_topk}
+def kernel_defines(hidden: int, num_topk: int, transport: str = "nvlink") -> dict:
+    return {TRANSPORT_DEFINES[transport]: 1, "HIDDEN": hidden, "NUM_TOPK": num_topk}
 
 
 class _DeviceView:
@@ -78,8 +81,11 @@ class _DeviceView:
 
 
 class LowLatencyEngine:
-    def __init__(self, ctx: BufferContext) -> None:
+    def __init__(self, ctx: BufferContext, transport: str = "nvlink") -> None:
+        if transport not in TRANSPORT_DEFINES:
+            raise ValueError(f"the low-latency kernels have no {transport!r} build; known: {sorted(TRANSPORT_DEFINES)}")
         self.ctx = ctx
+        self.transport = transport
         self.base: Optional[int] = None
         self.broken: Optional[str] = None
         self._calls = 0                 # LL calls launched through this engine (host mirror of the device counter)
@@ -92,13 +98,18 @@ class LowLatencyEngine:
         if ctx.num_rdma_bytes == 0:
             return
         if ctx.device.type != "cuda":
-            raise RuntimeError("the nvlink transport's low-latency kernels need a CUDA device")
+            raise RuntimeError(f"the {transport} transport's low-latency kernels need a CUDA device")
         if ctx.num_rdma_bytes <= L.LL_CONTROL_BYTES:
             raise ValueError(f"low-latency mode needs num_rdma_bytes > {L.LL_CONTROL_BYTES} "
                              f"(Buffer.get_low_latency_rdma_size_hint), got {ctx.num_rdma_bytes}")
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
         # Everything zero: counters, arrival words, error claim and every signal (seq 0 = never written).
-        self.window = IpcWindow(ctx, ctx.num_rdma_bytes, ctx.num_rdma_bytes, "num_rdma_bytes")
+        if transport == "nvshmem":
+            from .nvshmem_window import NvshmemWindow
+
+            self.window = NvshmemWindow(ctx, ctx.num_rdma_bytes, ctx.options.get("nvshmem"))
+        else:
+            self.window = IpcWindow(ctx, ctx.num_rdma_bytes, ctx.num_rdma_bytes, "num_rdma_bytes")
         self.dev, self.base, self.peer_bases = self.window.dev, self.window.base, self.window.peer_bases
         self.errors = self.window.errors
         self._kernel_cache = KernelCache(self.dev)
@@ -164,7 +175,10 @@ class LowLatencyEngine:
         p.error_host = self.errors.dev
         p.timeout_ns = int(self.ctx.timeout_s * 1e9)
 
-    def _kernel(self, source: str, name: str, defines: dict):
+    def _kernel(self, source: str, name: str, hidden: int, num_topk: int):
+        defines = kernel_defines(hidden, num_topk, self.transport)
+        if self.transport == "nvshmem":
+            return self.window.kernel(source, name, defines)
         return self._kernel_cache.get(source, name, defines)
 
     def _grid(self) -> int:
@@ -291,10 +305,9 @@ class LowLatencyEngine:
         p.layout_range, p.recv_count = layout_range.data_ptr(), recv_count.data_ptr()
         p.cumulative_recv_stats = _ptr(args.cumulative_local_expert_recv_stats)
         p.wait_stats = _ptr(args.dispatch_wait_recv_cost_stats)
-        defines = kernel_defines(hidden, num_topk)
-        stage = self._kernel(DISPATCH_SOURCE, "ll_dispatch_stage", defines)
-        send = self._kernel(DISPATCH_SOURCE, "ll_dispatch_send", defines)
-        recv = self._kernel(DISPATCH_SOURCE, "ll_dispatch_recv", defines)
+        stage = self._kernel(DISPATCH_SOURCE, "ll_dispatch_stage", hidden, num_topk)
+        send = self._kernel(DISPATCH_SOURCE, "ll_dispatch_send", hidden, num_topk)
+        recv = self._kernel(DISPATCH_SOURCE, "ll_dispatch_recv", hidden, num_topk)
         keep = (recv_x, scales, recv_count, src_info, layout_range, args.cumulative_local_expert_recv_stats,
                 args.dispatch_wait_recv_cost_stats)
         hook = self._two_phase("low_latency_dispatch", (stage, send), recv, p, args.return_recv_hook, keep)
@@ -323,9 +336,8 @@ class LowLatencyEngine:
                 p.expect_half = half
         p.topk_idx, p.topk_weights, p.out, p.num_tokens = idx.data_ptr(), w.data_ptr(), out.data_ptr(), num_tokens
         p.wait_stats = _ptr(args.combine_wait_recv_cost_stats)
-        defines = kernel_defines(hidden, num_topk)
-        send = self._kernel(COMBINE_SOURCE, "ll_combine_send", defines)
-        recv = self._kernel(COMBINE_SOURCE, "ll_combine_recv", defines)
+        send = self._kernel(COMBINE_SOURCE, "ll_combine_send", hidden, num_topk)
+        recv = self._kernel(COMBINE_SOURCE, "ll_combine_recv", hidden, num_topk)
         keep = (x, idx, w, out, handle.src_info, handle.layout_range, args.combine_wait_recv_cost_stats)
         hook = self._two_phase("low_latency_combine", (send,), recv, p, args.return_recv_hook, keep)
         return out, hook
@@ -379,3 +391,24 @@ jit.register_family(
 jit.register_family(
     "low_latency_combine", COMBINE_SOURCE, ["ll_combine_send", "ll_combine_recv"],
     variants=[kernel_defines(7168, 8), kernel_defines(4096, 8), kernel_defines(2048, 8), kernel_defines(7680, 8)])
+
+
+def precompile_nvshmem(archs=("sm_90",), jobs: Optional[int] = None):
+    """Device-link the registered LL variants for the nvshmem transport (in parallel, `jobs` nvcc
+    processes). Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc is missing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from . import jit_link
+
+    tasks = [(src, kernel_defines(h, k, "nvshmem"), arch)
+             for src in (DISPATCH_SOURCE, COMBINE_SOURCE) for h in (7168, 4096, 2048, 7680) for k in (8,)
+             for arch in archs]
+
+    def run(task):
+        src, defines, arch = task
+        res = jit_link.compile_linked_cached(src, defines, arch)
+        label = f"{os.path.basename(src)}[nvshmem,HIDDEN={defines['HIDDEN']},NUM_TOPK={defines['NUM_TOPK']}]"
+        return label, arch, res.seconds, res.cache_hit
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
+        return list(pool.map(run, tasks))

@@ -498,6 +498,41 @@ class NvshmemRuntime:
                 _active = None
 
 
+def active_runtime() -> Optional[NvshmemRuntime]:
+    """The process's initialised runtime, or None."""
+    return _active
+
+
+def shared_runtime(comm: Any, device: int, options: Optional[Mapping[str, Any]] = None,
+                   min_heap_bytes: int = 0) -> NvshmemRuntime:
+    """Collective on first use: the process's runtime, created over `comm` if there is none yet.
+
+    NVSHMEM is process-global and is initialised once: every later Buffer (and test) shares it, so
+    they must use the same ranks (the PEs are the ranks of the first comm) and the same device.
+    `min_heap_bytes` raises NVSHMEM_SYMMETRIC_SIZE at creation when the default (or the given
+    option) is smaller; it cannot grow afterwards."""
+    rt = _active
+    if rt is not None:
+        if (rt.rank, rt.size, rt.device) != (int(comm.rank), int(comm.size), int(device)):
+            raise RuntimeError(f"NVSHMEM is already initialised in this process for rank {rt.rank} of {rt.size} on "
+                               f"device {rt.device}; a Buffer over rank {comm.rank} of {comm.size} on device {device} "
+                               f"cannot share it (one NVSHMEM job per process)")
+        return rt
+    opts = dict(options or {})
+    if min_heap_bytes:
+        given = opts.get("symmetric_size") or os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+        if given is None or _parse_size(str(given)) < min_heap_bytes:
+            opts["symmetric_size"] = str(min_heap_bytes)
+    return NvshmemRuntime(comm, device, opts)
+
+
+def _parse_size(text: str) -> int:
+    """NVSHMEM's size syntax: a number with an optional k/m/g/t suffix (powers of 1024)."""
+    text = text.strip().lower()
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
 def transport_params(rt: NvshmemRuntime, window_base: int) -> "TransportParams":
     return TransportParams(window_base, rt.my_pe, rt.n_pes)
 

@@ -5,6 +5,7 @@
 # Logs go to $OUT (or .gpu_out); a summary table is printed last.
 #   usage: bash scripts/gpu_tests.sh [ranks=4] [steps="build doctor single mpi bench"]
 #   other steps: precompile (every kernel family for sm_90, all cores), mpi2 (the MPI suite at 2 ranks), ll (the low-latency GPU tests at N ranks),
+#   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs),
 #   nvshmem (the NVSHMEM self-test at 2 PEs), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
 #   benchll (bench --mode low_latency), cache (tar the JIT cache into $OUT).
 #   NUM_SMS=16; every step is killed after STEP_TIMEOUT seconds (default 420).
@@ -12,6 +13,7 @@ set -uo pipefail
 RANKS=${1:-4}
 STEPS=${2:-"build doctor single mpi bench"}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+export DEEPEP_TEST_LL_TRANSPORT=${DEEPEP_TEST_LL_TRANSPORT:-nvlink}
 
 declare -a SUMMARY
 step() {   # step NAME CMD... : run, log to $OUT/NAME.log, remember the outcome
@@ -32,23 +34,25 @@ stop_mps() { echo quit | nvidia-cuda-mps-control 2>/dev/null || true; }
 
 MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x PYTHONPATH -x CUDA_HOME -x DEEPEP_PORTABLE_CACHE_DIR
         -x NCCL_NVLS_ENABLE -x NVSHMEM_DISABLE_NVLS -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x PYTHONUNBUFFERED
-        -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x DEEPEP_TEST_DEVICE=cuda"
+        -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x DEEPEP_TEST_DEVICE=cuda -x DEEPEP_TEST_LL_TRANSPORT"
 
 for s in $STEPS; do
     case $s in
     build)  step build $PY setup.py build_ext --inplace ;;
-    precompile) step precompile $PY -m deepep_portable precompile --arch sm_90 ;;
+    precompile) step precompile $PY -m deepep_portable precompile --arch sm_90 --nvshmem ;;
     doctor) step doctor $PY -m deepep_portable doctor ;;
     single) step single $PY -m pytest -q -p no:cacheprovider tests/test_jit.py tests/test_validation.py tests/gpu ;;
     mpi)    start_mps; step mpi $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi; stop_mps ;;
     mpi2)   start_mps; step mpi2 $MPIRUN -n 2 $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi; stop_mps ;;
     ll)     start_mps; step ll $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
+    llnvshmem) start_mps; DEEPEP_TEST_LL_TRANSPORT=nvshmem step llnvshmem $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
     nvshmem) start_mps; step nvshmem $MPIRUN -n 2 $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_nvshmem_gpu_mpi.py; stop_mps ;;
     profile) start_mps
             DEEPEP_PORTABLE_PROFILE=1 step profile $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 4096 16384
             stop_mps ;;
     benchll) start_mps
-            DEEPEP_PORTABLE_LL_KERNELS=${DEEPEP_PORTABLE_LL_KERNELS:-1} step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --mode low_latency --tokens 128
+            step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvlink --mode low_latency --tokens 128
+            step bench_ll_nvshmem $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvshmem --mode low_latency --tokens 128
             stop_mps ;;
     cache)  tar czf "$OUT/jit_cache.tgz" -C "$DEEPEP_PORTABLE_CACHE_DIR" . ;;
     bench)  start_mps

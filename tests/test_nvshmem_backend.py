@@ -13,6 +13,7 @@ import re
 import shutil
 import struct
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 
@@ -336,14 +337,48 @@ def test_environment():
         nr.nvshmem_environment({"ib_gid": 3})
 
 
-def test_backend_is_not_registered():
-    """Until its kernels have run on a GPU, the nvshmem transport stays 'not implemented'."""
-    import deepep_portable.transports as transports
+@pytest.mark.parametrize("source,kernels", [
+    ("common/kernels/low_latency/dispatch.cu", ("ll_dispatch_stage", "ll_dispatch_send", "ll_dispatch_recv")),
+    ("common/kernels/low_latency/combine.cu", ("ll_combine_send", "ll_combine_recv")),
+])
+def test_low_latency_kernels_link_for_the_nvshmem_transport(source, kernels, cache):
+    """The LL kernels, built against the NVSHMEM backend (what transport="nvshmem" loads), device-link
+    with nothing of NVSHMEM left unresolved."""
+    _nvcc_or_skip()
+    _nvshmem_or_skip()
+    from deepep_portable import low_latency as ll
 
-    assert not os.path.exists(os.path.join(os.path.dirname(transports.__file__), "nvshmem.py"))
+    res = jit_link.compile_linked_cached(source, ll.kernel_defines(7168, 8, "nvshmem"), "sm_90", cache=cache)
+    e_type, _, _, syms = _elf_symbols(res.image)
+    assert e_type == ET_EXEC
+    for k in kernels:
+        assert syms[k][:2] == (2, 1), k
+    assert "nvshmemi_device_state_d" in syms
+    undefined = [n for n, (k, b, s) in syms.items() if "nvshmem" in n and k == 0 and s == 0 and b == 1]
+    assert not undefined, undefined
+
+
+def test_backend_is_registered():
+    from deepep_portable.transports import backend_class
+    from deepep_portable.transports.nvlink import NvlinkTransport
+
+    cls = backend_class("nvshmem")
+    assert cls.name == "nvshmem" and cls.ll_window == "nvshmem" and issubclass(cls, NvlinkTransport)
     probe.clear_cache()
     st = probe.probe("nvshmem")
-    assert not st.usable and "not implemented" in st.reason, st.reason
+    assert "not implemented" not in st.reason, st.reason
+
+
+def test_shared_runtime_is_one_per_process(monkeypatch):
+    """A second Buffer shares the process's NVSHMEM; over other ranks or another device it is refused."""
+    fake = SimpleNamespace(rank=1, size=4, device=0)
+    monkeypatch.setattr(nr, "_active", fake)
+    assert nr.shared_runtime(SimpleNamespace(rank=1, size=4), 0) is fake
+    with pytest.raises(RuntimeError, match="already initialised"):
+        nr.shared_runtime(SimpleNamespace(rank=0, size=2), 0)
+    with pytest.raises(RuntimeError, match="already initialised"):
+        nr.shared_runtime(SimpleNamespace(rank=1, size=4), 1)
+    assert nr._parse_size("2G") == 2 << 30 and nr._parse_size("512m") == 512 << 20 and nr._parse_size("4096") == 4096
 
 
 def test_unique_id_and_attr_with_the_real_library():

@@ -54,6 +54,10 @@ def backend_class(name: str) -> Type[Transport]:
         from .nvlink import NvlinkTransport
 
         return NvlinkTransport
+    if name == "nvshmem":
+        from .nvshmem import NvshmemTransport
+
+        return NvshmemTransport
     raise RuntimeError(f"transport {name!r} has no backend implementation in this build")
 
 

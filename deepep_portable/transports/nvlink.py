@@ -2,9 +2,9 @@
 
 Every rank of the group must be on one node (NVLink or, for testing, several ranks on one GPU).
 Normal-mode ops (dispatch, cached dispatch, combine) run the CUDA kernels of
-csrc/common/kernels/intranode. Low-latency ops run the kernels of csrc/common/kernels/low_latency
-only with DEEPEP_PORTABLE_LL_KERNELS=1: they compile in CI but have not yet run on a GPU, so by
-default the reference implementation serves them (available_transports() says so).
+csrc/common/kernels/intranode; low-latency ops the kernels of csrc/common/kernels/low_latency over
+an IPC window (DEEPEP_PORTABLE_LL_KERNELS=0 serves them with the reference implementation instead,
+for A/B checks).
 """
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ from .reference import ReferenceTransport
 
 
 def low_latency_kernels_enabled() -> bool:
-    return os.environ.get("DEEPEP_PORTABLE_LL_KERNELS", "0") == "1"
+    return os.environ.get("DEEPEP_PORTABLE_LL_KERNELS", "1") != "0"
 
 
 class NvlinkTransport(ReferenceTransport):
     name = "nvlink"
+    ll_window = "nvlink"    # which LowLatencyEngine build serves the low-latency ops
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
@@ -37,7 +38,7 @@ class NvlinkTransport(ReferenceTransport):
         if ctx.num_rdma_bytes > 0 and low_latency_kernels_enabled():
             from ..low_latency import LowLatencyEngine
 
-            self.ll_engine = LowLatencyEngine(ctx)
+            self.ll_engine = LowLatencyEngine(ctx, self.ll_window)
 
     # ---- normal mode ----------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
@@ -58,7 +59,7 @@ class NvlinkTransport(ReferenceTransport):
     def combine(self, x, handle, topk_weights, bias_0, bias_1, num_sms):
         return self.engine.combine(x, handle, topk_weights, bias_0, bias_1, num_sms)
 
-    # ---- low-latency mode (kernels opt-in until verified on a GPU) ----------------------------
+    # ---- low-latency mode ---------------------------------------------------------------------
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs) -> LowLatencyDispatchResult:
         if self.ll_engine is None:
             return super().low_latency_dispatch(args)

@@ -546,6 +546,12 @@ def _probe_nvshmem() -> TransportStatus:
         else:
             details["device_libs"] = ",".join(info["device_libs"])
             libs_where = os.path.dirname(info["host_lib"])
+    try:
+        from .. import jit
+
+        details["nvcc"] = jit.find_nvcc()
+    except Exception as e:
+        problems.append(f"no CUDA compiler for the device-linked kernels: {e}")
     backend = _backend_check("nvshmem", libs_where)
     if backend:
         problems.append(backend)
@@ -638,9 +644,9 @@ def _probe_nvlink() -> TransportStatus:
     """Intranode kernels over CUDA IPC: a GPU (sm_80+), the host module and a CUDA compiler for
     the JIT. Whether every rank of a group shares one node is checked when a Buffer is made."""
     problems: List[str] = []
-    ll = os.environ.get("DEEPEP_PORTABLE_LL_KERNELS", "0") == "1"
-    details: Dict = {"low_latency_ops": "low-latency kernels (opt-in, not yet verified on a GPU)" if ll else
-                     "reference implementation (DEEPEP_PORTABLE_LL_KERNELS=1 runs the unverified kernels)"}
+    ll = os.environ.get("DEEPEP_PORTABLE_LL_KERNELS", "1") != "0"
+    details: Dict = {"low_latency_ops": "low-latency kernels over CUDA IPC" if ll else
+                     "reference implementation (DEEPEP_PORTABLE_LL_KERNELS=0)"}
     gpu = _gpu_check((8, 0), "the nvlink kernels")
     if gpu:
         problems.append(gpu)

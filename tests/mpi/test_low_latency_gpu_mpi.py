@@ -1,5 +1,5 @@
-"""Low-latency kernels of the "nvlink" transport (deepep_portable/low_latency.py) through `deep_ep.Buffer`,
-on every rank, vs tests/oracle.py computed on the host.
+"""Low-latency kernels (deepep_portable/low_latency.py) through `deep_ep.Buffer`, on every rank, vs
+tests/oracle.py computed on the host; transport "nvlink", or "nvshmem" with DEEPEP_TEST_LL_TRANSPORT=nvshmem.
 
 Run on the GPU machine, all ranks sharing one GPU under CUDA MPS:
     mpirun --allow-run-as-root --oversubscribe -n 2|4|8 python -m pytest --with-mpi -q tests/mpi
@@ -42,7 +42,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the LL kernel tests need a CUDA GPU"),
 ]
 
-TRANSPORT = "nvlink"
+# "nvlink" (IPC window) by default; DEEPEP_TEST_LL_TRANSPORT=nvshmem runs the same tests over the NVSHMEM
+# build (symmetric heap, device-linked kernels; scripts/gpu_tests.sh step "llnvshmem").
+TRANSPORT = os.environ.get("DEEPEP_TEST_LL_TRANSPORT", "nvlink")
 ENV = "DEEPEP_PORTABLE_LL_KERNELS"
 T = 128                     # num_max_dispatch_tokens_per_rank
 MAX_HIDDEN = 7680

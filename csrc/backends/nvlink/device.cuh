@@ -50,6 +50,10 @@ struct NvlinkTransport {
         *peer_ptr<volatile uint64_t>(dst_off, peer) = v;
     }
 
+    DEEPEP_DEVICE uint64_t get_value(int /*ch*/, int peer, int64_t off) const {
+        return *peer_ptr<const volatile uint64_t>(off, peer);
+    }
+
     DEEPEP_DEVICE bool wait_ge(int64_t sig_off, uint64_t v, uint64_t deadline_ns, const ErrorSink& sink,
                                int peer) const {
         return deepep_portable::wait_ge(peer_ptr<const uint64_t>(sig_off, rank), v, deadline_ns, sink, peer);

@@ -51,8 +51,8 @@
 //
 // Scopes: put_warp / put_signal_warp call NVSHMEM's *_warp routines, which every lane of a
 // converged warp must call with the same arguments; signal / put_value / wait_ge / flush are
-// single-thread routines (nvshmem_fence, nvshmemx_signal_op, nvshmem_uint64_p, nvshmem_uint64_test,
-// nvshmem_quiet); peer_ptr (nvshmem_ptr) any thread.
+// single-thread routines (nvshmem_fence, nvshmemx_signal_op, nvshmem_uint64_p, nvshmem_uint64_g,
+// nvshmem_uint64_test, nvshmem_quiet); peer_ptr (nvshmem_ptr) any thread.
 #pragma once
 
 #include <cstdint>
@@ -117,6 +117,11 @@ struct NvshmemTransport {
     // One thread. Small inline write, no order promise.
     DEEPEP_DEVICE void put_value(int /*ch*/, int peer, int64_t dst_off, uint64_t v) const {
         nvshmem_uint64_p(local_ptr<uint64_t>(dst_off), v, peer);
+    }
+
+    // One thread. Blocking remote read (a load for P2P peers, an RDMA read otherwise).
+    DEEPEP_DEVICE uint64_t get_value(int /*ch*/, int peer, int64_t off) const {
+        return nvshmem_uint64_g(local_ptr<const uint64_t>(off), peer);
     }
 
     // One thread. Acquire-poll (nvshmem_uint64_test + acquire fence, see the header comment) of MY

@@ -19,6 +19,8 @@
 // | signal(ch, peer, sig_off, v)            | one thread | strong: once visible, every earlier op of this thread    |
 // |                                         |            | (and warp) on (ch, peer) is visible                      |
 // | put_value(ch, peer, dst_off, u64)       | one thread | small inline write, no order promise                     |
+// | get_value(ch, peer, off)                | one thread | blocking read of a u64 in peer's window: a value the     |
+// |                                         |            | word held at some point during the call (no ordering)    |
 // | wait_ge(sig_off, v, deadline, sink, p)  | one thread | acquire-poll of MY window until >= v; false + an error   |
 // |                                         |            | record naming peer p once the deadline passes             |
 // | flush(ch)                               | one thread | earlier ops of this thread are locally complete (their   |

@@ -74,18 +74,29 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
         const int64_t range = p.layout_range[e * num_ranks + s];
         const int64_t begin = range >> 32, count = range & 0xffffffffll;
         const int g = me * num_local + e;
-        const uint64_t recvd = lane == 0 ? peer_recvd(c, s) : 0;   // checked below, before the signal
+        const uint64_t recvd = lane == 0 ? peer_recvd(tr, c, s) : 0;   // checked below, before the signal
+        // A peer reached over a network reads the source with its NIC: x must then lie in my window.
+        // Unless it does (zero-copy), each row is first copied to its place in my combine send area
+        // (free in this half: see get_next_low_latency_combine_buffer).
+        const bool stage = p.expect_half < 0 && tr.template peer_ptr<char>(0, s) == nullptr;
         for (int64_t j = 0; j < count; ++j) {
             const int64_t row = begin + j;
             const int token = p.src_info[e * slots + row];
-            tr.put_warp(0, s, combine_row_off(c, half, g, token, kRowBytes), p.x + (e * slots + row) * kRowInt4,
-                        kRowBytes, lane);
+            const int4* src = p.x + (e * slots + row) * kRowInt4;
+            if (stage) {
+                int4* staged = own<int4>(c, c.dispatch_recv_offset + half * c.data_half_stride) + (e * slots + row) * kRowInt4;
+                transport::warp_copy_bytes(staged, src, kRowBytes, lane);
+                __syncwarp();
+                src = staged;
+            }
+            tr.put_warp(0, s, combine_row_off(c, half, g, token, kRowBytes), src, kRowBytes, lane);
         }
         __threadfence_system();
         __syncwarp();
         if (lane == 0) {
             check_overwrite(c, kOpCombine, recvd, call, s);
             tr.signal(0, s, combine_signal_off(c, half, g), signal_value(seq, static_cast<uint32_t>(count)));
+            tr.flush(0);   // x may be reused once the op returns (no-op for stores)
         }
     }
     end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq, kKindCombine);

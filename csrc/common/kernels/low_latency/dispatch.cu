@@ -38,9 +38,6 @@ constexpr int kRowInt4 = kHidden * 2 / 16;      // bf16 row in 16-byte words
 constexpr int kFp8RowInt4 = kHidden / 16;       // fp8 row in 16-byte words
 static_assert(kHidden % kFp8Block == 0, "LL hidden must be a multiple of 128");
 static_assert(kNumTopk >= 1 && kNumTopk <= 128, "bad top-k");
-static_assert(Transport::capabilities().peer_load_store,
-              "LL kernels read a peer's RECVD counter through a peer pointer (the overwrite check); a transport "
-              "without peer load/store needs a remote get in the contract first");
 }  // namespace
 
 struct LLDispatchParams {
@@ -154,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __
 
     for (int g = warp; g < num_experts; g += num_warps) {
         const int dst = g / num_local, local = g % num_local;
-        const uint64_t recvd = lane == 0 ? peer_recvd(c, dst) : 0;   // checked below, before the signal
+        const uint64_t recvd = lane == 0 ? peer_recvd(tr, c, dst) : 0;   // checked below, before the signal
         uint32_t count = 0;
         for (int64_t t0 = 0; t0 < p.num_tokens; t0 += 32) {
             const int64_t t = t0 + lane;
@@ -181,6 +178,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __
         if (lane == 0) {
             check_overwrite(c, kOpDispatch, recvd, call, dst);
             tr.signal(0, dst, dispatch_signal_off(c, half, local, me), signal_value(seq, count));
+            tr.flush(0);   // the puts read my send stage, which the next dispatch rewrites (no-op for stores)
         }
     }
     end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq, kKindDispatch);

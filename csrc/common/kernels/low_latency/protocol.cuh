@@ -53,8 +53,19 @@ DEEPEP_DEVICE Transport make_transport(const uint64_t* peer_bases, int64_t rank,
     return Transport{peer_bases, static_cast<int>(rank), static_cast<int>(num_ranks)};
 }
 }  // namespace deepep_portable::low_latency
+#elif defined(DEEPEP_TRANSPORT_NVSHMEM)
+// The window is a symmetric-heap allocation; peer_bases[r] is nvshmem_ptr of it on PE r (0 when PE r is
+// not P2P-reachable): the kernels only dereference their own entry, every remote access goes through
+// the transport.
+#include "backends/nvshmem/device.cuh"
+namespace deepep_portable::low_latency {
+using Transport = transport::NvshmemTransport;
+DEEPEP_DEVICE Transport make_transport(const uint64_t* peer_bases, int64_t rank, int64_t num_ranks) {
+    return Transport{peer_bases[rank], static_cast<int>(rank), static_cast<int>(num_ranks)};
+}
+}  // namespace deepep_portable::low_latency
 #else
-#error "low_latency kernels need a transport: -DDEEPEP_TRANSPORT_NVLINK"
+#error "low_latency kernels need a transport: -DDEEPEP_TRANSPORT_NVLINK or -DDEEPEP_TRANSPORT_NVSHMEM"
 #endif
 
 namespace deepep_portable::low_latency {
@@ -146,11 +157,12 @@ DEEPEP_DEVICE void end_call(const Common& c, int64_t counter_off, int64_t arrive
 }
 
 // Sender-side overwrite check, part 1 (one lane, before writing into `peer`'s half): the peer's
-// RECVD. A plain volatile load: in the valid case the peer stored RECVD >= prev before the signals
-// this rank already acquired (causality), so it cannot read stale; the value is only used in part 2,
-// so the writes do not wait for the round trip.
-DEEPEP_DEVICE uint64_t peer_recvd(const Common& c, int peer) {
-    return *reinterpret_cast<const volatile uint64_t*>(c.peer_bases[peer] + static_cast<uint64_t>(c.ctrl_recvd));
+// RECVD, read through the transport (no ordering needed: in the valid case the peer stored RECVD >=
+// prev before the signals this rank already acquired, so it cannot read stale). The value is only
+// used in part 2, so a load's latency overlaps the writes (over a network it is a blocking get).
+template <typename Tr>
+DEEPEP_DEVICE uint64_t peer_recvd(const Tr& tr, const Common& c, int peer) {
+    return tr.get_value(0, peer, c.ctrl_recvd);
 }
 
 // Part 2: report (once per buffer) when the peer had not finished receiving call `prev` of this half.

@@ -1,0 +1,86 @@
+"""A window on NVSHMEM's symmetric heap: what the low-latency engine stands on with transport="nvshmem".
+
+Same surface as ipc.IpcWindow (base, peer_bases, errors, grid, recorded_error, close), so the engine
+does not care which one it holds. Differences:
+  * the memory is one nvshmem_malloc (collective, same size on every PE) in the process's shared
+    NVSHMEM runtime (nvshmem_runtime.shared_runtime: initialised by unique id over the Buffer's
+    group the first time);
+  * peer_bases[r] = nvshmem_ptr(base, r): a load/store address for P2P-reachable PEs (same node or
+    same GPU) and 0 for PEs behind a network; the kernels reach every peer through the transport
+    (csrc/backends/nvshmem/device.cuh) and dereference only their own entry;
+  * kernels are device-linked against libnvshmem_device.a (jit_link) and registered with
+    nvshmemx_cumodule_init before their first launch (kernel()).
+"""
+from __future__ import annotations
+
+import socket
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from . import jit, jit_link
+from . import nvshmem_runtime as nr
+from ._kernels import sm_count
+from .ipc import ERROR_WORDS, MappedWords, device_uuid
+from .transports.base import BufferContext
+
+# Heap headroom beyond the first window: later Buffers of the job allocate from the same heap.
+HEAP_FACTOR = 3
+HEAP_MIN = 1 << 30
+
+
+class NvshmemWindow:
+    def __init__(self, ctx: BufferContext, nbytes: int, options: Optional[dict] = None) -> None:
+        """Collective over ctx.comm (the runtime's PEs are that group's ranks)."""
+        from . import _C
+
+        self.ctx = ctx
+        self.dev = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
+        torch.zeros(1, device=ctx.device)   # the device's primary context is current on this thread
+        heap = max(HEAP_MIN, HEAP_FACTOR * nbytes + (64 << 20))
+        self.rt = nr.shared_runtime(ctx.comm, self.dev, options, min_heap_bytes=heap)
+        self.base = self.rt.malloc(nbytes)          # collective; zero it before anyone signals into it
+        _C.memset_d8_async(self.dev, self.base, 0, nbytes, 0)
+        _C.stream_synchronize(self.dev, 0)
+        me = dict(host=socket.gethostname(), uuid=device_uuid(self.dev))
+        peers = ctx.comm.allgather_object(me)
+        # Spinning blocks of every rank must be resident at once: ranks that share a GPU split its SMs.
+        sharing = sum(1 for p in peers if p["uuid"] == me["uuid"])
+        self.max_blocks = max(1, sm_count(self.dev) // sharing)
+        self.bases = [self.rt.ptr(self.base, pe) for pe in range(ctx.num_ranks)]
+        self.network_peers = [pe for pe, b in enumerate(self.bases) if b == 0]
+        self.peer_bases = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
+        self.errors = MappedWords(self.dev, ERROR_WORDS)
+        self._modules: Dict[Tuple, object] = {}
+        torch.cuda.synchronize(self.dev)
+        self.rt.barrier_all()   # every PE's window is zeroed before any kernel runs
+
+    def grid(self, num_sms: int) -> int:
+        return max(1, min(int(num_sms), self.max_blocks))
+
+    def recorded_error(self):
+        w = self.errors.words
+        if w[0] == 0:
+            return None
+        return w[0], w[1], w[2], w[3], w[4], w[5]
+
+    def kernel(self, source: str, name: str, defines: dict):
+        """The device-linked kernel `name` of `source`, its module registered with NVSHMEM (once)."""
+        key = (source, tuple(sorted(defines.items())))
+        mod = self._modules.get(key)
+        if mod is None:
+            compiled = jit_link.compile_linked_cached(source, defines, jit.device_arch(self.dev))
+            mod = self._modules[key] = self.rt.load_module(compiled)
+        return mod.function(name)
+
+    def close(self) -> None:
+        """Collective: wait until no PE can still touch this window, then free it (the runtime stays)."""
+        if self.base is None:
+            return
+        torch.cuda.synchronize(self.dev)
+        try:
+            self.ctx.comm.barrier()
+        finally:
+            self.rt.free(self.base)          # collective (nvshmem_free)
+            self.errors.free()
+            self.base = None
