@@ -49,6 +49,28 @@ HEADER = ["op", "tokens", "hidden", "topk", "experts", "prec", "time_us", "GB/s"
           "SMs", "transport"]
 
 
+def _print_host_profile(what: str, fn: Callable[[], None], device: torch.device, show: bool,
+                        calls: int = 20) -> None:
+    """cProfile of `calls` calls (every rank runs them: the op is collective; `show` prints): where the
+    host time of an op goes, by function (DEEPEP_PORTABLE_PROFILE_HOST=1)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    prof.disable()
+    if not show:
+        return
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    print(f"[host profile rank 0: {what}, {calls} calls]\n{out.getvalue()}", flush=True)
+
+
 LL_LOOP = 10   # low-latency ops are timed as back-to-back calls (see _timer)
 
 
@@ -192,6 +214,8 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
     dispatch_bytes = sent_rows * (hidden * (1 if cfg.fp8 else 2) + (hidden // 128 * 4 if cfg.fp8 else 0))
     combine_bytes = sent_rows * hidden * 2
     t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
+    if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (a collective op)
+        _print_host_profile(f"dispatch, {tokens} tokens", dispatch, device, rank == 0)
     t_combine = _slowest(_timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group), group)
     c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
     c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))

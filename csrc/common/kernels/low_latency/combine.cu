@@ -79,9 +79,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
         // Unless it does (zero-copy), each row is first copied to its place in my combine send area
         // (free in this half: see get_next_low_latency_combine_buffer).
         const bool stage = p.expect_half < 0 && tr.template peer_ptr<char>(0, s) == nullptr;
+        int token_of_lane = 0;   // lane l holds the source token of row begin + j0 + l (one load for 32 rows)
         for (int64_t j = 0; j < count; ++j) {
             const int64_t row = begin + j;
-            const int token = p.src_info[e * slots + row];
+            if (j % 32 == 0)
+                token_of_lane = j + lane < count ? p.src_info[e * slots + row + lane] : 0;
+            const int token = __shfl_sync(0xffffffffu, token_of_lane, static_cast<int>(j % 32));
             const int4* src = p.x + (e * slots + row) * kRowInt4;
             if (stage) {
                 int4* staged = own<int4>(c, c.dispatch_recv_offset + half * c.data_half_stride) + (e * slots + row) * kRowInt4;
@@ -116,7 +119,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __g
     if (threadIdx.x == 0)
         s_ok = 1;
     __syncthreads();
-    for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
+    // One warp per block polls (its lanes take the experts in turn): every signal must arrive before
+    // any row is read, and fewer pollers leave the memory system to the senders' copies.
+    for (int g = threadIdx.x; g < num_experts && threadIdx.x < 32; g += 32) {
         const long long t_start = clock64();
         if (wait_signal(tr, c, combine_signal_off(c, half, g), seq, deadline, sink, g / num_local) < 0)
             s_ok = 0;
