@@ -130,13 +130,11 @@ struct NvshmemTransport {
     DEEPEP_DEVICE bool wait_ge(int64_t sig_off, uint64_t v, uint64_t deadline_ns, const ErrorSink& sink,
                                int peer) const {
         uint64_t* sig = local_ptr<uint64_t>(sig_off);
-        unsigned int sleep_ns = deepep_portable::kPollSleepMinNs;
         while (!nvshmem_uint64_test(sig, NVSHMEM_CMP_GE, v)) {
             if (deepep_portable::globaltimer_ns() > deadline_ns) {
                 deepep_portable::report_error(sink, deepep_portable::kErrorTimeout, peer, static_cast<int>(v));
                 return false;
             }
-            deepep_portable::poll_backoff(sleep_ns);
         }
         // The test is not documented as an acquire: this fence makes it one at system scope, so reads
         // after wait_ge (and, through a later __syncthreads, other threads' reads) see the data.

@@ -68,30 +68,14 @@ DEEPEP_DEVICE void report_error(const ErrorSink& sink, int code, int peer, int d
     __threadfence_system();
 }
 
-// Polling backoff: after each miss the thread sleeps a little longer, up to kPollSleepMaxNs. Waiting
-// threads of every rank sharing the memory system would otherwise hammer it with acquire loads and
-// slow down the very copies they wait for (ranks sharing one GPU showed it; so would a busy NVLink).
-// The cap bounds the added latency of a wait to about that much.
-constexpr unsigned int kPollSleepMinNs = 32;
-constexpr unsigned int kPollSleepMaxNs = 512;
-
-DEEPEP_DEVICE void poll_backoff(unsigned int& sleep_ns) {
-#if __CUDA_ARCH__ >= 700
-    __nanosleep(sleep_ns);
-#endif
-    sleep_ns = sleep_ns < kPollSleepMaxNs ? 2 * sleep_ns : kPollSleepMaxNs;
-}
-
 // Spin until *addr >= v; false (and an error record naming `peer`) once `deadline_ns` passes.
 DEEPEP_DEVICE bool wait_ge(const uint64_t* addr, uint64_t v, uint64_t deadline_ns, const ErrorSink& sink,
                            int peer) {
-    unsigned int sleep_ns = kPollSleepMinNs;
     while (ld_acquire_sys(addr) < v) {
         if (globaltimer_ns() > deadline_ns) {
             report_error(sink, kErrorTimeout, peer, static_cast<int>(v));
             return false;
         }
-        poll_backoff(sleep_ns);
     }
     return true;
 }

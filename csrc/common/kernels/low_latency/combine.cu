@@ -119,9 +119,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __g
     if (threadIdx.x == 0)
         s_ok = 1;
     __syncthreads();
-    // One warp per block polls (its lanes take the experts in turn): every signal must arrive before
-    // any row is read, and fewer pollers leave the memory system to the senders' copies.
-    for (int g = threadIdx.x; g < num_experts && threadIdx.x < 32; g += 32) {
+    for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
         const long long t_start = clock64();
         if (wait_signal(tr, c, combine_signal_off(c, half, g), seq, deadline, sink, g / num_local) < 0)
             s_ok = 0;
