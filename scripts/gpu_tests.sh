@@ -8,7 +8,7 @@
 #   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs),
 #   nvshmem (the NVSHMEM self-test at 2 PEs), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
 #   benchll (bench --mode low_latency), cache (tar the JIT cache into $OUT).
-#   NUM_SMS=16; every step is killed after STEP_TIMEOUT seconds (default 420).
+#   NUM_SMS=16; BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420).
 set -uo pipefail
 RANKS=${1:-4}
 STEPS=${2:-"build doctor single mpi bench"}
@@ -58,7 +58,7 @@ for s in $STEPS; do
     bench)  start_mps
             step bench_normal $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 512 4096 16384
             step bench_normal_bf16 $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --no-fp8 --tokens 4096
-            step bench_reference $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport reference --mode normal --tokens 4096 --warmup 1 --iters 3
+            [ "${BENCH_REFERENCE:-1}" = 1 ] && step bench_reference $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport reference --mode normal --tokens 4096 --warmup 1 --iters 3
             stop_mps ;;
     *) echo "unknown step $s" ;;
     esac
