@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import socket
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -33,7 +34,8 @@ class Buffer:
     """Expert-parallel communication buffers for MoE dispatch and combine.
 
     Same constructor and methods as `deep_ep.Buffer` (V1). Ours in addition:
-      transport: "auto" | "nvshmem" | "ibgda" | "nccl_gin" | "reference"
+      transport: "auto" | "nvlink" | "nvshmem" | "ibgda" | "nccl_gin" | "reference" ("auto": nvlink when
+                 every rank is on one node and it is usable, else the first usable of available_transports())
       timeout_s: bound on every wait; a timeout raises an exception naming op, rank and peer.
     `group` may be a torch ProcessGroup or (as first argument or `comm=`) an mpi4py communicator.
     """
@@ -60,7 +62,10 @@ class Buffer:
         if timeout_s is None:
             timeout_s = float(os.environ.get("DEEPEP_PORTABLE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
-        self.transport = resolve(transport)
+        single_node = False
+        if transport == "auto":   # collective, like the rest of the constructor
+            single_node = len(set(self._comm.allgather_object(socket.gethostname()))) == 1
+        self.transport = resolve(transport, single_node)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device
         self._comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -79,6 +79,17 @@ def test_ibgda_names_missing_rdma_device():
     assert "no RDMA device in /sys/class/infiniband" in s.reason
 
 
+def test_auto_prefers_nvlink_on_one_node_only(monkeypatch):
+    usable = {"nvshmem", "nvlink", "reference"}
+    fake = {n: transports.TransportStatus(n, n in usable, "fake") for n in TRANSPORT_NAMES}
+    monkeypatch.setattr(transports, "available_transports", lambda: fake)
+    assert transports.resolve("auto", single_node=True) == "nvlink"
+    assert transports.resolve("auto", single_node=False) == "nvshmem"
+    usable.discard("nvshmem")
+    fake["nvshmem"] = transports.TransportStatus("nvshmem", False, "fake")
+    assert transports.resolve("auto", single_node=False) == "reference"
+
+
 def test_probe_is_cached():
     assert probe.probe("reference") is probe.probe("reference")
 
@@ -86,6 +97,7 @@ def test_probe_is_cached():
 def test_resolve():
     assert transports.resolve("reference") == "reference"
     assert transports.resolve("auto") in TRANSPORT_NAMES
+    assert transports.resolve("auto", single_node=False) != "nvlink"   # IPC cannot span nodes
     with pytest.raises(ValueError, match="unknown transport 'bogus'"):
         transports.resolve("bogus")
     with pytest.raises(ValueError):

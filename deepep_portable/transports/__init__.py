@@ -29,11 +29,19 @@ def available_transports() -> Dict[str, TransportStatus]:
     return {name: probe.probe(name) for name in TRANSPORT_NAMES}
 
 
-def resolve(name: str) -> str:
-    """Map a requested transport (or "auto") to a usable one, or raise with the reason."""
+def resolve(name: str, single_node: bool = False) -> str:
+    """Map a requested transport (or "auto") to a usable one, or raise with the reason.
+
+    "auto": when every rank of the group is on one node (`single_node`, the caller knows) and the
+    `nvlink` transport is usable, it wins: its load/store kernels are the ones measured fastest there
+    (docs/PERFORMANCE.md); otherwise the first usable of TRANSPORT_NAMES that can span nodes."""
     statuses = available_transports()
     if name == "auto":
+        if single_node and statuses["nvlink"].usable:
+            return "nvlink"
         for candidate in TRANSPORT_NAMES:
+            if candidate == "nvlink" and not single_node:
+                continue   # CUDA IPC cannot reach another node
             if statuses[candidate].usable:
                 return candidate
         raise RuntimeError("no usable transport: " + "; ".join(str(s) for s in statuses.values()))
