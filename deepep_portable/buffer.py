@@ -37,6 +37,9 @@ class Buffer:
       transport: "auto" | "nvlink" | "nvshmem" | "ibgda" | "nccl_gin" | "reference" ("auto": nvlink when
                  every rank is on one node and it is usable, else the first usable of available_transports())
       timeout_s: bound on every wait; a timeout raises an exception naming op, rank and peer.
+      nvshmem_options: for transport "nvshmem", passed to NVSHMEM at its initialisation (the first such
+                 Buffer of the process): ibgda, ib_gid_index, ib_traffic_class, ib_sl, hca_list,
+                 remote_transport, symmetric_size (see nvshmem_runtime.PASS_THROUGH).
     `group` may be a torch ProcessGroup or (as first argument or `comm=`) an mpi4py communicator.
     """
 
@@ -46,7 +49,8 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None,
-                 *, transport: str = "auto", timeout_s: Optional[float] = None) -> None:
+                 *, transport: str = "auto", timeout_s: Optional[float] = None,
+                 nvshmem_options: Optional[dict] = None) -> None:
         self._comm = Comm(group, comm)
         self.rank = self._comm.rank
         self.group_size = self._comm.size
@@ -54,6 +58,10 @@ class Buffer:
         check.positive_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check.positive_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check.positive_int("num_qps_per_rank", num_qps_per_rank)
+        if nvshmem_options is not None:   # unknown names raise here, before anything is set up
+            from .nvshmem_runtime import nvshmem_environment
+
+            nvshmem_environment(nvshmem_options)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -75,7 +83,7 @@ class Buffer:
             uid=next(_uids), timeout_s=timeout_s, comm_stream=self._comm_stream,
             options=dict(num_qps_per_rank=num_qps_per_rank,
                          allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
-                         allow_mnnvl=allow_mnnvl))
+                         allow_mnnvl=allow_mnnvl, nvshmem=dict(nvshmem_options or {})))
         self._backend = backend_class(self.transport)(self._ctx)
 
     # ---- lifetime / static helpers ------------------------------------------------------------

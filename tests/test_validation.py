@@ -222,3 +222,10 @@ def test_range_check_runs_again_for_new_or_modified_tensors(buffer, device):
     fresh = idx.clone()                                 # a new object is checked too
     with pytest.raises(ValueError, match="outside"):
         buffer.get_dispatch_layout(fresh, EXPERTS)
+
+
+def test_unknown_nvshmem_option_rejected(group):
+    with pytest.raises(ValueError, match="unknown NVSHMEM option 'ib_gid'"):
+        deep_ep.Buffer(group, 1 << 20, 0, transport="reference", nvshmem_options={"ib_gid": 3})
+    buf = deep_ep.Buffer(group, 1 << 20, 0, transport="reference", nvshmem_options={"ib_gid_index": 3, "ibgda": True})
+    assert buf._ctx.options["nvshmem"] == {"ib_gid_index": 3, "ibgda": True}
