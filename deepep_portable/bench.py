@@ -71,6 +71,21 @@ def _print_host_profile(what: str, fn: Callable[[], None], device: torch.device,
     print(f"[host profile rank 0: {what}, {calls} calls]\n{out.getvalue()}", flush=True)
 
 
+def _print_profile(engine, rank: int, tokens: int) -> None:
+    """Rank 0 prints the engine's phase profile (DEEPEP_PORTABLE_PROFILE=1), if it kept one."""
+    if engine is not None and getattr(engine, "_profile", False):
+        report = engine.profile_report()
+        if rank == 0:
+            print(f"[profile rank 0, {tokens} tokens] " + ", ".join(f"{k} {v:.0f} us" for k, v in report), flush=True)
+
+
+def _add_rows(rows: List[Row], buf, cfg: argparse.Namespace, tokens: int, measured) -> None:
+    """One Row per (op, seconds, ceiling seconds, payload bytes, precision)."""
+    for op, t, c, nbytes, prec in measured:
+        rows.append(Row(op, tokens, cfg.hidden, cfg.topk, cfg.experts, prec, t * 1e6, nbytes / t / 1e9, c * 1e6,
+                        nbytes / c / 1e9, buf.transport, _blocks(buf)))
+
+
 LL_LOOP = 10   # low-latency ops are timed as back-to-back calls (see _timer)
 
 
@@ -219,16 +234,10 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
     t_combine = _slowest(_timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group), group)
     c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
     c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
-    engine = getattr(buf._backend, "engine", None)
-    if engine is not None and engine._profile:
-        report = engine.profile_report()
-        if rank == 0:
-            print(f"[profile rank 0, {tokens} tokens] " + ", ".join(f"{k} {v:.0f} us" for k, v in report), flush=True)
+    _print_profile(getattr(buf._backend, "engine", None), rank, tokens)
     prec = "fp8" if cfg.fp8 else "bf16"
-    for op, t, c, nbytes, p in (("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
-                                ("combine", t_combine, c_combine, combine_bytes, "bf16")):
-        rows.append(Row(op, tokens, hidden, topk, experts, p, t * 1e6, nbytes / t / 1e9, c * 1e6,
-                        nbytes / c / 1e9, buf.transport, _blocks(buf)))
+    _add_rows(rows, buf, cfg, tokens, (("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
+                                       ("combine", t_combine, c_combine, combine_bytes, "bf16")))
     if cfg.baseline:
         # The same rows moved by all_to_all_single over NCCL, each way, beside the same ceilings.
         send_rows = [int(v) for v in per_rank.tolist()]
@@ -293,16 +302,10 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
                                 cfg.warmup, cfg.iters, group, loop), group)
     c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), loop)
     c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), loop)
-    engine = getattr(buf._backend, "ll_engine", None)
-    if engine is not None and getattr(engine, "_profile", False):
-        report = engine.profile_report()
-        if rank == 0:
-            print(f"[profile rank 0, {tokens} tokens] " + ", ".join(f"{k} {v:.0f} us" for k, v in report), flush=True)
+    _print_profile(getattr(buf._backend, "ll_engine", None), rank, tokens)
     prec = "fp8" if cfg.fp8 else "bf16"
-    for op, t, c, nbytes, p in (("ll_dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
-                                ("ll_combine", t_combine, c_combine, combine_bytes, "bf16")):
-        rows.append(Row(op, tokens, hidden, topk, experts, p, t * 1e6, nbytes / t / 1e9, c * 1e6,
-                        nbytes / c / 1e9, buf.transport, _blocks(buf)))
+    _add_rows(rows, buf, cfg, tokens, (("ll_dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
+                                       ("ll_combine", t_combine, c_combine, combine_bytes, "bf16")))
 
 
 def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
