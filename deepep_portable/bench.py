@@ -137,10 +137,34 @@ def _blocks(buf: "deep_ep.Buffer") -> int:
     return engine._grid(deep_ep.Buffer.num_sms) if engine is not None else deep_ep.Buffer.num_sms
 
 
+def _graph_of(fn: Callable[[], None], calls: int) -> Callable[[], None]:
+    """A CUDA graph of `calls` back-to-back calls of fn (captured after one eager warm-up call);
+    returns its replay. Timing the replay leaves the host out, as a captured decode step does."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def _graph_seconds(fn: Callable[[], None], device: torch.device, cfg: argparse.Namespace, group) -> float:
+    """Seconds per call of fn replayed from a CUDA graph of LL_LOOP calls (slowest rank's median)."""
+    replay = _graph_of(fn, LL_LOOP)
+    dist.barrier(group=group)
+    return _slowest(_timer(device, replay, cfg.warmup, cfg.iters, group), group) / LL_LOOP
+
+
 def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int, group, blocks: int,
-                  loop: int = 1) -> float:
+                  loop: int = 1, graph: bool = False) -> float:
     """Seconds for one plain copy of num_bytes on this device, every rank copying at once; on the
-    GPU with the same block budget as the communication kernels."""
+    GPU with the same block budget as the communication kernels (`graph`: replayed from a CUDA
+    graph of LL_LOOP copies, like the graph-timed ops)."""
     num_bytes = max(16, (num_bytes + 15) // 16 * 16)
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -152,6 +176,10 @@ def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int,
     else:
         def copy():
             dst.copy_(src)
+    if graph and device.type == "cuda":
+        replay = _graph_of(copy, LL_LOOP)
+        dist.barrier(group=group)
+        return _slowest(_timer(device, replay, warmup, iters, group), group) / LL_LOOP
     dist.barrier(group=group)
     return _slowest(_timer(device, copy, warmup, iters, group, loop), group)
 
@@ -306,6 +334,16 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
     prec = "fp8" if cfg.fp8 else "bf16"
     _add_rows(rows, buf, cfg, tokens, (("ll_dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                                        ("ll_combine", t_combine, c_combine, combine_bytes, "bf16")))
+    if device.type == "cuda":
+        # The same calls replayed from CUDA graphs (how decode steps run them): GPU time without the
+        # Python host path, which the eager rows above include whenever the GPU waits for the host.
+        g_dispatch = _graph_seconds(dispatch, device, cfg, group)
+        g_combine = _graph_seconds(lambda: buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle),
+                                   device, cfg, group)
+        gc_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), graph=True)
+        gc_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), graph=True)
+        _add_rows(rows, buf, cfg, tokens, (("ll_dispatch_graph", g_dispatch, gc_dispatch, dispatch_bytes, prec),
+                                           ("ll_combine_graph", g_combine, gc_combine, combine_bytes, "bf16")))
 
 
 def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
