@@ -16,7 +16,7 @@ import pytest
 
 import deepep_portable.transports as transports
 from deepep_portable.transports import TRANSPORT_NAMES, TransportStatus, available_transports
-from deepep_portable.transports import probe
+from deepep_portable.transports import libraries, probe
 
 ACCELERATED = ["nvshmem", "ibgda", "nccl_gin"]
 HAS_GPU = probe.driver_status()[0]
@@ -130,9 +130,9 @@ def _fake_nvshmem(tmp_path):
 
 def test_nvshmem_not_found_lists_search_path(fresh_probe, monkeypatch, tmp_path):
     monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path / "nowhere"))
-    monkeypatch.setattr(probe, "_site_dirs", lambda: [str(tmp_path / "site")])
-    monkeypatch.setattr(probe, "_SYSTEM_LIB_DIRS", [])
-    monkeypatch.setattr(probe, "_ldconfig_cache", lambda: {})
+    monkeypatch.setattr(libraries, "_site_dirs", lambda: [str(tmp_path / "site")])
+    monkeypatch.setattr(libraries, "_SYSTEM_LIB_DIRS", [])
+    monkeypatch.setattr(libraries, "_ldconfig_cache", lambda: {})
     monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
     s = probe._probe_nvshmem()
     assert not s.usable
@@ -206,9 +206,9 @@ def test_nccl_version_code():
 
 def test_nccl_not_found_lists_search_path(fresh_probe, monkeypatch, tmp_path):
     monkeypatch.setenv("NCCL_HOME", str(tmp_path / "nccl"))
-    monkeypatch.setattr(probe, "_site_dirs", lambda: [])
-    monkeypatch.setattr(probe, "_SYSTEM_LIB_DIRS", [])
-    monkeypatch.setattr(probe, "_ldconfig_cache", lambda: {})
+    monkeypatch.setattr(libraries, "_site_dirs", lambda: [])
+    monkeypatch.setattr(libraries, "_SYSTEM_LIB_DIRS", [])
+    monkeypatch.setattr(libraries, "_ldconfig_cache", lambda: {})
     monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
     s = probe._probe_nccl_gin()
     assert not s.usable
