@@ -10,13 +10,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import socket
 from typing import List, Optional, Tuple, Union
 
 import torch
 
 from . import _validate as check
-from .comm import Comm
+from .comm import Comm, node_identity
 from .config import Config
 from .event import EventOverlap
 from .handles import DispatchHandle, LowLatencyHandle
@@ -72,7 +71,7 @@ class Buffer:
 
         single_node = False
         if transport == "auto":   # collective, like the rest of the constructor
-            single_node = len(set(self._comm.allgather_object(socket.gethostname()))) == 1
+            single_node = len(set(self._comm.allgather_object(node_identity()))) == 1
         self.transport = resolve(transport, single_node)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device

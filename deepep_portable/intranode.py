@@ -207,7 +207,7 @@ class IntranodeEngine:
         pull = self._kernel(DISPATCH_SOURCE, "intranode_dispatch_pull", defines)
         s = stream_handle(comm)
         grid = self._grid(args.num_sms)
-        marks = [] if self._profile else None
+        marks = [] if self._profile and not torch.cuda.is_current_stream_capturing() else None
         self._mark(marks, comm)
         launch(stage, grid, THREADS, p, s)
         self._host_time("dispatch:until_stage_launch", t_host)
@@ -287,7 +287,7 @@ class IntranodeEngine:
         defines = dict(NUM_RANKS=R, HIDDEN=hidden, NUM_TOPK=topk)
         s = stream_handle(comm)
         grid = self._grid(num_sms)
-        marks = [] if self._profile else None
+        marks = [] if self._profile and not torch.cuda.is_current_stream_capturing() else None
         self._mark(marks, comm)
         launch(self._kernel(COMBINE_SOURCE, "intranode_combine_stage", defines), grid, THREADS, p, s)
         self._mark(marks, comm)

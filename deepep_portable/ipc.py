@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import socket
 from typing import List, Optional, Tuple
 
 import torch
 
 from ._kernels import sm_count
+from .comm import node_identity
 from .transports.base import BufferContext
 
 ERROR_WORDS = 8   # [code, op, rank, peer, channel, detail, -, -] (ErrorSink's host record)
@@ -69,13 +69,15 @@ class IpcWindow:
         self.base = _C.mem_alloc(self.dev, nbytes)
         _C.memset_d8_async(self.dev, self.base, 0, zero_bytes, 0)
         _C.stream_synchronize(self.dev, 0)
-        me = dict(host=socket.gethostname(), pid=os.getpid(), nbytes=nbytes, uuid=device_uuid(self.dev),
+        me = dict(host=node_identity(), pid=os.getpid(), nbytes=nbytes, uuid=device_uuid(self.dev),
                   handle=_C.ipc_get_mem_handle(self.dev, self.base))
         peers = ctx.comm.allgather_object(me)
         hosts = {p["host"] for p in peers}
         if len(hosts) != 1:
             self._free_own()
-            raise RuntimeError(f"the nvlink transport needs every rank on one node; ranks are on {sorted(hosts)}")
+            raise RuntimeError(f"kernels over CUDA IPC (every normal-mode op, and low-latency ops of the nvlink "
+                               f"transport) need every rank on one node; ranks are on {sorted(hosts)} "
+                               f"(normal mode across nodes is not implemented yet)")
         sizes = {p["nbytes"] for p in peers}
         if len(sizes) != 1:
             self._free_own()

@@ -18,9 +18,10 @@ send area, because a rank only restages after every peer has finished pulling th
 Low-latency mode: two identical halves (double buffering, so consecutive calls need no cleaning);
 each half has a dispatch receive area with one slot per (local expert, source rank, token), a
 combine send area shaped `[local_experts, ranks * max_tokens, hidden]` (the zero-copy buffer) and a
-combine receive area with one slot per (global expert, token), plus a signal area. The dispatch
-receive area and the combine send area share bytes: the receive phase copies tokens out into the
-caller's `recv_x` before the caller can fill the combine buffer.
+combine receive area with one slot per (global expert, token), plus a signal area. Peers write
+only the receive areas and signals; the combine send area is written by its own rank alone (the
+zero-copy expert outputs, or rows staged for a peer reached over a network), so no peer's later
+call can land on it while a send still reads it.
 """
 from __future__ import annotations
 
@@ -139,8 +140,8 @@ class LowLatencyLayout:
 
     signals of a half: dispatch u64 [E_local][R] (slot (e, s) written by source s), then combine u64
     [E] (slot g written by g's rank). Data of a half: the dispatch receive slots (one message per
-    (local expert, source rank, token)) sharing bytes with the combine send area (the zero-copy
-    buffer, bf16 [E_local][R*T][H]), then the combine receive slots bf16 [E][T][H]. The signal
+    (local expert, source rank, token)), the combine send area (the zero-copy buffer, bf16
+    [E_local][R*T][H], written only by this rank), then the combine receive slots bf16 [E][T][H]. The signal
     areas sit apart from the data so a signal slot is never overwritten by payload of the same shape.
     The send stage holds my tokens' dispatch messages, each built once (FP8 cast included) before it
     is copied to every expert that selected it: [T] messages, rewritten by every dispatch.
@@ -178,7 +179,7 @@ class LowLatencyLayout:
 
     @property
     def data_half_bytes(self) -> int:
-        return align_up(max(self.dispatch_recv_bytes, self.combine_send_bytes), 128) + \
+        return align_up(self.dispatch_recv_bytes, 128) + align_up(self.combine_send_bytes, 128) + \
             align_up(self.combine_recv_bytes, 128)
 
     @property
@@ -204,10 +205,10 @@ class LowLatencyLayout:
         return self.data_offset + half * self.data_half_bytes
 
     def combine_send_offset(self, half: int = 0) -> int:
-        return self.dispatch_recv_offset(half)
+        return self.dispatch_recv_offset(half) + align_up(self.dispatch_recv_bytes, 128)
 
     def combine_recv_offset(self, half: int = 0) -> int:
-        return self.dispatch_recv_offset(half) + align_up(max(self.dispatch_recv_bytes, self.combine_send_bytes), 128)
+        return self.combine_send_offset(half) + align_up(self.combine_send_bytes, 128)
 
     @property
     def data_half_stride(self) -> int:

@@ -54,7 +54,7 @@ ERROR_TIMEOUT, ERROR_OVERRUN, ERROR_OVERWRITE = 1, 3, 4   # ErrorCode / kErrorOv
 
 _COMMON = ["peer_bases", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_send_arrive", "ctrl_recv_arrive",
            "ctrl_last", "dispatch_signal_offset", "combine_signal_offset", "signal_half_stride", "dispatch_recv_offset",
-           "combine_recv_offset", "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes",
+           "combine_send_offset", "combine_recv_offset", "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes",
            "error_claim", "error_host", "timeout_ns"]
 LLDispatchParams = _struct("LLDispatchParams", [
     *_COMMON, "x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "recv_x", "recv_scales", "src_info",
@@ -169,6 +169,7 @@ class LowLatencyEngine:
         p.dispatch_signal_offset, p.combine_signal_offset = lay.dispatch_signal_offset(), lay.combine_signal_offset()
         p.signal_half_stride = lay.signal_half_stride
         p.dispatch_recv_offset, p.combine_recv_offset = lay.dispatch_recv_offset(), lay.combine_recv_offset()
+        p.combine_send_offset = lay.combine_send_offset()
         p.data_half_stride = lay.data_half_stride
         p.num_experts, p.num_max_tokens, p.msg_bytes = lay.num_experts, lay.num_max_tokens, lay.message_bytes
         p.error_claim = self.base + L.LL_CTRL_ERROR
@@ -232,7 +233,8 @@ class LowLatencyEngine:
                                f"return_recv_hook=True")
         comm = self.ctx.comm_stream
         grid = self._grid()
-        marks = [] if self._profile and not return_recv_hook else None
+        # (no timing events inside a CUDA graph capture: they could not be read back later)
+        marks = [] if self._profile and not return_recv_hook and not torch.cuda.is_current_stream_capturing() else None
         self._mark(marks, comm)
         for send in sends:
             launch(send, grid, THREADS, params, stream_handle(comm))
@@ -349,8 +351,9 @@ class LowLatencyEngine:
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """bf16 [E_local, R*T, H] view of the combine send area of the next call's half.
 
-        A view of this Buffer's memory (no copy, no ownership): valid until the next-but-one LL call
-        (peers' later dispatches write there) and never after the Buffer is destroyed."""
+        A view of this Buffer's memory (no copy, no ownership). Only this rank writes it (peers write
+        receive areas only): it holds until this rank's next-but-one LL call, the next one on the same
+        half, and never after the Buffer is destroyed."""
         self._require()
         T, hidden, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         lay = self._layout(T, hidden, E)

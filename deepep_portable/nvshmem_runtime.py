@@ -521,16 +521,20 @@ def shared_runtime(comm: Any, device: int, options: Optional[Mapping[str, Any]] 
     opts = dict(options or {})
     if min_heap_bytes:
         given = opts.get("symmetric_size") or os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
-        if given is None or _parse_size(str(given)) < min_heap_bytes:
+        if given is None or _parse_size(str(given)) < min_heap_bytes:   # unparsable counts as too small
             opts["symmetric_size"] = str(min_heap_bytes)
     return NvshmemRuntime(comm, device, opts)
 
 
 def _parse_size(text: str) -> int:
-    """NVSHMEM's size syntax: a number with an optional k/m/g/t suffix (powers of 1024)."""
-    text = text.strip().lower()
+    """NVSHMEM's size syntax: a number with an optional k/m/g/t suffix (powers of 1024; "b", "ib"
+    after the suffix tolerated); 0 when it cannot be read."""
+    text = text.strip().lower().removesuffix("b").removesuffix("i")
     scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        return 0
 
 
 def transport_params(rt: NvshmemRuntime, window_base: int) -> "TransportParams":

@@ -13,7 +13,6 @@ does not care which one it holds. Differences:
 """
 from __future__ import annotations
 
-import socket
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -24,8 +23,9 @@ from ._kernels import sm_count
 from .ipc import ERROR_WORDS, MappedWords, device_uuid
 from .transports.base import BufferContext
 
-# Heap headroom beyond the first window: later Buffers of the job allocate from the same heap.
-HEAP_FACTOR = 3
+# Heap headroom beyond the first window: later Buffers of the job allocate from the same heap (8 PEs
+# sharing one GPU each reserve it, so not more). NVSHMEM_SYMMETRIC_SIZE / nvshmem_options override.
+HEAP_FACTOR = 2
 HEAP_MIN = 1 << 30
 
 
@@ -42,7 +42,7 @@ class NvshmemWindow:
         self.base = self.rt.malloc(nbytes)          # collective; zero it before anyone signals into it
         _C.memset_d8_async(self.dev, self.base, 0, nbytes, 0)
         _C.stream_synchronize(self.dev, 0)
-        me = dict(host=socket.gethostname(), uuid=device_uuid(self.dev))
+        me = dict(uuid=device_uuid(self.dev))
         peers = ctx.comm.allgather_object(me)
         # Spinning blocks of every rank must be resident at once: ranks that share a GPU split its SMs.
         sharing = sum(1 for p in peers if p["uuid"] == me["uuid"])

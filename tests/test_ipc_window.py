@@ -2,12 +2,12 @@
 exchanged, every peer but itself is opened, mixed hosts or sizes are refused (freeing the window),
 grids are capped for ranks that share a GPU, and close() unmaps and frees."""
 import ctypes
-import socket
 
 import pytest
 import torch
 
 from deepep_portable import ipc
+from deepep_portable.comm import node_identity
 from deepep_portable.transports.base import BufferContext
 
 
@@ -86,7 +86,7 @@ def ctx_for(comm, rank, ranks):
 
 
 def test_maps_every_peer_but_itself_and_caps_the_grid(fake):
-    host = socket.gethostname()
+    host = node_identity()
     peers = [peer(host, 4096, "GPU-A", 0x2000), None, peer(host, 4096, "GPU-B", 0x3000), peer(host, 4096, "GPU-A", 0x4000)]
     comm = FakeComm(1, peers)
     w = ipc.IpcWindow(ctx_for(comm, 1, 4), 4096, 256, "num_nvl_bytes")
@@ -106,7 +106,7 @@ def test_maps_every_peer_but_itself_and_caps_the_grid(fake):
 
 @pytest.mark.parametrize("bad,match", [("host", "one node"), ("size", "same num_nvl_bytes")])
 def test_refuses_mixed_groups_and_frees_its_window(fake, bad, match):
-    host = socket.gethostname()
+    host = node_identity()
     other = peer("elsewhere" if bad == "host" else host, 4096 if bad == "host" else 8192, "GPU-B", 0x2000)
     comm = FakeComm(0, [None, other])
     with pytest.raises((RuntimeError, ValueError), match=match):

@@ -127,10 +127,12 @@ def test_layout_regions(tokens, hidden, ranks, experts):
     for half in (0, 1):
         regions.append((f"dispatch signals {half}", lay.dispatch_signal_offset(half), 8 * experts))
         regions.append((f"combine signals {half}", lay.combine_signal_offset(half), 8 * experts))
-        size = max(lay.dispatch_recv_bytes, lay.combine_send_bytes)
-        regions.append((f"dispatch recv / combine send {half}", lay.dispatch_recv_offset(half), size))
+        # the combine send area (zero-copy buffer) has its own bytes: peers' later dispatches write the
+        # dispatch receive area, never this rank's combine send area
+        regions.append((f"dispatch recv {half}", lay.dispatch_recv_offset(half), lay.dispatch_recv_bytes))
+        regions.append((f"combine send {half}", lay.combine_send_offset(half), lay.combine_send_bytes))
         regions.append((f"combine recv {half}", lay.combine_recv_offset(half), lay.combine_recv_bytes))
-        assert lay.combine_send_offset(half) == lay.dispatch_recv_offset(half)
+        assert lay.combine_send_offset(0) + half * lay.data_half_stride == lay.combine_send_offset(half)
         # what the kernels compute from half 0 and the strides
         assert lay.dispatch_signal_offset(0) + half * lay.signal_half_stride == lay.dispatch_signal_offset(half)
         assert lay.combine_signal_offset(0) + half * lay.signal_half_stride == lay.combine_signal_offset(half)

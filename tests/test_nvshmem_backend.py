@@ -379,6 +379,7 @@ def test_shared_runtime_is_one_per_process(monkeypatch):
     with pytest.raises(RuntimeError, match="already initialised"):
         nr.shared_runtime(SimpleNamespace(rank=1, size=4), 1)
     assert nr._parse_size("2G") == 2 << 30 and nr._parse_size("512m") == 512 << 20 and nr._parse_size("4096") == 4096
+    assert nr._parse_size("1GiB") == 1 << 30 and nr._parse_size("") == 0 and nr._parse_size("lots") == 0
 
 
 def test_unique_id_and_attr_with_the_real_library():

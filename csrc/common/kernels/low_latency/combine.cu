@@ -77,7 +77,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
         const uint64_t recvd = lane == 0 ? peer_recvd(tr, c, s) : 0;   // checked below, before the signal
         // A peer reached over a network reads the source with its NIC: x must then lie in my window.
         // Unless it does (zero-copy), each row is first copied to its place in my combine send area
-        // (free in this half: see get_next_low_latency_combine_buffer).
+        // of this half (only this rank writes it; the previous call on this half finished its sends).
         const bool stage = p.expect_half < 0 && tr.template peer_ptr<char>(0, s) == nullptr;
         int token_of_lane = 0;   // lane l holds the source token of row begin + j0 + l (one load for 32 rows)
         for (int64_t j = 0; j < count; ++j) {
@@ -87,8 +87,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
             const int token = __shfl_sync(0xffffffffu, token_of_lane, static_cast<int>(j % 32));
             const int4* src = p.x + (e * slots + row) * kRowInt4;
             if (stage) {
-                int4* staged = own<int4>(c, c.dispatch_recv_offset + half * c.data_half_stride) + (e * slots + row) * kRowInt4;
+                int4* staged = own<int4>(c, c.combine_send_offset + half * c.data_half_stride) + (e * slots + row) * kRowInt4;
                 transport::warp_copy_bytes(staged, src, kRowBytes, lane);
+                __threadfence_system();   // the NIC reads what the lanes just stored
                 __syncwarp();
                 src = staged;
             }
@@ -99,9 +100,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
         if (lane == 0) {
             check_overwrite(c, kOpCombine, recvd, call, s);
             tr.signal(0, s, combine_signal_off(c, half, g), signal_value(seq, static_cast<uint32_t>(count)));
-            tr.flush(0);   // x may be reused once the op returns (no-op for stores)
         }
     }
+    // x (or the staged rows) may be reused once the op returns: complete this warp's puts (one quiet
+    // per warp, after its last signal; a no-op for load/store peers).
+    if (lane == 0)
+        tr.flush(0);
     end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq, kKindCombine);
 }
 

@@ -178,9 +178,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __
         if (lane == 0) {
             check_overwrite(c, kOpDispatch, recvd, call, dst);
             tr.signal(0, dst, dispatch_signal_off(c, half, local, me), signal_value(seq, count));
-            tr.flush(0);   // the puts read my send stage, which the next dispatch rewrites (no-op for stores)
         }
     }
+    // The puts read my send stage, which the next dispatch's stage kernel rewrites: complete this
+    // warp's puts before the kernel ends (one quiet per warp; a no-op for load/store peers).
+    if (lane == 0)
+        tr.flush(0);
     end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq, kKindDispatch);
 }
 

@@ -1,14 +1,16 @@
 // Low-latency (LL) protocol shared by low_latency/dispatch.cu and low_latency/combine.cu.
 //
 // Buffer (one per rank, same size everywhere, offsets from deepep_portable/layout.py LowLatencyLayout):
-//   [ control | signals of half 0 | signals of half 1 | data of half 0 | data of half 1 ]
+//   [ control | signals of half 0 | signals of half 1 | data of half 0 | data of half 1 | send stage ]
 //   control: SENT (u64, calls whose send kernel finished), RECVD (u64, calls whose receive kernel
 //            finished), two block-arrival words, the error claim word.
 //   signals of a half: dispatch [E_local][R] u64 (slot (e, s) written only by source rank s),
 //                      combine  [E] u64 (slot g written only by the rank that owns expert g).
-//   data of a half: dispatch receive slots [E_local][R][T] messages, sharing bytes with the
-//                   combine send area [E_local][R*T][H] bf16 (the zero-copy buffer), then the
-//                   combine receive slots [E][T][H] bf16.
+//   data of a half: dispatch receive slots [E_local][R][T] messages, the combine send area
+//                   [E_local][R*T][H] bf16 (the zero-copy buffer; written only by this rank), then
+//                   the combine receive slots [E][T][H] bf16.
+//   send stage: [T] dispatch messages built by ll_dispatch_stage (written only by this rank; read by
+//               the send kernel that follows it on the same stream, which quiets before it ends).
 //
 // Calls: every LL op (dispatch or combine) is one call, numbered 1, 2, ... on every rank in the same
 // order. A call is two kernels: SEND (never waits) and RECEIVE (waits for the peers' signals). The
@@ -19,8 +21,9 @@
 // zeroed between calls; a receiver waits until the value reaches seq << 32 and reports an overrun if
 // it is already past seq (a peer two calls ahead: the caller broke the double-buffering rule).
 //
-// Safety of the double buffer: dispatch and combine use disjoint regions and signals of a half, so
-// a send of call m can only clobber the half of the previous call of the SAME kind on the same half
+// Safety of the double buffer: peers write only receive areas and signals, and dispatch and combine
+// use disjoint ones in each half, so a send of call m can only clobber the half of the previous
+// call of the SAME kind on the same half
 // (call `prev`, usually m - 2). Without hooks that is safe: a peer's send m runs after its receive
 // of m - 1, which needs my send of m - 1, which my stream runs after my receive of prev. With hooks
 // the precondition (DeepEP has the same one) is: every rank enqueues the receive (hook) of a call
@@ -93,7 +96,8 @@ struct Common {
     int64_t dispatch_signal_offset;  // half 0; half 1 is + signal_half_stride
     int64_t combine_signal_offset;
     int64_t signal_half_stride;
-    int64_t dispatch_recv_offset;    // half 0; half 1 is + data_half_stride (combine send area: same bytes)
+    int64_t dispatch_recv_offset;    // half 0; half 1 is + data_half_stride
+    int64_t combine_send_offset;     // half 0 (the zero-copy buffer; only this rank writes it)
     int64_t combine_recv_offset;
     int64_t data_half_stride;
     int64_t num_experts;
