@@ -92,6 +92,12 @@ class Buffer:
         self._live().destroy()
         self._backend = None
 
+    @property
+    def capabilities(self) -> dict:
+        """What this Buffer's transport can do (transports.Capabilities as a dict; e.g. for nvshmem,
+        whether every peer turned out to be reachable by load/store)."""
+        return self._live().runtime_capabilities().as_dict()
+
     def _live(self):
         if self._backend is None:
             raise RuntimeError("this Buffer was destroyed")

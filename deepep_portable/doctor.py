@@ -204,6 +204,8 @@ def _transports(o: _Out) -> None:
         o.line(f"{name:10s} {'USABLE' if st.usable else 'unusable'}: {st.reason}")
         for k, v in st.details.items():
             o.line(f"{k}: {v}", indent=14)
+        if st.capabilities:
+            o.line("capabilities: " + ", ".join(f"{k}={v}" for k, v in st.capabilities.items()), indent=14)
 
 
 def _environment(o: _Out) -> None:

@@ -14,6 +14,7 @@ import types
 
 import pytest
 
+import deepep_portable
 import deepep_portable.transports as transports
 from deepep_portable.transports import TRANSPORT_NAMES, TransportStatus, available_transports
 from deepep_portable.transports import libraries, probe
@@ -340,3 +341,34 @@ def test_doctor_prints_every_section():
     assert "section failed" not in text, text
     for name in TRANSPORT_NAMES:
         assert f"\n  {name:10s} " in text
+
+
+def _device_capabilities(header: str) -> tuple:
+    """The Capabilities{...} a backend's device.cuh returns, as Python values."""
+    import re
+
+    text = open(os.path.join(os.path.dirname(deepep_portable.__file__), "..", "csrc", "backends", header)).read()
+    body = re.search(r"return Capabilities\{([^}]*)\}", text).group(1)
+    items = [x.strip() for x in body.split(",")]
+    conv = {"true": True, "false": False}
+    net = {"Network::kNone": "none", "Network::kInfiniBand": "infiniband", "Network::kRoCE": "roce",
+           "Network::kOther": "other"}
+    return tuple(conv.get(x, net.get(x, int(x) if x.isdigit() else x)) for x in items)
+
+
+@pytest.mark.parametrize("name,header", [("nvlink", "nvlink/device.cuh"), ("nvshmem", "nvshmem/device.cuh")])
+def test_host_capabilities_mirror_the_device_records(name, header):
+    from deepep_portable.transports import backend_class
+
+    c = backend_class(name).capabilities
+    assert (c.peer_load_store, c.remote_atomics, c.ordered_delivery, c.max_channels, c.graph_safe,
+            c.network) == _device_capabilities(header)
+
+
+def test_available_transports_show_capabilities():
+    st = available_transports()
+    assert st["reference"].capabilities["graph_safe"] is False
+    assert st["nvlink"].capabilities["peer_load_store"] is True
+    assert set(st["nvshmem"].capabilities) == {"peer_load_store", "remote_atomics", "ordered_delivery",
+                                                "max_channels", "graph_safe", "network"}
+    assert st["ibgda"].capabilities == {}   # no backend in this build

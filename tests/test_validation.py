@@ -229,3 +229,9 @@ def test_unknown_nvshmem_option_rejected(group):
         deep_ep.Buffer(group, 1 << 20, 0, transport="reference", nvshmem_options={"ib_gid": 3})
     buf = deep_ep.Buffer(group, 1 << 20, 0, transport="reference", nvshmem_options={"ib_gid_index": 3, "ibgda": True})
     assert buf._ctx.options["nvshmem"] == {"ib_gid_index": 3, "ibgda": True}
+
+
+def test_buffer_reports_its_capabilities(buffer):
+    caps = buffer.capabilities
+    assert caps == deep_ep.available_transports()["reference"].capabilities
+    assert caps["peer_load_store"] is False and caps["max_channels"] == 1

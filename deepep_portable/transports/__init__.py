@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Type
 
-from .base import BufferContext, Transport
+from .base import BufferContext, Capabilities, Transport
 
 # Preference order for transport="auto": the first usable one wins.
 # "nvlink" (intranode CUDA IPC, no library needed) is ours, beside DESIGN.md's four.
@@ -17,6 +17,7 @@ class TransportStatus:
     usable: bool
     reason: str                                   # why not usable, or what it will use
     details: Dict[str, str] = field(default_factory=dict)   # versions, library paths, devices
+    capabilities: Dict[str, object] = field(default_factory=dict)   # Capabilities.as_dict() of its backend
 
     def __str__(self) -> str:
         return f"{self.name}: {'usable' if self.usable else 'unusable'} ({self.reason})"
@@ -24,9 +25,19 @@ class TransportStatus:
 
 def available_transports() -> Dict[str, TransportStatus]:
     """For every transport: can it be used in this process, and if not, the exact reason."""
+    from dataclasses import replace
+
     from . import probe
 
-    return {name: probe.probe(name) for name in TRANSPORT_NAMES}
+    out = {}
+    for name in TRANSPORT_NAMES:
+        status = probe.probe(name)
+        try:
+            caps = backend_class(name).capabilities.as_dict()
+        except Exception:   # no backend in this build (or it does not import): the reason says why
+            caps = {}
+        out[name] = replace(status, capabilities=caps)
+    return out
 
 
 def resolve(name: str, single_node: bool = False) -> str:
@@ -69,5 +80,5 @@ def backend_class(name: str) -> Type[Transport]:
     raise RuntimeError(f"transport {name!r} has no backend implementation in this build")
 
 
-__all__ = ["BufferContext", "Transport", "TransportStatus", "TRANSPORT_NAMES",
+__all__ = ["BufferContext", "Capabilities", "Transport", "TransportStatus", "TRANSPORT_NAMES",
            "available_transports", "resolve", "backend_class"]

@@ -19,6 +19,32 @@ from ..comm import Comm
 from ..handles import DispatchHandle, LowLatencyHandle
 
 
+NETWORKS = ("none", "infiniband", "roce", "other")   # transport::Network in csrc/common/kernels/transport.cuh
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport can do: the host mirror of transport::Capabilities (transport.cuh; each
+    backend's device.cuh returns its record, tests/test_transports.py checks they agree).
+
+    peer_load_store: every peer's window is reachable by loads and stores (NVLink, same GPU);
+    remote_atomics: network atomics usable (no protocol here needs them); ordered_delivery: writes on
+    one (channel, peer) arrive in order (never relied on); max_channels: channels set up;
+    graph_safe: every op may be captured in a CUDA graph; network: what carries non-P2P traffic."""
+
+    peer_load_store: bool
+    remote_atomics: bool
+    ordered_delivery: bool
+    max_channels: int
+    graph_safe: bool
+    network: str
+
+    def as_dict(self) -> dict:
+        return dict(peer_load_store=self.peer_load_store, remote_atomics=self.remote_atomics,
+                    ordered_delivery=self.ordered_delivery, max_channels=self.max_channels,
+                    graph_safe=self.graph_safe, network=self.network)
+
+
 @dataclass
 class BufferContext:
     """What a backend knows about the Buffer it serves."""
@@ -127,6 +153,11 @@ class Transport(abc.ABC):
     """One backend serving one Buffer."""
 
     name: str = "?"
+    capabilities: Capabilities = Capabilities(False, False, False, 1, False, "none")
+
+    def runtime_capabilities(self) -> Capabilities:
+        """The record for this Buffer (a backend may know more once set up, e.g. which peers are P2P)."""
+        return self.capabilities
 
     def __init__(self, ctx: BufferContext) -> None:
         self.ctx = ctx

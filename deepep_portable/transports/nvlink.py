@@ -15,8 +15,8 @@ import torch
 
 from ..handles import DispatchHandle, LowLatencyHandle
 from ..intranode import IntranodeEngine
-from .base import (BufferContext, DispatchArgs, DispatchResult, LowLatencyCombineArgs, LowLatencyDispatchArgs,
-                   LowLatencyDispatchResult)
+from .base import (BufferContext, Capabilities, DispatchArgs, DispatchResult, LowLatencyCombineArgs,
+                   LowLatencyDispatchArgs, LowLatencyDispatchResult)
 from .reference import ReferenceTransport
 
 
@@ -27,6 +27,7 @@ def low_latency_kernels_enabled() -> bool:
 class NvlinkTransport(ReferenceTransport):
     name = "nvlink"
     ll_window = "nvlink"    # which LowLatencyEngine build serves the low-latency ops
+    capabilities = Capabilities(True, False, True, 1, True, "none")   # backends/nvlink/device.cuh
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)

@@ -14,9 +14,20 @@ on one node). What was run where: docs/PERFORMANCE.md and the closing notes; the
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
+from .base import Capabilities
 from .nvlink import NvlinkTransport
 
 
 class NvshmemTransport(NvlinkTransport):
     name = "nvshmem"
     ll_window = "nvshmem"
+    # backends/nvshmem/device.cuh: peer load/store is known only at run time (nvshmem_ptr per PE)
+    capabilities = Capabilities(False, True, False, 1, True, "other")
+
+    def runtime_capabilities(self) -> Capabilities:
+        window = getattr(self.ll_engine, "window", None)
+        if window is None or getattr(window, "base", None) is None:
+            return self.capabilities
+        return replace(self.capabilities, peer_load_store=not window.network_peers)

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..handles import DispatchHandle, LowLatencyHandle
-from .base import (BufferContext, DispatchArgs, DispatchResult, LowLatencyCombineArgs,
+from .base import (BufferContext, Capabilities, DispatchArgs, DispatchResult, LowLatencyCombineArgs,
                    LowLatencyDispatchArgs, LowLatencyDispatchResult, Transport, allocate_low_latency_outputs)
 
 FP8_MAX = 448.0          # largest finite float8_e4m3fn
@@ -107,6 +107,8 @@ class ReferenceTransport(Transport):
     """Pure torch.distributed implementation of every op (see the module docstring)."""
 
     name = "reference"
+    # torch.distributed collectives staged through the host: no peer pointers, not capturable.
+    capabilities = Capabilities(False, False, True, 1, False, "none")
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)

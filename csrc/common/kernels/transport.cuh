@@ -41,7 +41,8 @@
 namespace deepep_portable::transport {
 
 // What a backend can do; the host fills the same record for `available_transports()`.
-// Keep in sync with deepep_portable/transports/__init__.py (Capabilities).
+// Host mirror: deepep_portable/transports/base.py (Capabilities); tests/test_transports.py checks each
+// backend's record against its Python class.
 enum class Network : int { kNone = 0, kInfiniBand = 1, kRoCE = 2, kOther = 3 };
 
 struct Capabilities {
