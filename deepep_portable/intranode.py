@@ -209,7 +209,9 @@ class IntranodeEngine:
         grid = self._grid(args.num_sms)
         marks = [] if self._profile and not torch.cuda.is_current_stream_capturing() else None
         self._mark(marks, comm)
+        t_launch = time.perf_counter()
         launch(stage, grid, THREADS, p, s)
+        self._host_time("dispatch:stage_launch_call", t_launch)   # the driver call alone (MPS client)
         self._host_time("dispatch:until_stage_launch", t_host)
         self._mark(marks, comm)
 
