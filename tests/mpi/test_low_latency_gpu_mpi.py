@@ -3,9 +3,9 @@ tests/oracle.py computed on the host; transport "nvlink", or "nvshmem" with DEEP
 
 Run on the GPU machine, all ranks sharing one GPU under CUDA MPS:
     mpirun --allow-run-as-root --oversubscribe -n 2|4|8 python -m pytest --with-mpi -q tests/mpi
-The module sets DEEPEP_PORTABLE_LL_KERNELS=1 before creating its Buffers (the kernels are opt-in until
-verified) and skips, on every rank alike, without CUDA, when the transport is unusable, or when the
-Buffer's backend does not hold a LowLatencyEngine (the wiring in transports/nvlink.py is missing).
+The module sets DEEPEP_PORTABLE_LL_KERNELS=1 before creating its Buffers (in case the caller's
+environment turned the kernels off) and skips, on every rank alike, without CUDA, when the transport
+is unusable, or when the Buffer's backend holds no LowLatencyEngine.
 
 Checked bit for bit (dispatch payload, FP8 data and scales, UE8M0 words, counts, src_info, layout_range,
 stats, and the combine result: the kernel avoids FMA, so LL combine is exact too):
