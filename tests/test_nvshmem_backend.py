@@ -589,3 +589,17 @@ def test_module_exposes_its_cumodule_handle():
     prop = _C.Module.__dict__.get("handle")
     assert isinstance(prop, property) and prop.fset is None, "Module.handle: a read-only property"
     assert not hasattr(nr, "CudaModule"), "the ctypes module loader is gone: _C.Module does it"
+
+
+def test_runtime_capabilities_follow_the_window():
+    """peer_load_store is known once the window exists: true only when no PE is behind a network."""
+    from deepep_portable.transports.nvshmem import NvshmemTransport
+
+    t = NvshmemTransport.__new__(NvshmemTransport)   # no Buffer set-up: only the record is under test
+    t.ll_engine = None
+    assert t.runtime_capabilities() == NvshmemTransport.capabilities
+    t.ll_engine = SimpleNamespace(window=SimpleNamespace(base=0x1000, network_peers=[]))
+    assert t.runtime_capabilities().peer_load_store is True
+    t.ll_engine.window.network_peers = [3]
+    caps = t.runtime_capabilities()
+    assert caps.peer_load_store is False and caps.remote_atomics is True and caps.graph_safe is True
