@@ -73,8 +73,9 @@ def _print_host_profile(what: str, fn: Callable[[], None], device: torch.device,
 
 def _print_profile(engine, rank: int, tokens: int) -> None:
     """Rank 0 prints the engine's phase profile (DEEPEP_PORTABLE_PROFILE=1), if it kept one."""
-    if engine is not None and getattr(engine, "_profile", False):
-        report = engine.profile_report()
+    profile = getattr(engine, "profile", None)
+    if profile is not None and profile.enabled:
+        report = profile.report()
         if rank == 0:
             print(f"[profile rank 0, {tokens} tokens] " + ", ".join(f"{k} {v:.0f} us" for k, v in report), flush=True)
 

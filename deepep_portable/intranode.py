@@ -8,7 +8,6 @@ Buffer's communication stream; outputs are allocated on the current stream (Buff
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from typing import List, Optional, Tuple
 
@@ -18,6 +17,7 @@ from . import layout as L
 from ._kernels import KernelCache, launch, stream_handle
 from .handles import DispatchHandle
 from .ipc import CommTimeoutError, IpcWindow, MappedWords
+from .profiling import PhaseProfile
 from .transports.base import BufferContext, DispatchArgs, DispatchResult
 
 DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
@@ -61,13 +61,9 @@ class IntranodeEngine:
         self.ctx = ctx
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
         self.broken: Optional[str] = None
-        # DEEPEP_PORTABLE_PROFILE=1: CUDA events between the phases of each op and host timings,
-        # summarized by profile_report() (used by `bench`); off by default (events cost time).
-        self._profile = os.environ.get("DEEPEP_PORTABLE_PROFILE", "0") == "1"
-        self._marks: List[Tuple[str, list]] = []
-        self._host_us: dict = {}
         self.window = IpcWindow(ctx, ctx.num_nvl_bytes, L.CONTROL_BYTES, "num_nvl_bytes")
         self.dev, self.base, self.peer_bases = self.window.dev, self.window.base, self.window.peer_bases
+        self.profile = PhaseProfile(self.dev)   # DEEPEP_PORTABLE_PROFILE=1 (used by `bench`)
         self.errors = self.window.errors
         self._kernel_cache = KernelCache(self.dev)
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
@@ -122,30 +118,6 @@ class IntranodeEngine:
 
     def _kernel(self, source: str, name: str, defines: dict):
         return self._kernel_cache.get(source, name, defines)
-
-    def _mark(self, marks: Optional[list], stream) -> None:
-        if marks is not None:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record(stream)
-            marks.append(e)
-
-    def profile_report(self) -> List[Tuple[str, float]]:
-        """Median microseconds per phase over the profiled ops: [(op:phase, us), ...]."""
-        import statistics
-
-        torch.cuda.synchronize(self.dev)
-        phases: dict = {}
-        for op, marks in self._marks:
-            names = ["stage", "notify+host", "pull"] if len(marks) == 4 else ["stage", "pull"]
-            for name, a, b in zip(names, marks, marks[1:]):
-                phases.setdefault(f"{op}:{name}", []).append(a.elapsed_time(b) * 1e3)
-        out = [(k, statistics.median(v)) for k, v in phases.items()]
-        out += [(f"{k} (host)", statistics.median(v)) for k, v in self._host_us.items()]
-        return out
-
-    def _host_time(self, key: str, t0: float) -> None:
-        if self._profile:
-            self._host_us.setdefault(key, []).append((time.perf_counter() - t0) * 1e6)
 
     def _grid(self, num_sms: int) -> int:
         return self.window.grid(num_sms)
@@ -207,13 +179,12 @@ class IntranodeEngine:
         pull = self._kernel(DISPATCH_SOURCE, "intranode_dispatch_pull", defines)
         s = stream_handle(comm)
         grid = self._grid(args.num_sms)
-        marks = [] if self._profile and not torch.cuda.is_current_stream_capturing() else None
-        self._mark(marks, comm)
+        marks = self.profile.start(comm)
         t_launch = time.perf_counter()
         launch(stage, grid, THREADS, p, s)
-        self._host_time("dispatch:stage_launch_call", t_launch)   # the driver call alone (MPS client)
-        self._host_time("dispatch:until_stage_launch", t_host)
-        self._mark(marks, comm)
+        self.profile.host_time("dispatch:stage_launch_call", t_launch)   # the driver call alone (MPS client)
+        self.profile.host_time("dispatch:until_stage_launch", t_host)
+        self.profile.mark(marks, comm)
 
         experts_per_rank = num_experts // R
         p.num_recv_out, p.rank_prefix_matrix = num_recv_dev.data_ptr(), rank_prefix.data_ptr()
@@ -230,9 +201,9 @@ class IntranodeEngine:
             launch(pull, 1, THREADS, p, s)
             t_wait = time.perf_counter()
             num_recv = self._wait_notify("dispatch")
-            self._host_time("dispatch:wait_notify", t_wait)
+            self.profile.host_time("dispatch:wait_notify", t_wait)
             t_wait = time.perf_counter()
-            self._mark(marks, comm)
+            self.profile.mark(marks, comm)
             counts_list = [self.notify.words[2 + e] for e in range(experts_per_rank)]
             rows = num_recv
             p.host_out = 0
@@ -249,11 +220,11 @@ class IntranodeEngine:
         p.notify_only, p.max_recv_rows = 0, rows
         launch(pull, grid, THREADS, p, s)
         if not cached and args.num_worst_tokens == 0:
-            self._host_time("dispatch:notify_to_pull_launch", t_wait)
-        self._mark(marks, comm)
-        if marks is not None:
-            self._marks.append(("dispatch", marks))
-        self._host_time("dispatch:call", t_host)
+            self.profile.host_time("dispatch:notify_to_pull_launch", t_wait)
+        self.profile.mark(marks, comm)
+        self.profile.finish("dispatch", ("stage", "notify+host", "pull") if marks and len(marks) == 4
+                            else ("stage", "pull"), marks)
+        self.profile.host_time("dispatch:call", t_host)
         if cached:
             return DispatchResult(recv_x, recv_scales, None, None, [], handle)
 
@@ -289,14 +260,12 @@ class IntranodeEngine:
         defines = dict(NUM_RANKS=R, HIDDEN=hidden, NUM_TOPK=topk)
         s = stream_handle(comm)
         grid = self._grid(num_sms)
-        marks = [] if self._profile and not torch.cuda.is_current_stream_capturing() else None
-        self._mark(marks, comm)
+        marks = self.profile.start(comm)
         launch(self._kernel(COMBINE_SOURCE, "intranode_combine_stage", defines), grid, THREADS, p, s)
-        self._mark(marks, comm)
+        self.profile.mark(marks, comm)
         launch(self._kernel(COMBINE_SOURCE, "intranode_combine_pull", defines), grid, THREADS, p, s)
-        self._mark(marks, comm)
-        if marks is not None:
-            self._marks.append(("combine", marks))
+        self.profile.mark(marks, comm)
+        self.profile.finish("combine", ("stage", "pull"), marks)
         return out, out_w
 
     def destroy(self) -> None:

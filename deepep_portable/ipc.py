@@ -59,7 +59,32 @@ def _synchronize(device: int) -> None:
     torch.cuda.synchronize(device)
 
 
-class IpcWindow:
+class Window:
+    """What every window (CUDA IPC here, NVSHMEM in nvshmem_window.py) gives the engines besides its
+    memory: the grid cap for ranks sharing a GPU and the error record its kernels write."""
+
+    max_blocks: int
+    errors: MappedWords
+
+    def _cap_blocks(self, my_uuid: str, peer_uuids) -> None:
+        # Spinning blocks of every rank must be resident at once: ranks that share a GPU split its SMs.
+        sharing = sum(1 for u in peer_uuids if u == my_uuid)
+        self.max_blocks = max(1, sm_count(self.dev) // sharing)
+
+    def grid(self, num_sms: int) -> int:
+        """Blocks per kernel: the caller's SM budget, capped so that every rank sharing this GPU fits
+        at once (a block that cannot become resident would leave its peers spinning)."""
+        return max(1, min(int(num_sms), self.max_blocks))
+
+    def recorded_error(self) -> Optional[Tuple[int, int, int, int, int, int]]:
+        """(code, op, rank, peer, channel, detail) of the first error a kernel recorded, or None."""
+        w = self.errors.words
+        if w[0] == 0:
+            return None
+        return w[0], w[1], w[2], w[3], w[4], w[5]
+
+
+class IpcWindow(Window):
     def __init__(self, ctx: BufferContext, nbytes: int, zero_bytes: int, size_name: str) -> None:
         """Collective over ctx.comm. `size_name` names the Buffer argument in errors."""
         from . import _C
@@ -82,9 +107,7 @@ class IpcWindow:
         if len(sizes) != 1:
             self._free_own()
             raise ValueError(f"every rank must create its Buffer with the same {size_name}; got {sorted(sizes)}")
-        # Spinning blocks of every rank must be resident at once: ranks that share a GPU split its SMs.
-        sharing = sum(1 for p in peers if p["uuid"] == me["uuid"])
-        self.max_blocks = max(1, sm_count(self.dev) // sharing)
+        self._cap_blocks(me["uuid"], [p["uuid"] for p in peers])
         self._opened: List[int] = []
         bases = []
         for r, p in enumerate(peers):
@@ -105,18 +128,6 @@ class IpcWindow:
 
         _C.mem_free(self.dev, self.base)
         self.base = None
-
-    def grid(self, num_sms: int) -> int:
-        """Blocks per kernel: the caller's SM budget, capped so that every rank sharing this GPU fits
-        at once (a block that cannot become resident would leave its peers spinning)."""
-        return max(1, min(int(num_sms), self.max_blocks))
-
-    def recorded_error(self) -> Optional[Tuple[int, int, int, int, int, int]]:
-        """(code, op, rank, peer, channel, detail) of the first error a kernel recorded, or None."""
-        w = self.errors.words
-        if w[0] == 0:
-            return None
-        return w[0], w[1], w[2], w[3], w[4], w[5]
 
     def close(self) -> None:
         """Collective: wait until no peer can still touch this window, then unmap and free."""

@@ -42,6 +42,7 @@ from ._kernels import KernelCache, launch, stream_handle
 from .handles import LowLatencyHandle
 from .intranode import _ptr, _struct
 from .ipc import CommTimeoutError, IpcWindow
+from .profiling import PhaseProfile
 from .transports.base import (BufferContext, LowLatencyCombineArgs, LowLatencyDispatchArgs,
                               LowLatencyDispatchResult, allocate_low_latency_outputs, scale_shape)  # noqa: F401
 
@@ -92,9 +93,6 @@ class LowLatencyEngine:
         self._recvs = 0                 # receive kernels launched (host mirror of RECVD): always in call order
         self._epoch = 0                 # bumped by clean_low_latency_buffer: hooks from before it are refused
         self._signal_experts: Optional[int] = None   # num_experts whose signal slots the buffer holds
-        # DEEPEP_PORTABLE_PROFILE=1: CUDA events around the send and receive phases (calls without hooks)
-        self._profile = os.environ.get("DEEPEP_PORTABLE_PROFILE", "0") == "1"
-        self._marks: list = []
         if ctx.num_rdma_bytes == 0:
             return
         if ctx.device.type != "cuda":
@@ -113,6 +111,7 @@ class LowLatencyEngine:
         self.dev, self.base, self.peer_bases = self.window.dev, self.window.base, self.window.peer_bases
         self.errors = self.window.errors
         self._kernel_cache = KernelCache(self.dev)
+        self.profile = PhaseProfile(self.dev)   # DEEPEP_PORTABLE_PROFILE=1 (used by `bench`)
 
     # ---- errors ----------------------------------------------------------------------------------
     def check(self) -> None:
@@ -200,24 +199,6 @@ class LowLatencyEngine:
                              f"call clean_low_latency_buffer(..., num_experts={num_experts}) on every rank before "
                              f"using num_experts={num_experts}")
 
-    @staticmethod
-    def _mark(marks: Optional[list], stream) -> None:
-        if marks is not None:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record(stream)
-            marks.append(e)
-
-    def profile_report(self):
-        """Median microseconds of each op's send and receive phases: [(op:phase, us), ...]."""
-        import statistics
-
-        torch.cuda.synchronize(self.dev)
-        phases: dict = {}
-        for op, marks in self._marks:
-            for name, a, b in zip(("send", "recv"), marks, marks[1:]):
-                phases.setdefault(f"{op}:{name}", []).append(a.elapsed_time(b) * 1e3)
-        return [(k, statistics.median(v)) for k, v in phases.items()]
-
     def _current_stream(self):
         return torch.cuda.current_stream(self.ctx.device)
 
@@ -233,19 +214,17 @@ class LowLatencyEngine:
                                f"return_recv_hook=True")
         comm = self.ctx.comm_stream
         grid = self._grid()
-        # (no timing events inside a CUDA graph capture: they could not be read back later)
-        marks = [] if self._profile and not return_recv_hook and not torch.cuda.is_current_stream_capturing() else None
-        self._mark(marks, comm)
+        # DEEPEP_PORTABLE_PROFILE=1: events around the send and receive phases (calls without hooks)
+        marks = None if return_recv_hook else self.profile.start(comm)
         for send in sends:
             launch(send, grid, THREADS, params, stream_handle(comm))
         self._calls += 1
-        self._mark(marks, comm)
+        self.profile.mark(marks, comm)
         if not return_recv_hook:
             launch(recv, grid, THREADS, params, stream_handle(comm))
             self._recvs += 1
-            self._mark(marks, comm)
-            if marks is not None:
-                self._marks.append((op, marks))
+            self.profile.mark(marks, comm)
+            self.profile.finish(op, ("send", "recv"), marks)
             return None
         blob = bytes(params)   # frozen now: the hook launches exactly this call's receive
         call, epoch = self._calls, self._epoch
@@ -387,13 +366,12 @@ class LowLatencyEngine:
         self.base = None
 
 
-# Kernel families (what `python -m deepep_portable precompile` and CI compile).
-jit.register_family(
-    "low_latency_dispatch", DISPATCH_SOURCE, ["ll_dispatch_stage", "ll_dispatch_send", "ll_dispatch_recv"],
-    variants=[kernel_defines(7168, 8), kernel_defines(4096, 8), kernel_defines(2048, 8), kernel_defines(7680, 8)])
-jit.register_family(
-    "low_latency_combine", COMBINE_SOURCE, ["ll_combine_send", "ll_combine_recv"],
-    variants=[kernel_defines(7168, 8), kernel_defines(4096, 8), kernel_defines(2048, 8), kernel_defines(7680, 8)])
+# Kernel families (what `python -m deepep_portable precompile` and CI compile; precompile_nvshmem
+# device-links the same variants for the nvshmem transport).
+_VARIANTS = [kernel_defines(hidden, 8) for hidden in (7168, 4096, 2048, 7680)]
+jit.register_family("low_latency_dispatch", DISPATCH_SOURCE,
+                    ["ll_dispatch_stage", "ll_dispatch_send", "ll_dispatch_recv"], variants=_VARIANTS)
+jit.register_family("low_latency_combine", COMBINE_SOURCE, ["ll_combine_send", "ll_combine_recv"], variants=_VARIANTS)
 
 
 def precompile_nvshmem(archs=("sm_90",), jobs: Optional[int] = None):
@@ -403,9 +381,10 @@ def precompile_nvshmem(archs=("sm_90",), jobs: Optional[int] = None):
 
     from . import jit_link
 
-    tasks = [(src, kernel_defines(h, k, "nvshmem"), arch)
-             for src in (DISPATCH_SOURCE, COMBINE_SOURCE) for h in (7168, 4096, 2048, 7680) for k in (8,)
-             for arch in archs]
+    nvlink, nvshmem = TRANSPORT_DEFINES["nvlink"], TRANSPORT_DEFINES["nvshmem"]
+    tasks = [(fam.source, {nvshmem if k == nvlink else k: v for k, v in variant}, arch)
+             for fam in (jit.families()[n] for n in ("low_latency_dispatch", "low_latency_combine"))
+             for variant in fam.variants for arch in archs]
 
     def run(task):
         src, defines, arch = task

@@ -1,7 +1,7 @@
 """A window on NVSHMEM's symmetric heap: what the low-latency engine stands on with transport="nvshmem".
 
-Same surface as ipc.IpcWindow (base, peer_bases, errors, grid, recorded_error, close), so the engine
-does not care which one it holds. Differences:
+Same surface as ipc.IpcWindow (ipc.Window's grid and recorded_error; base, peer_bases, errors, close),
+so the engine does not care which one it holds. Differences:
   * the memory is one nvshmem_malloc (collective, same size on every PE) in the process's shared
     NVSHMEM runtime (nvshmem_runtime.shared_runtime: initialised by unique id over the Buffer's
     group the first time);
@@ -19,8 +19,7 @@ import torch
 
 from . import jit, jit_link
 from . import nvshmem_runtime as nr
-from ._kernels import sm_count
-from .ipc import ERROR_WORDS, MappedWords, device_uuid
+from .ipc import ERROR_WORDS, MappedWords, Window, device_uuid
 from .transports.base import BufferContext
 
 # Heap headroom beyond the first window: later Buffers of the job allocate from the same heap (8 PEs
@@ -29,7 +28,7 @@ HEAP_FACTOR = 2
 HEAP_MIN = 1 << 30
 
 
-class NvshmemWindow:
+class NvshmemWindow(Window):
     def __init__(self, ctx: BufferContext, nbytes: int, options: Optional[dict] = None) -> None:
         """Collective over ctx.comm (the runtime's PEs are that group's ranks)."""
         from . import _C
@@ -42,11 +41,8 @@ class NvshmemWindow:
         self.base = self.rt.malloc(nbytes)          # collective; zero it before anyone signals into it
         _C.memset_d8_async(self.dev, self.base, 0, nbytes, 0)
         _C.stream_synchronize(self.dev, 0)
-        me = dict(uuid=device_uuid(self.dev))
-        peers = ctx.comm.allgather_object(me)
-        # Spinning blocks of every rank must be resident at once: ranks that share a GPU split its SMs.
-        sharing = sum(1 for p in peers if p["uuid"] == me["uuid"])
-        self.max_blocks = max(1, sm_count(self.dev) // sharing)
+        me = device_uuid(self.dev)
+        self._cap_blocks(me, ctx.comm.allgather_object(me))
         self.bases = [self.rt.ptr(self.base, pe) for pe in range(ctx.num_ranks)]
         self.network_peers = [pe for pe, b in enumerate(self.bases) if b == 0]
         self.peer_bases = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
@@ -54,15 +50,6 @@ class NvshmemWindow:
         self._modules: Dict[Tuple, object] = {}
         torch.cuda.synchronize(self.dev)
         self.rt.barrier_all()   # every PE's window is zeroed before any kernel runs
-
-    def grid(self, num_sms: int) -> int:
-        return max(1, min(int(num_sms), self.max_blocks))
-
-    def recorded_error(self):
-        w = self.errors.words
-        if w[0] == 0:
-            return None
-        return w[0], w[1], w[2], w[3], w[4], w[5]
 
     def kernel(self, source: str, name: str, defines: dict):
         """The device-linked kernel `name` of `source`, its module registered with NVSHMEM (once)."""

@@ -12,6 +12,7 @@ import torch
 from deepep_portable import jit
 from deepep_portable import layout as L
 from deepep_portable import low_latency as ll
+from deepep_portable.profiling import PhaseProfile
 
 import oracle
 
@@ -282,7 +283,7 @@ def _fake_engine(monkeypatch):
     eng.base, eng.broken = None, None
     eng._calls = eng._recvs = eng._epoch = 0
     eng._signal_experts = None
-    eng._profile, eng._marks = False, []
+    eng.profile = PhaseProfile(0)
     eng._grid = lambda: 1
     stream = _Stream()
     eng._current_stream = lambda: stream

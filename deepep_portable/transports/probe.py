@@ -280,6 +280,16 @@ def _backend_check(name: str, libs_where: Optional[str]) -> Optional[str]:
     return None
 
 
+def _nvcc_check(what: str, details: Dict, problems: List[str]) -> None:
+    """The JIT's CUDA compiler into `details`, or why there is none into `problems`."""
+    try:
+        from .. import jit
+
+        details["nvcc"] = jit.find_nvcc()
+    except Exception as e:
+        problems.append(f"no CUDA compiler for {what}: {e}")
+
+
 def _status(name: str, problems: List[str], ok_reason: str, details: Dict) -> TransportStatus:
     details = {k: (v if isinstance(v, str) else str(v)) for k, v in details.items() if v is not None}
     if problems:
@@ -335,12 +345,7 @@ def _probe_nvshmem() -> TransportStatus:
         else:
             details["device_libs"] = ",".join(info["device_libs"])
             libs_where = os.path.dirname(info["host_lib"])
-    try:
-        from .. import jit
-
-        details["nvcc"] = jit.find_nvcc()
-    except Exception as e:
-        problems.append(f"no CUDA compiler for the device-linked kernels: {e}")
+    _nvcc_check("the device-linked kernels", details, problems)
     backend = _backend_check("nvshmem", libs_where)
     if backend:
         problems.append(backend)
@@ -443,12 +448,7 @@ def _probe_nvlink() -> TransportStatus:
         from .. import _C  # noqa: F401
     except Exception as e:
         problems.append(f"host module deepep_portable._C not importable: {type(e).__name__}: {e}")
-    try:
-        from .. import jit
-
-        details["nvcc"] = jit.find_nvcc()
-    except Exception as e:
-        problems.append(f"no CUDA compiler for the kernels: {e}")
+    _nvcc_check("the kernels", details, problems)
     if not problems:
         backend = _backend_check("nvlink", None)
         if backend:
