@@ -331,6 +331,11 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
                                 cfg.warmup, cfg.iters, group, loop), group)
     c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), loop)
     c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), loop)
+    if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (collective ops)
+        _print_host_profile(f"low_latency_dispatch, {tokens} tokens", dispatch, device, rank == 0)
+        _print_host_profile(f"low_latency_combine, {tokens} tokens",
+                            lambda: buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle), device,
+                            rank == 0)
     _print_profile(getattr(buf._backend, "ll_engine", None), rank, tokens)
     prec = "fp8" if cfg.fp8 else "bf16"
     _add_rows(rows, buf, cfg, tokens, (("ll_dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),

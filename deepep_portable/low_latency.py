@@ -49,6 +49,8 @@ from .transports.base import (BufferContext, LowLatencyCombineArgs, LowLatencyDi
 DISPATCH_SOURCE = "common/kernels/low_latency/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
 TRANSPORT_DEFINES = {"nvlink": "DEEPEP_TRANSPORT_NVLINK", "nvshmem": "DEEPEP_TRANSPORT_NVSHMEM"}
+_DISPATCH_KERNELS = ("ll_dispatch_stage", "ll_dispatch_send", "ll_dispatch_recv")   # launch order
+_COMBINE_KERNELS = ("ll_combine_send", "ll_combine_recv")
 THREADS = 512                      # kThreads in protocol.cuh
 OP_NAMES = {3: "low_latency_dispatch", 4: "low_latency_combine"}
 ERROR_TIMEOUT, ERROR_OVERRUN, ERROR_OVERWRITE = 1, 3, 4   # ErrorCode / kErrorOverrun / kErrorOverwrite
@@ -93,6 +95,10 @@ class LowLatencyEngine:
         self._recvs = 0                 # receive kernels launched (host mirror of RECVD): always in call order
         self._epoch = 0                 # bumped by clean_low_latency_buffer: hooks from before it are refused
         self._signal_experts: Optional[int] = None   # num_experts whose signal slots the buffer holds
+        # Per call shape: the validated layout, the kernels and a params struct with every shape-only
+        # field filled (an op copies it and sets its tensors' addresses: the host path of a decode step
+        # is of the order of the op itself).
+        self._plans: dict = {}
         if ctx.num_rdma_bytes == 0:
             return
         if ctx.device.type != "cuda":
@@ -174,6 +180,21 @@ class LowLatencyEngine:
         p.error_claim = self.base + L.LL_CTRL_ERROR
         p.error_host = self.errors.dev
         p.timeout_ns = int(self.ctx.timeout_s * 1e9)
+
+    def _plan(self, params_type, source: str, names: Tuple[str, ...], num_max_tokens: int, hidden: int,
+              num_experts: int, num_topk: int):
+        """(layout, kernels, params template) of one call shape, built once."""
+        key = (params_type, num_max_tokens, hidden, num_experts, num_topk)
+        plan = self._plans.get(key)
+        if plan is None:
+            lay = self._layout(num_max_tokens, hidden, num_experts)
+            template = params_type()
+            self._common(template, lay)
+            if params_type is LLDispatchParams:
+                template.send_stage_offset = lay.send_stage_offset
+            kernels = tuple(self._kernel(source, name, hidden, num_topk) for name in names)
+            plan = self._plans[key] = (lay, kernels, template)
+        return plan
 
     def _kernel(self, source: str, name: str, hidden: int, num_topk: int):
         defines = kernel_defines(hidden, num_topk, self.transport)
@@ -269,7 +290,8 @@ class LowLatencyEngine:
         num_topk = idx.size(1)
         T, E, R = args.num_max_dispatch_tokens_per_rank, args.num_experts, self.num_ranks
         num_local = E // R
-        lay = self._layout(T, hidden, E)
+        lay, (stage, send, recv), template = self._plan(LLDispatchParams, DISPATCH_SOURCE, _DISPATCH_KERNELS, T,
+                                                        hidden, E, num_topk)
         self._check_signal_geometry(E)
         self._check_aligned("x", x)
         dev = x.device
@@ -277,18 +299,13 @@ class LowLatencyEngine:
         recv_x, scales, recv_count, src_info, layout_range = allocate_low_latency_outputs(
             num_local, R, T, hidden, args.use_fp8, args.use_ue8m0, dev)
 
-        p = LLDispatchParams()
-        self._common(p, lay)
+        p = LLDispatchParams.from_buffer_copy(template)
         p.x, p.topk_idx, p.num_tokens = x.data_ptr(), idx.data_ptr(), num_tokens
         p.use_fp8, p.round_scale, p.use_ue8m0 = int(args.use_fp8), int(args.round_scale), int(args.use_ue8m0)
-        p.send_stage_offset = lay.send_stage_offset
         p.recv_x, p.recv_scales, p.src_info = recv_x.data_ptr(), _ptr(scales), src_info.data_ptr()
         p.layout_range, p.recv_count = layout_range.data_ptr(), recv_count.data_ptr()
         p.cumulative_recv_stats = _ptr(args.cumulative_local_expert_recv_stats)
         p.wait_stats = _ptr(args.dispatch_wait_recv_cost_stats)
-        stage = self._kernel(DISPATCH_SOURCE, "ll_dispatch_stage", hidden, num_topk)
-        send = self._kernel(DISPATCH_SOURCE, "ll_dispatch_send", hidden, num_topk)
-        recv = self._kernel(DISPATCH_SOURCE, "ll_dispatch_recv", hidden, num_topk)
         keep = (recv_x, scales, recv_count, src_info, layout_range, args.cumulative_local_expert_recv_stats,
                 args.dispatch_wait_recv_cost_stats)
         hook = self._two_phase("low_latency_dispatch", (stage, send), recv, p, args.return_recv_hook, keep)
@@ -300,7 +317,8 @@ class LowLatencyEngine:
         x, idx, w, handle = args.x, args.topk_idx, args.topk_weights, args.handle
         T, hidden, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         num_tokens, num_topk = idx.shape
-        lay = self._layout(T, hidden, E)
+        lay, (send, recv), template = self._plan(LLCombineParams, COMBINE_SOURCE, _COMBINE_KERNELS, T, hidden, E,
+                                                 num_topk)
         out = args.out if args.out is not None else torch.empty(num_tokens, hidden, dtype=torch.bfloat16,
                                                                   device=x.device)
         if not out.is_contiguous():
@@ -308,8 +326,7 @@ class LowLatencyEngine:
         self._check_signal_geometry(E)
         self._check_aligned("x", x)
         self._check_aligned("out", out)
-        p = LLCombineParams()
-        self._common(p, lay)
+        p = LLCombineParams.from_buffer_copy(template)
         p.x, p.src_info, p.layout_range = x.data_ptr(), handle.src_info.data_ptr(), handle.layout_range.data_ptr()
         p.expect_half = -1
         for half in (0, 1):
@@ -317,8 +334,6 @@ class LowLatencyEngine:
                 p.expect_half = half
         p.topk_idx, p.topk_weights, p.out, p.num_tokens = idx.data_ptr(), w.data_ptr(), out.data_ptr(), num_tokens
         p.wait_stats = _ptr(args.combine_wait_recv_cost_stats)
-        send = self._kernel(COMBINE_SOURCE, "ll_combine_send", hidden, num_topk)
-        recv = self._kernel(COMBINE_SOURCE, "ll_combine_recv", hidden, num_topk)
         keep = (x, idx, w, out, handle.src_info, handle.layout_range, args.combine_wait_recv_cost_stats)
         hook = self._two_phase("low_latency_combine", (send,), recv, p, args.return_recv_hook, keep)
         return out, hook
@@ -369,9 +384,8 @@ class LowLatencyEngine:
 # Kernel families (what `python -m deepep_portable precompile` and CI compile; precompile_nvshmem
 # device-links the same variants for the nvshmem transport).
 _VARIANTS = [kernel_defines(hidden, 8) for hidden in (7168, 4096, 2048, 7680)]
-jit.register_family("low_latency_dispatch", DISPATCH_SOURCE,
-                    ["ll_dispatch_stage", "ll_dispatch_send", "ll_dispatch_recv"], variants=_VARIANTS)
-jit.register_family("low_latency_combine", COMBINE_SOURCE, ["ll_combine_send", "ll_combine_recv"], variants=_VARIANTS)
+jit.register_family("low_latency_dispatch", DISPATCH_SOURCE, list(_DISPATCH_KERNELS), variants=_VARIANTS)
+jit.register_family("low_latency_combine", COMBINE_SOURCE, list(_COMBINE_KERNELS), variants=_VARIANTS)
 
 
 def precompile_nvshmem(archs=("sm_90",), jobs: Optional[int] = None):

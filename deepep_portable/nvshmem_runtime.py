@@ -537,13 +537,15 @@ def _parse_size(text: str) -> int:
         return 0
 
 
-def transport_params(rt: NvshmemRuntime, window_base: int) -> "TransportParams":
-    return TransportParams(window_base, rt.my_pe, rt.n_pes)
+def transport_params(rt: NvshmemRuntime, window_base: int, peer_bases: int = 0) -> "TransportParams":
+    """peer_bases: device address of the [n_pes] nvshmem_ptr table (0: NVSHMEM routines for every peer)."""
+    return TransportParams(window_base, rt.my_pe, rt.n_pes, peer_bases)
 
 
 class TransportParams(ctypes.Structure):
     """Host mirror of transport::NvshmemTransport (csrc/backends/nvshmem/device.cuh)."""
-    _fields_ = [("base", ctypes.c_uint64), ("rank", ctypes.c_int32), ("num_ranks", ctypes.c_int32)]
+    _fields_ = [("base", ctypes.c_uint64), ("rank", ctypes.c_int32), ("num_ranks", ctypes.c_int32),
+                ("peer_bases", ctypes.c_uint64)]
 
 
 class SelftestParams(ctypes.Structure):

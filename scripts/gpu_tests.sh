@@ -8,7 +8,7 @@
 #   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs),
 #   nvshmem (the NVSHMEM self-test at 2 PEs), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
 #   benchll (bench --mode low_latency), cache (tar the JIT cache into $OUT).
-#   NUM_SMS=16; BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420).
+#   NUM_SMS=16 (normal mode), LL_NUM_SMS (low-latency mode; default: Buffer's); BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420).
 set -uo pipefail
 RANKS=${1:-4}
 STEPS=${2:-"build doctor single mpi bench"}
@@ -51,8 +51,8 @@ for s in $STEPS; do
             DEEPEP_PORTABLE_PROFILE=1 step profile $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 4096 16384
             stop_mps ;;
     benchll) start_mps
-            step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvlink --mode low_latency --tokens 128
-            step bench_ll_nvshmem $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvshmem --mode low_latency --tokens 128
+            step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvlink --mode low_latency --tokens 128 ${LL_NUM_SMS:+--num-sms $LL_NUM_SMS}
+            step bench_ll_nvshmem $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvshmem --mode low_latency --tokens 128 ${LL_NUM_SMS:+--num-sms $LL_NUM_SMS}
             stop_mps ;;
     cache)  tar czf "$OUT/jit_cache.tgz" -C "$DEEPEP_PORTABLE_CACHE_DIR" . ;;
     bench)  start_mps

@@ -124,7 +124,7 @@ def test_selftest_param_struct_matches_kernel(cache, tmp_path):
                   ptx.read_text())
     assert m, "kernel parameter not found in the PTX"
     assert int(m.group(2)) == ctypes.sizeof(nr.SelftestParams)
-    assert ctypes.sizeof(nr.TransportParams) == 16
+    assert ctypes.sizeof(nr.TransportParams) == 24
 
 
 def test_compile_errors_are_reported(tmp_path, cache):

@@ -20,7 +20,13 @@
 // target PE and do not need a channel. (NVSHMEM >= 3.6 headers also have QP-directed calls
 // (nvshmemx_qp_*); they are not used so that 3.4.x, the version on the lent H200, works.)
 //
-// "A signal never overtakes its data" (cited from the NVSHMEM API documentation, not its code):
+// Two paths per peer, fixed for the life of the window: a peer that nvshmem_ptr maps (NVLink, same
+// GPU) is written with this warp's own stores and signalled with a system fence + release store,
+// exactly the nvlink backend's protocol (NVSHMEM's own P2P puts are the same stores behind a library
+// call per put); every other peer goes through the NVSHMEM routines below. One peer never mixes the
+// two, so each path's ordering argument stands alone.
+//
+// Network path. "A signal never overtakes its data" (cited from the NVSHMEM API documentation, not its code):
 //  * put_signal_warp uses nvshmemx_putmem_signal_nbi_warp(..., NVSHMEM_SIGNAL_SET, pe). The
 //    put-with-signal routines "copy data from a contiguous local data object to a data object on a
 //    specified PE and subsequently update a remote flag to signal completion" (Signaling Operations):
@@ -70,6 +76,10 @@ struct NvshmemTransport {
     uint64_t base;    // this PE's address of the window start (from nvshmem_malloc)
     int rank;         // nvshmem_my_pe() in NVSHMEM_TEAM_WORLD (== the library rank)
     int num_ranks;    // nvshmem_n_pes()
+    // [num_ranks] nvshmem_ptr(base, r) per PE (0: behind a network), filled by the host; peers with an
+    // entry take the load/store path. nullptr: every primitive goes through the NVSHMEM routines (the
+    // self-test uses that to exercise them between P2P peers).
+    const uint64_t* peer_bases;
 
     // peer_load_store is only known at run time (nvshmem_ptr per peer: NVLink / same GPU -> non-null,
     // network -> null), so it is declared false here; kernels must test peer_ptr's result.
@@ -91,36 +101,67 @@ struct NvshmemTransport {
         return static_cast<U*>(nvshmem_ptr(local_ptr<const void>(off), peer));
     }
 
-    // Whole warp, same arguments on every lane. No order, no visibility promise. Ends with a
+    // The load/store address of `peer`'s window at `off` when that peer takes the load/store path.
+    template <typename U = void>
+    DEEPEP_DEVICE U* direct_ptr(int64_t off, int peer) const {
+        if (peer_bases == nullptr || peer_bases[peer] == 0)
+            return nullptr;
+        return reinterpret_cast<U*>(peer_bases[peer] + static_cast<uint64_t>(off));
+    }
+
+    // Whole warp, same arguments on every lane. No order, no visibility promise. A peer reachable by
+    // load/store (NVLink, same GPU) gets the warp's own stores, as in the nvlink backend (NVSHMEM's
+    // putmem_warp would do the same copy behind a call per put); others an NVSHMEM put. Ends with a
     // __syncwarp so a later signal()/flush() from any lane of this warp follows every lane's part.
     DEEPEP_DEVICE void put_warp(int /*ch*/, int peer, int64_t dst_off, const void* src, int64_t bytes,
-                                int /*lane*/) const {
-        nvshmemx_putmem_nbi_warp(local_ptr(dst_off), src, static_cast<size_t>(bytes), peer);
+                                int lane) const {
+        if (void* dst = direct_ptr(dst_off, peer))
+            warp_copy_bytes(dst, src, bytes, lane);
+        else
+            nvshmemx_putmem_nbi_warp(local_ptr(dst_off), src, static_cast<size_t>(bytes), peer);
         __syncwarp();
     }
 
     // Whole warp. Once `peer` reads v at sig_off, the data of this put is visible there.
-    DEEPEP_DEVICE void put_signal_warp(int /*ch*/, int peer, int64_t dst_off, const void* src, int64_t bytes,
-                                       int64_t sig_off, uint64_t v, int /*lane*/) const {
+    DEEPEP_DEVICE void put_signal_warp(int ch, int peer, int64_t dst_off, const void* src, int64_t bytes,
+                                       int64_t sig_off, uint64_t v, int lane) const {
+        if (direct_ptr(dst_off, peer) != nullptr) {
+            put_warp(ch, peer, dst_off, src, bytes, lane);
+            if (lane == 0)
+                signal(ch, peer, sig_off, v);
+            __syncwarp();
+            return;
+        }
         nvshmemx_putmem_signal_nbi_warp(local_ptr(dst_off), src, static_cast<size_t>(bytes),
                                         local_ptr<uint64_t>(sig_off), v, NVSHMEM_SIGNAL_SET, peer);
         __syncwarp();
     }
 
     // One thread. Strong: once v is visible at the peer, every earlier op of this thread (and of its
-    // warp, see put_warp) to that peer is delivered.
+    // warp, see put_warp) to that peer is delivered. Load/store peers: system fence + release store
+    // (every earlier store of the warp went through the same path: reachability is fixed per peer).
     DEEPEP_DEVICE void signal(int /*ch*/, int peer, int64_t sig_off, uint64_t v) const {
+        if (uint64_t* sig = direct_ptr<uint64_t>(sig_off, peer)) {
+            __threadfence_system();
+            st_release_sys(sig, v);
+            return;
+        }
         nvshmem_fence();
         nvshmemx_signal_op(local_ptr<uint64_t>(sig_off), v, NVSHMEM_SIGNAL_SET, peer);
     }
 
     // One thread. Small inline write, no order promise.
     DEEPEP_DEVICE void put_value(int /*ch*/, int peer, int64_t dst_off, uint64_t v) const {
-        nvshmem_uint64_p(local_ptr<uint64_t>(dst_off), v, peer);
+        if (volatile uint64_t* dst = direct_ptr<volatile uint64_t>(dst_off, peer))
+            *dst = v;
+        else
+            nvshmem_uint64_p(local_ptr<uint64_t>(dst_off), v, peer);
     }
 
-    // One thread. Blocking remote read (a load for P2P peers, an RDMA read otherwise).
+    // One thread. Remote read: a load for load/store peers, a blocking NVSHMEM get (RDMA read) otherwise.
     DEEPEP_DEVICE uint64_t get_value(int /*ch*/, int peer, int64_t off) const {
+        if (const volatile uint64_t* src = direct_ptr<const volatile uint64_t>(off, peer))
+            return *src;
         return nvshmem_uint64_g(local_ptr<const uint64_t>(off), peer);
     }
 
@@ -143,8 +184,15 @@ struct NvshmemTransport {
     }
 
     // One thread. Earlier ops of this thread are complete (sources reusable); nvshmem_quiet also
-    // completes them remotely, which the contract does not promise.
-    DEEPEP_DEVICE void flush(int /*ch*/) const { nvshmem_quiet(); }
+    // completes them remotely, which the contract does not promise. Skipped when every peer takes the
+    // load/store path (stores are complete once issued): a quiet may involve NVSHMEM's proxy thread.
+    DEEPEP_DEVICE void flush(int /*ch*/) const {
+        bool library_path = peer_bases == nullptr;
+        for (int r = 0; r < num_ranks && !library_path; ++r)
+            library_path = peer_bases[r] == 0;
+        if (library_path)
+            nvshmem_quiet();
+    }
 };
 
 }  // namespace deepep_portable::transport

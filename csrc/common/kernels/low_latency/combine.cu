@@ -123,7 +123,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __g
     if (threadIdx.x == 0)
         s_ok = 1;
     __syncthreads();
-    for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
+    // One warp per block polls (its lanes stride over the experts); the others wait at the barrier.
+    // Polling with every thread multiplied the loads on the very lines the peers are signalling.
+    for (int g = threadIdx.x; threadIdx.x < 32 && g < num_experts; g += 32) {
         const long long t_start = clock64();
         if (wait_signal(tr, c, combine_signal_off(c, half, g), seq, deadline, sink, g / num_local) < 0)
             s_ok = 0;
@@ -138,47 +140,65 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __g
         const int lane = threadIdx.x % 32;
         const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
         const int num_warps = gridDim.x * (kThreads / 32);
-        constexpr int kChunks = (kRowInt4 + 31) / 32;   // 32 16-byte columns per item, one per lane
+        // An item is (token, kCols x 32 16-byte columns): lane l reduces columns chunk + 32u + l. The
+        // loads of every row and column of an item are issued together (kTopkChunk * kCols words per
+        // lane): the reduction is bound by memory round trips, not by arithmetic.
+        constexpr int kCols = 2;
+        constexpr int kChunks = (kRowInt4 + 32 * kCols - 1) / (32 * kCols);
         for (int64_t item = warp; item < p.num_tokens * kChunks; item += num_warps) {
             const int64_t t = item / kChunks;
-            const int col = static_cast<int>(item % kChunks) * 32 + lane;
+            const int col0 = static_cast<int>(item % kChunks) * 32 * kCols + lane;
             const int64_t* idx = p.topk_idx + t * kNumTopk;
             const float* w = p.topk_weights + t * kNumTopk;
-            if (col < kRowInt4) {
-                float acc[8];
+            float acc[kCols][8];
+#pragma unroll
+            for (int u = 0; u < kCols; ++u)
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
-                    acc[i] = 0.0f;
-                for (int k0 = 0; k0 < kNumTopk; k0 += kTopkChunk) {
-                    int4 v[kTopkChunk];
+                    acc[u][i] = 0.0f;
+            for (int k0 = 0; k0 < kNumTopk; k0 += kTopkChunk) {
+                int4 v[kTopkChunk][kCols];
+                int64_t g[kTopkChunk];
 #pragma unroll
-                    for (int u = 0; u < kTopkChunk; ++u) {
-                        const int k = k0 + u;
-                        const int64_t g = k < kNumTopk ? idx[k] : -1;
-                        if (g >= 0)
-                            v[u] = own<const int4>(c, combine_row_off(c, half, static_cast<int>(g), t, kRowBytes))[col];
-                    }
+                for (int r = 0; r < kTopkChunk; ++r)
+                    g[r] = k0 + r < kNumTopk ? idx[k0 + r] : -1;
 #pragma unroll
-                    for (int u = 0; u < kTopkChunk; ++u) {
-                        const int k = k0 + u;
-                        if (k >= kNumTopk || idx[k] < 0)
-                            continue;   // the oracle adds +0.0 here, which never changes acc (acc is never -0.0)
-                        const float weight = w[k];
-                        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+                for (int r = 0; r < kTopkChunk; ++r) {
+                    if (g[r] < 0)
+                        continue;
+                    const int4* row = own<const int4>(c, combine_row_off(c, half, static_cast<int>(g[r]), t, kRowBytes));
+#pragma unroll
+                    for (int u = 0; u < kCols; ++u)
+                        if (col0 + 32 * u < kRowInt4)
+                            v[r][u] = row[col0 + 32 * u];
+                }
+#pragma unroll
+                for (int r = 0; r < kTopkChunk; ++r) {
+                    if (g[r] < 0)
+                        continue;   // the oracle adds +0.0 here, which never changes acc (acc is never -0.0)
+                    const float weight = w[k0 + r];
+#pragma unroll
+                    for (int u = 0; u < kCols; ++u) {
+                        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[r][u]);
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const float2 f = __bfloat1622float2(h[i]);
-                            acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(f.x, weight));
-                            acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(f.y, weight));
+                            acc[u][2 * i] = __fadd_rn(acc[u][2 * i], __fmul_rn(f.x, weight));
+                            acc[u][2 * i + 1] = __fadd_rn(acc[u][2 * i + 1], __fmul_rn(f.y, weight));
                         }
                     }
                 }
+            }
+#pragma unroll
+            for (int u = 0; u < kCols; ++u) {
+                if (col0 + 32 * u >= kRowInt4)
+                    continue;
                 int4 packed;
                 __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&packed);
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
-                    o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-                p.out[t * kRowInt4 + col] = packed;
+                    o[i] = __floats2bfloat162_rn(acc[u][2 * i], acc[u][2 * i + 1]);
+                p.out[t * kRowInt4 + col0 + 32 * u] = packed;
             }
         }
     }

@@ -36,6 +36,8 @@ constexpr int kNumTopk = NUM_TOPK;
 constexpr int kNumScales = kHidden / kFp8Block;
 constexpr int kRowInt4 = kHidden * 2 / 16;      // bf16 row in 16-byte words
 constexpr int kFp8RowInt4 = kHidden / 16;       // fp8 row in 16-byte words
+constexpr int kScalesPerLane = (kNumScales + 31) / 32;       // float32 scales each lane moves
+constexpr int kWordsPerLane = kNumScales >= 4 ? (kNumScales / 4 + 31) / 32 : 1;  // UE8M0 words (4 scales) per lane
 static_assert(kHidden % kFp8Block == 0, "LL hidden must be a multiple of 128");
 static_assert(kNumTopk >= 1 && kNumTopk <= 128, "bad top-k");
 }  // namespace
@@ -242,29 +244,52 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(const __
         for (int64_t j = 0; j < mine; ++j) {
             const char* msg = own<const char>(c, dispatch_msg_off(c, half, e, s, j));
             const int64_t row = before + j;
-            if (lane == 0)
-                p.src_info[e * slots + row] = *reinterpret_cast<const int*>(msg);
+            // Every load of the message (header, scales, payload) is issued before the first store,
+            // so a message costs one memory round trip per lane, not three.
+            const int src_token = *reinterpret_cast<const int*>(msg);
             if (p.use_fp8) {
-                transport::warp_copy_bytes(reinterpret_cast<char*>(p.recv_x) + (e * slots + row) * kHidden, msg + kMsgHeader,
-                                kFp8RowInt4 * 16, lane);
                 const float* scales = reinterpret_cast<const float*>(msg + kMsgHeader + kHidden);
+                float scale[kScalesPerLane];   // float32 scales: lane l holds scale l + 32u
+                float4 quad[kWordsPerLane];    // UE8M0: lane l holds scales 4w..4w+3 of word w = l + 32u
                 if (p.use_ue8m0) {
+#pragma unroll
+                    for (int u = 0; u < kWordsPerLane; ++u)
+                        if (lane + 32 * u < kNumScales / 4)
+                            quad[u] = reinterpret_cast<const float4*>(scales)[lane + 32 * u];
+                } else {
+#pragma unroll
+                    for (int u = 0; u < kScalesPerLane; ++u)
+                        if (lane + 32 * u < kNumScales)
+                            scale[u] = scales[lane + 32 * u];
+                }
+                transport::warp_copy_bytes(reinterpret_cast<char*>(p.recv_x) + (e * slots + row) * kHidden,
+                                           msg + kMsgHeader, kFp8RowInt4 * 16, lane);
+                if (p.use_ue8m0) {
+                    // One int32 per 4 scales: their exponent bytes, scale 4w + b in byte b.
                     int* out = static_cast<int*>(p.recv_scales) + static_cast<int64_t>(e) * (kNumScales / 4) * slots;
-                    for (int w = lane; w < kNumScales / 4; w += 32) {
+#pragma unroll
+                    for (int u = 0; u < kWordsPerLane; ++u) {
+                        if (lane + 32 * u >= kNumScales / 4)
+                            continue;
+                        const float v[4] = {quad[u].x, quad[u].y, quad[u].z, quad[u].w};
                         uint32_t word = 0;
 #pragma unroll
                         for (int b = 0; b < 4; ++b)
-                            word |= ((__float_as_uint(scales[4 * w + b]) >> 23) & 0xffu) << (8 * b);
-                        out[w * slots + row] = static_cast<int>(word);
+                            word |= ((__float_as_uint(v[b]) >> 23) & 0xffu) << (8 * b);
+                        out[(lane + 32 * u) * slots + row] = static_cast<int>(word);
                     }
                 } else {
                     float* out = static_cast<float*>(p.recv_scales) + static_cast<int64_t>(e) * kNumScales * slots;
-                    for (int b = lane; b < kNumScales; b += 32)
-                        out[b * slots + row] = scales[b];
+#pragma unroll
+                    for (int u = 0; u < kScalesPerLane; ++u)
+                        if (lane + 32 * u < kNumScales)
+                            out[(lane + 32 * u) * slots + row] = scale[u];
                 }
             } else {
                 transport::warp_copy_bytes(p.recv_x + (e * slots + row) * kRowInt4, msg + kMsgHeader, kRowInt4 * 16, lane);
             }
+            if (lane == 0)
+                p.src_info[e * slots + row] = src_token;
         }
     }
     end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq);
