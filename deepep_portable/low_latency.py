@@ -64,7 +64,7 @@ LLDispatchParams = _struct("LLDispatchParams", [
     "layout_range", "recv_count", "cumulative_recv_stats", "wait_stats", "use_ue8m0"])
 LLCombineParams = _struct("LLCombineParams", [
     *_COMMON, "x", "src_info", "layout_range", "expect_half", "topk_idx", "topk_weights", "out", "num_tokens",
-    "wait_stats"])
+    "wait_stats", "slot_table"])
 
 
 def kernel_defines(hidden: int, num_topk: int, transport: str = "nvlink") -> dict:
@@ -334,7 +334,13 @@ class LowLatencyEngine:
                 p.expect_half = half
         p.topk_idx, p.topk_weights, p.out, p.num_tokens = idx.data_ptr(), w.data_ptr(), out.data_ptr(), num_tokens
         p.wait_stats = _ptr(args.combine_wait_recv_cost_stats)
-        keep = (x, idx, w, out, handle.src_info, handle.layout_range, args.combine_wait_recv_cost_stats)
+        # Which row of each selected expert holds each of my tokens: the send kernel fills it, the receive
+        # kernel reads it (same stream; kept alive until the hook ran).
+        slot_table = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=x.device)
+        if slot_table.numel() and not torch.cuda.is_current_stream_capturing():
+            slot_table.record_stream(self.ctx.comm_stream)   # freed here, read on the comm stream later
+        p.slot_table = slot_table.data_ptr()
+        keep = (x, idx, w, out, handle.src_info, handle.layout_range, args.combine_wait_recv_cost_stats, slot_table)
         hook = self._two_phase("low_latency_combine", (send,), recv, p, args.return_recv_hook, keep)
         return out, hook
 

@@ -1,15 +1,22 @@
 // Low-latency combine (see protocol.cuh for the buffer, the call counter and the signals).
 //
-//   ll_combine_send: one warp per (local expert e, source rank s) pair. From the dispatch handle
-//       (layout_range[e][s] = begin << 32 | count, src_info[e][row] = source token) it writes each
-//       expert output row x[e][begin + j] into s's combine receive slot (global expert, source
-//       token), then SETs s's combine signal of the global expert to (seq << 32) | count (also for
-//       count 0). It never waits. With zero-copy, x already lies in my buffer: same code, no copy.
+//   ll_combine_send: one warp per (local expert e, source rank s) pair. The dispatch handle gives the
+//       pair's rows (layout_range[e][s] = begin << 32 | count): x[e][begin + j] for j < count, in the
+//       source's token order (dispatch packs them so). They go as ONE contiguous put to rows 0..count-1
+//       of the global expert's combine receive slots at s, then s's combine signal of the expert is
+//       SET to (seq << 32) | count (also for count 0). It never waits. With zero-copy, x already lies
+//       in my buffer: same code, no copy. Its warps also fill my slot table for my receive kernel:
+//       slot[t][k] = j such that row j of expert topk_idx[t][k] holds my token t (the number of my
+//       tokens before t that selected that expert: the order the expert's rank sends them in).
 //   ll_combine_recv: every block waits for the combine signals of all experts, then the warps share
-//       (token, 512-byte column chunk) items (a token alone would leave most warps idle: T is small)
+//       (token, column chunk) items (a token alone would leave most warps idle: T is small)
 //       and compute, per element in float32, acc = +0; for k ascending with topk_idx[t][k] != -1:
 //       acc = acc + (float(row) * weight), product and sum each rounded (__fmul_rn/__fadd_rn: no FMA),
 //       and stores bf16(acc): bit-identical to tests/oracle.py low_latency_combine.
+//
+// Why rows are packed per expert (row j, not row = token): a warp's rows leave as one contiguous
+// write (one put over a network), on one or two pages. Page spread costs: a dispatch layout that
+// gave each message of a warp its own page measured 2x slower on the H200 emulation.
 //
 // Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, DEEPEP_TRANSPORT_*.
 #include <cstdint>
@@ -49,6 +56,7 @@ struct LLCombineParams {
     int4* out;                        // [N, HIDDEN] bf16
     int64_t num_tokens;
     int64_t* wait_stats;              // [R] or null: clock64 cycles spent waiting per source rank
+    int* slot_table;                  // [N, NUM_TOPK]: written by the send kernel, read by the receive kernel
 };
 
 extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __grid_constant__ LLCombineParams p) {
@@ -69,31 +77,48 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
         // number of LL calls): x may overlap messages peers write. Report it; the data still moves.
         report_error(sink_of(c, kOpCombine), kErrorOverrun, -1, static_cast<int>(half));
 
+    // My slot table (see the top of the file): one warp per expert scans my tokens in order, 32 at a
+    // time, like the dispatch send kernel that fixed the order.
+    for (int g = warp; g < static_cast<int>(c.num_experts); g += num_warps) {
+        int count = 0;
+        for (int64_t t0 = 0; t0 < p.num_tokens; t0 += 32) {
+            const int64_t t = t0 + lane;
+            bool hit = false;
+            if (t < p.num_tokens) {
+#pragma unroll
+                for (int k = 0; k < kNumTopk; ++k)
+                    hit |= p.topk_idx[t * kNumTopk + k] == g;
+            }
+            const uint32_t mask = __ballot_sync(0xffffffffu, hit);
+            if (hit) {
+                const int j = count + __popc(mask & ((1u << lane) - 1u));
+                for (int k = 0; k < kNumTopk; ++k)   // every k naming g (a repeated expert shares the row)
+                    if (p.topk_idx[t * kNumTopk + k] == g)
+                        p.slot_table[t * kNumTopk + k] = j;
+            }
+            count += __popc(mask);
+        }
+    }
+
     for (int pair = warp; pair < num_local * num_ranks; pair += num_warps) {
         const int e = pair / num_ranks, s = pair % num_ranks;
         const int64_t range = p.layout_range[e * num_ranks + s];
         const int64_t begin = range >> 32, count = range & 0xffffffffll;
         const int g = me * num_local + e;
         const uint64_t recvd = lane == 0 ? peer_recvd(tr, c, s) : 0;   // checked below, before the signal
-        // A peer reached over a network reads the source with its NIC: x must then lie in my window.
-        // Unless it does (zero-copy), each row is first copied to its place in my combine send area
-        // of this half (only this rank writes it; the previous call on this half finished its sends).
-        const bool stage = p.expect_half < 0 && tr.template peer_ptr<char>(0, s) == nullptr;
-        int token_of_lane = 0;   // lane l holds the source token of row begin + j0 + l (one load for 32 rows)
-        for (int64_t j = 0; j < count; ++j) {
-            const int64_t row = begin + j;
-            if (j % 32 == 0)
-                token_of_lane = j + lane < count ? p.src_info[e * slots + row + lane] : 0;
-            const int token = __shfl_sync(0xffffffffu, token_of_lane, static_cast<int>(j % 32));
-            const int4* src = p.x + (e * slots + row) * kRowInt4;
-            if (stage) {
-                int4* staged = own<int4>(c, c.combine_send_offset + half * c.data_half_stride) + (e * slots + row) * kRowInt4;
-                transport::warp_copy_bytes(staged, src, kRowBytes, lane);
+        const int4* src = p.x + (e * slots + begin) * kRowInt4;
+        if (count > 0) {
+            // A peer reached over a network reads the source with its NIC: x must then lie in my window.
+            // Unless it does (zero-copy), the rows are first copied to their place in my combine send
+            // area of this half (only this rank writes it; the previous call on this half finished its sends).
+            if (p.expect_half < 0 && tr.template peer_ptr<char>(0, s) == nullptr) {
+                int4* staged = own<int4>(c, c.combine_send_offset + half * c.data_half_stride) + (e * slots + begin) * kRowInt4;
+                transport::warp_copy_bytes(staged, src, count * kRowBytes, lane);
                 __threadfence_system();   // the NIC reads what the lanes just stored
                 __syncwarp();
                 src = staged;
             }
-            tr.put_warp(0, s, combine_row_off(c, half, g, token, kRowBytes), src, kRowBytes, lane);
+            tr.put_warp(0, s, combine_row_off(c, half, g, 0, kRowBytes), src, count * kRowBytes, lane);
         }
         __threadfence_system();
         __syncwarp();
@@ -166,7 +191,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __g
                 for (int r = 0; r < kTopkChunk; ++r) {
                     if (g[r] < 0)
                         continue;
-                    const int4* row = own<const int4>(c, combine_row_off(c, half, static_cast<int>(g[r]), t, kRowBytes));
+                    const int4* row = own<const int4>(
+                        c, combine_row_off(c, half, static_cast<int>(g[r]), p.slot_table[t * kNumTopk + k0 + r], kRowBytes));
 #pragma unroll
                     for (int u = 0; u < kCols; ++u)
                         if (col0 + 32 * u < kRowInt4)

@@ -211,10 +211,11 @@ DEEPEP_DEVICE int64_t dispatch_msg_off(const Common& c, int half, int local_expe
            ((static_cast<int64_t>(local_expert) * c.num_ranks + src) * c.num_max_tokens + slot) * c.msg_bytes;
 }
 
-// Combine row of (global expert, token) in the source rank's buffer; `hidden_bytes` per row.
-DEEPEP_DEVICE int64_t combine_row_off(const Common& c, int half, int expert, int64_t token, int64_t hidden_bytes) {
+// Combine row `slot` of a global expert in the source rank's buffer (row j = the j-th of that rank's
+// tokens, in token order, that selected the expert); `hidden_bytes` per row.
+DEEPEP_DEVICE int64_t combine_row_off(const Common& c, int half, int expert, int64_t slot, int64_t hidden_bytes) {
     return c.combine_recv_offset + half * c.data_half_stride +
-           (static_cast<int64_t>(expert) * c.num_max_tokens + token) * hidden_bytes;
+           (static_cast<int64_t>(expert) * c.num_max_tokens + slot) * hidden_bytes;
 }
 
 // ---- FP8 cast (bit-exact with tests/oracle.py fp8_cast on the CPU) ------------------------------------
