@@ -77,18 +77,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
         // number of LL calls): x may overlap messages peers write. Report it; the data still moves.
         report_error(sink_of(c, kOpCombine), kErrorOverrun, -1, static_cast<int>(half));
 
-    // My slot table (see the top of the file): one warp per expert scans my tokens in order, 32 at a
-    // time, like the dispatch send kernel that fixed the order.
+    // My slot table (see the top of the file): one warp per expert scans my tokens in the order the
+    // dispatch send kernel used (token_selects).
     for (int g = warp; g < static_cast<int>(c.num_experts); g += num_warps) {
         int count = 0;
         for (int64_t t0 = 0; t0 < p.num_tokens; t0 += 32) {
             const int64_t t = t0 + lane;
-            bool hit = false;
-            if (t < p.num_tokens) {
-#pragma unroll
-                for (int k = 0; k < kNumTopk; ++k)
-                    hit |= p.topk_idx[t * kNumTopk + k] == g;
-            }
+            const bool hit = token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t, g);
             const uint32_t mask = __ballot_sync(0xffffffffu, hit);
             if (hit) {
                 const int j = count + __popc(mask & ((1u << lane) - 1u));

@@ -156,14 +156,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __
         const uint64_t recvd = lane == 0 ? peer_recvd(tr, c, dst) : 0;   // checked below, before the signal
         uint32_t count = 0;
         for (int64_t t0 = 0; t0 < p.num_tokens; t0 += 32) {
-            const int64_t t = t0 + lane;
-            bool hit = false;
-            if (t < p.num_tokens) {
-#pragma unroll
-                for (int k = 0; k < kNumTopk; ++k)
-                    hit |= p.topk_idx[t * kNumTopk + k] == g;
-            }
-            uint32_t mask = __ballot_sync(0xffffffffu, hit);
+            uint32_t mask = __ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g));
             while (mask != 0) {
                 const int j = __ffs(mask) - 1;
                 mask &= mask - 1;

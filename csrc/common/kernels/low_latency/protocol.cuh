@@ -218,6 +218,20 @@ DEEPEP_DEVICE int64_t combine_row_off(const Common& c, int half, int expert, int
            (static_cast<int64_t>(expert) * c.num_max_tokens + slot) * hidden_bytes;
 }
 
+// The token order both sides of a call agree on: a warp scans my tokens 32 at a time and lane l asks
+// whether token t = t0 + l selected expert g. The dispatch send kernel sends the j-th hit as message
+// j of (g, me); the combine send kernel recomputes j the same way to find my token's row of g.
+template <int kNumTopk>
+DEEPEP_DEVICE bool token_selects(const int64_t* topk_idx, int64_t num_tokens, int64_t t, int g) {
+    bool hit = false;
+    if (t < num_tokens) {
+#pragma unroll
+        for (int k = 0; k < kNumTopk; ++k)
+            hit |= topk_idx[t * kNumTopk + k] == g;
+    }
+    return hit;
+}
+
 // ---- FP8 cast (bit-exact with tests/oracle.py fp8_cast on the CPU) ------------------------------------
 // amax = max |x| over 128 channels, clamped to >= 1e-4f; scale = amax / 448 (correctly rounded);
 // round_scale: the smallest power of two >= scale (from the bits: scale is a positive normal float);
