@@ -312,7 +312,10 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
         ref_x = (src[0].float() * src[1].repeat_interleave(128, dim=1)).to(torch.bfloat16).to(device)
     else:
         ref_x = x
-    combined, _, _ = buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle)
+    def combine():
+        return buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle)
+
+    combined, _, _ = combine()
     w = torch.where(topk_idx >= 0, topk_weights, torch.zeros_like(topk_weights))
     expected = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
     for k in range(topk):
@@ -327,15 +330,12 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
     combine_bytes = pairs * hidden * 2
     loop = LL_LOOP if device.type == "cuda" else 1
     t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group, loop), group)
-    t_combine = _slowest(_timer(device, lambda: buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle),
-                                cfg.warmup, cfg.iters, group, loop), group)
+    t_combine = _slowest(_timer(device, combine, cfg.warmup, cfg.iters, group, loop), group)
     c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), loop)
     c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), loop)
     if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (collective ops)
         _print_host_profile(f"low_latency_dispatch, {tokens} tokens", dispatch, device, rank == 0)
-        _print_host_profile(f"low_latency_combine, {tokens} tokens",
-                            lambda: buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle), device,
-                            rank == 0)
+        _print_host_profile(f"low_latency_combine, {tokens} tokens", combine, device, rank == 0)
     _print_profile(getattr(buf._backend, "ll_engine", None), rank, tokens)
     prec = "fp8" if cfg.fp8 else "bf16"
     _add_rows(rows, buf, cfg, tokens, (("ll_dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
@@ -344,8 +344,7 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
         # The same calls replayed from CUDA graphs (how decode steps run them): GPU time without the
         # Python host path, which the eager rows above include whenever the GPU waits for the host.
         g_dispatch = _graph_seconds(dispatch, device, cfg, group)
-        g_combine = _graph_seconds(lambda: buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle),
-                                   device, cfg, group)
+        g_combine = _graph_seconds(combine, device, cfg, group)
         gc_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), graph=True)
         gc_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), graph=True)
         _add_rows(rows, buf, cfg, tokens, (("ll_dispatch_graph", g_dispatch, gc_dispatch, dispatch_bytes, prec),

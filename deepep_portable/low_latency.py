@@ -95,7 +95,7 @@ class LowLatencyEngine:
         self._recvs = 0                 # receive kernels launched (host mirror of RECVD): always in call order
         self._epoch = 0                 # bumped by clean_low_latency_buffer: hooks from before it are refused
         self._signal_experts: Optional[int] = None   # num_experts whose signal slots the buffer holds
-        # Per call shape: the validated layout, the kernels and a params struct with every shape-only
+        # Per call shape (layout checked once): the kernels and a params struct with every shape-only
         # field filled (an op copies it and sets its tensors' addresses: the host path of a decode step
         # is of the order of the op itself).
         self._plans: dict = {}
@@ -183,7 +183,7 @@ class LowLatencyEngine:
 
     def _plan(self, params_type, source: str, names: Tuple[str, ...], num_max_tokens: int, hidden: int,
               num_experts: int, num_topk: int):
-        """(layout, kernels, params template) of one call shape, built once."""
+        """(kernels, params template) of one call shape, built once (the layout is checked then)."""
         key = (params_type, num_max_tokens, hidden, num_experts, num_topk)
         plan = self._plans.get(key)
         if plan is None:
@@ -193,7 +193,7 @@ class LowLatencyEngine:
             if params_type is LLDispatchParams:
                 template.send_stage_offset = lay.send_stage_offset
             kernels = tuple(self._kernel(source, name, hidden, num_topk) for name in names)
-            plan = self._plans[key] = (lay, kernels, template)
+            plan = self._plans[key] = (kernels, template)
         return plan
 
     def _kernel(self, source: str, name: str, hidden: int, num_topk: int):
@@ -290,8 +290,8 @@ class LowLatencyEngine:
         num_topk = idx.size(1)
         T, E, R = args.num_max_dispatch_tokens_per_rank, args.num_experts, self.num_ranks
         num_local = E // R
-        lay, (stage, send, recv), template = self._plan(LLDispatchParams, DISPATCH_SOURCE, _DISPATCH_KERNELS, T,
-                                                        hidden, E, num_topk)
+        (stage, send, recv), template = self._plan(LLDispatchParams, DISPATCH_SOURCE, _DISPATCH_KERNELS, T, hidden,
+                                                   E, num_topk)
         self._check_signal_geometry(E)
         self._check_aligned("x", x)
         dev = x.device
@@ -317,8 +317,8 @@ class LowLatencyEngine:
         x, idx, w, handle = args.x, args.topk_idx, args.topk_weights, args.handle
         T, hidden, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         num_tokens, num_topk = idx.shape
-        lay, (send, recv), template = self._plan(LLCombineParams, COMBINE_SOURCE, _COMBINE_KERNELS, T, hidden, E,
-                                                 num_topk)
+        (send, recv), template = self._plan(LLCombineParams, COMBINE_SOURCE, _COMBINE_KERNELS, T, hidden, E,
+                                            num_topk)
         out = args.out if args.out is not None else torch.empty(num_tokens, hidden, dtype=torch.bfloat16,
                                                                   device=x.device)
         if not out.is_contiguous():
@@ -329,8 +329,8 @@ class LowLatencyEngine:
         p = LLCombineParams.from_buffer_copy(template)
         p.x, p.src_info, p.layout_range = x.data_ptr(), handle.src_info.data_ptr(), handle.layout_range.data_ptr()
         p.expect_half = -1
-        for half in (0, 1):
-            if x.data_ptr() == self.base + lay.combine_send_offset(half):
+        for half in (0, 1):   # the plan's offsets: no layout arithmetic per call
+            if x.data_ptr() == self.base + p.combine_send_offset + half * p.data_half_stride:
                 p.expect_half = half
         p.topk_idx, p.topk_weights, p.out, p.num_tokens = idx.data_ptr(), w.data_ptr(), out.data_ptr(), num_tokens
         p.wait_stats = _ptr(args.combine_wait_recv_cost_stats)
