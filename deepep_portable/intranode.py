@@ -31,7 +31,7 @@ def _struct(name: str, fields: List[str]) -> type:
     return type(name, (ctypes.Structure,), {"_fields_": [(f, ctypes.c_int64) for f in fields]})
 
 
-_CONTROL = ["round", "current", "ready", "error", "num_tokens", "done", "count_to", "expert_count"]
+_CONTROL = ["round", "current", "ready", "error", "num_tokens", "done", "count_to", "expert_count", "counted"]
 DispatchParams = _struct("DispatchParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
     "send_list_offset", "send_area_offset", "slot_bytes", "capacity", "scales_offset", "topk_idx_offset",
@@ -39,7 +39,7 @@ DispatchParams = _struct("DispatchParams", [
     "num_tokens_per_rank",
     "num_tokens_per_expert", "num_tokens", "num_scales", "num_experts", "recv_x", "recv_scales",
     "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "rank_prefix_matrix", "send_rows",
-    "num_recv_out", "expert_counts_out", "host_out", "max_recv_rows", "expert_alignment", "notify_only",
+    "num_recv_out", "expert_counts_out", "host_out", "max_recv_rows", "expert_alignment",
     "error_claim", "error_host", "timeout_ns"])
 CombineParams = _struct("CombineParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
@@ -66,10 +66,11 @@ class IntranodeEngine:
         self.profile = PhaseProfile(self.dev)   # DEEPEP_PORTABLE_PROFILE=1 (used by `bench`)
         self.errors = self.window.errors
         self._kernel_cache = KernelCache(self.dev)
+        self._plans: dict = {}   # per call shape: (kernels, filled params template); see _plan
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
-                     L.ctrl_count_to(self.num_ranks), L.ctrl_expert_count(self.num_ranks)]
+                     L.ctrl_count_to(self.num_ranks), L.ctrl_expert_count(self.num_ranks), L.CTRL_COUNTED]
 
     # ---- errors --------------------------------------------------------------------------------
     def check(self) -> None:
@@ -92,7 +93,7 @@ class IntranodeEngine:
         raise err
 
     def _wait_notify(self, op: str) -> int:
-        """Spin (GIL held, no sleep: this is the latency-critical path) until the notify kernel
+        """Spin (GIL held, no sleep: this is the latency-critical path) until the stage kernel
         published the receive count, a kernel reported an error, or the timeout passed."""
         deadline = time.monotonic() + self.ctx.timeout_s + 5.0
         w = self.notify.words
@@ -119,11 +120,48 @@ class IntranodeEngine:
     def _kernel(self, source: str, name: str, defines: dict):
         return self._kernel_cache.get(source, name, defines)
 
+    def _plan(self, key: tuple, build):
+        """(kernels, params template) of one call shape, built once: the host path before the first
+        kernel is on the op's critical path whenever the GPU has nothing queued (a template copy and
+        the per-call pointers instead of layout arithmetic, a struct fill and kernel lookups)."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = build()
+        return plan
+
     def _grid(self, num_sms: int) -> int:
         return self.window.grid(num_sms)
 
     def _capacity(self, lay: L.NormalLayout) -> int:
         return lay.max_tokens_per_rank(self.ctx.num_nvl_bytes)
+
+    def _dispatch_plan(self, hidden: int, elem_bytes: int, num_scales: int, topk: int, num_experts: int,
+                       expert_alignment: int):
+        lay = L.NormalLayout(self.num_ranks, hidden, elem_bytes, num_scales, topk)
+        cap = self._capacity(lay)
+        p = DispatchParams()
+        self._common(p)
+        slot_scales = L.align_up(hidden * elem_bytes)
+        slot_topk = slot_scales + L.align_up(num_scales * 4)
+        p.send_list_offset, p.send_area_offset = lay.send_list_offset(), lay.send_area_offset(cap)
+        p.slot_bytes, p.capacity = lay.dispatch_slot, cap
+        p.scales_offset, p.topk_idx_offset = slot_scales, slot_topk
+        p.topk_weights_offset = slot_topk + L.align_up(topk * 4)
+        p.num_scales, p.num_experts, p.expert_alignment = num_scales, num_experts, expert_alignment
+        defines = dict(NUM_RANKS=self.num_ranks, HIDDEN_BYTES=hidden * elem_bytes, NUM_TOPK=topk,
+                       NUM_SCALES=num_scales)
+        kernels = tuple(self._kernel(DISPATCH_SOURCE, f"intranode_dispatch_{k}", defines) for k in ("stage", "pull"))
+        return kernels, p
+
+    def _combine_plan(self, hidden: int, topk: int):
+        lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, topk)
+        p = CombineParams()
+        self._common(p)
+        p.send_area_offset, p.slot_bytes = lay.send_area_offset(self._capacity(lay)), lay.combine_slot
+        p.weights_offset = L.align_up(hidden * 2)
+        defines = dict(NUM_RANKS=self.num_ranks, HIDDEN=hidden, NUM_TOPK=topk)
+        kernels = tuple(self._kernel(COMBINE_SOURCE, f"intranode_combine_{k}", defines) for k in ("stage", "pull"))
+        return kernels, p
 
     # ---- dispatch ---------------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs, handle: Optional[DispatchHandle] = None) -> DispatchResult:
@@ -136,11 +174,14 @@ class IntranodeEngine:
         cached = handle is not None
         topk = 0 if cached or args.topk_idx is None else args.topk_idx.size(1)
         num_scales = 0 if x_scales is None else x_scales.size(1)
-        lay = L.NormalLayout(R, hidden, x.element_size(), num_scales, topk)
-        cap = self._capacity(lay)
         num_experts = args.num_experts
         if num_experts > L.max_experts_in_control(R):
             raise ValueError(f"the nvlink transport supports up to {L.max_experts_in_control(R)} experts")
+        (stage, pull), template = self._plan(
+            ("dispatch", hidden, x.element_size(), num_scales, topk, num_experts, args.expert_alignment),
+            lambda: self._dispatch_plan(hidden, x.element_size(), num_scales, topk, num_experts,
+                                        args.expert_alignment))
+        self.profile.host_time("dispatch:check_and_plan", t_host)
 
         dev = self.ctx.device
         if cached:
@@ -157,28 +198,25 @@ class IntranodeEngine:
             send_pos, send_rows = small[:N * R].view(N, R), small[N * R:2 * N * R].view(N, R)
         rank_prefix = small[small_n - 1 - R * R:small_n - 1].view(R, R)
         num_recv_dev = small[small_n - 1:]
+        self.profile.host_time("dispatch:until_alloc", t_host)
 
-        p = DispatchParams()
-        self._common(p)
-        slot_scales = L.align_up(hidden * x.element_size())
-        slot_topk = slot_scales + L.align_up(num_scales * 4)
-        p.send_list_offset, p.send_area_offset = lay.send_list_offset(), lay.send_area_offset(cap)
-        p.slot_bytes, p.capacity = lay.dispatch_slot, cap
-        p.scales_offset, p.topk_idx_offset = slot_scales, slot_topk
-        p.topk_weights_offset = slot_topk + L.align_up(topk * 4)
+        p = DispatchParams.from_buffer_copy(template)
         p.x, p.x_scales = x.data_ptr(), _ptr(x_scales)
         p.topk_idx = 0 if cached else _ptr(args.topk_idx)
         p.topk_weights = 0 if cached else _ptr(args.topk_weights)
         p.is_token_in_rank = 0 if cached else args.is_token_in_rank.data_ptr()
         p.send_pos, p.num_tokens_per_rank = send_pos.data_ptr(), per_rank.data_ptr()
         p.num_tokens_per_expert = 0 if cached else args.num_tokens_per_expert.data_ptr()
-        p.num_tokens, p.num_scales, p.num_experts = N, num_scales, num_experts
-        p.expert_alignment = args.expert_alignment
-        defines = dict(NUM_RANKS=R, HIDDEN_BYTES=hidden * x.element_size(), NUM_TOPK=topk, NUM_SCALES=num_scales)
-        stage = self._kernel(DISPATCH_SOURCE, "intranode_dispatch_stage", defines)
-        pull = self._kernel(DISPATCH_SOURCE, "intranode_dispatch_pull", defines)
+        p.num_tokens = N
+        # Learn the receive count on the host (as DeepEP does) from the stage kernel's block 0, which
+        # publishes it before its copy: the host allocates and launches the pull while the copy runs.
+        learn_count = not cached and args.num_worst_tokens == 0
+        if learn_count:
+            self.notify.words[0] = 0
+            p.host_out = self.notify.dev
         s = stream_handle(comm)
         grid = self._grid(args.num_sms)
+        self.profile.host_time("dispatch:until_params", t_host)
         marks = self.profile.start(comm)
         t_launch = time.perf_counter()
         launch(stage, grid, THREADS, p, s)
@@ -195,16 +233,11 @@ class IntranodeEngine:
         elif args.num_worst_tokens > 0:
             rows, num_recv = args.num_worst_tokens, -1
         else:
-            # Learn the receive count on the host (as DeepEP does): a one-block notify launch.
-            self.notify.words[0] = 0
-            p.host_out, p.notify_only, p.max_recv_rows = self.notify.dev, 1, 1 << 30
-            launch(pull, 1, THREADS, p, s)
             t_wait = time.perf_counter()
             num_recv = self._wait_notify("dispatch")
             self.profile.host_time("dispatch:wait_notify", t_wait)
             t_wait = time.perf_counter()
-            self.profile.mark(marks, comm)
-            counts_list = [self.notify.words[2 + e] for e in range(experts_per_rank)]
+            counts_list = self.notify.words[2:2 + experts_per_rank]
             rows = num_recv
             p.host_out = 0
 
@@ -217,13 +250,12 @@ class IntranodeEngine:
         recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
         p.recv_x, p.recv_scales, p.recv_topk_idx, p.recv_topk_weights, p.recv_src_idx = (
             recv_x.data_ptr(), _ptr(recv_scales), _ptr(recv_idx), _ptr(recv_w), recv_src.data_ptr())
-        p.notify_only, p.max_recv_rows = 0, rows
+        p.max_recv_rows = rows
         launch(pull, grid, THREADS, p, s)
-        if not cached and args.num_worst_tokens == 0:
+        if learn_count:
             self.profile.host_time("dispatch:notify_to_pull_launch", t_wait)
         self.profile.mark(marks, comm)
-        self.profile.finish("dispatch", ("stage", "notify+host", "pull") if marks and len(marks) == 4
-                            else ("stage", "pull"), marks)
+        self.profile.finish("dispatch", ("stage", "pull"), marks)
         self.profile.host_time("dispatch:call", t_host)
         if cached:
             return DispatchResult(recv_x, recv_scales, None, None, [], handle)
@@ -243,13 +275,8 @@ class IntranodeEngine:
         comm = self.ctx.comm_stream
         hidden = x.size(1)
         topk = 0 if topk_weights is None else topk_weights.size(1)
-        R = self.num_ranks
-        lay = L.NormalLayout(R, hidden, 2, 0, topk)
-        cap = self._capacity(lay)
-        p = CombineParams()
-        self._common(p)
-        p.send_area_offset, p.slot_bytes = lay.send_area_offset(cap), lay.combine_slot
-        p.weights_offset = L.align_up(hidden * 2)
+        (stage, pull), template = self._plan(("combine", hidden, topk), lambda: self._combine_plan(hidden, topk))
+        p = CombineParams.from_buffer_copy(template)
         p.x, p.topk_weights = x.data_ptr(), _ptr(topk_weights)
         p.num_rows = handle.transport_state["num_recv"].data_ptr()
         p.send_rows = handle.send_rows.data_ptr()
@@ -257,13 +284,12 @@ class IntranodeEngine:
         out = torch.empty(handle.num_tokens, hidden, dtype=torch.bfloat16, device=x.device)
         out_w = None if topk == 0 else torch.empty(handle.num_tokens, topk, dtype=torch.float32, device=x.device)
         p.out, p.out_topk_weights, p.num_tokens = out.data_ptr(), _ptr(out_w), handle.num_tokens
-        defines = dict(NUM_RANKS=R, HIDDEN=hidden, NUM_TOPK=topk)
         s = stream_handle(comm)
         grid = self._grid(num_sms)
         marks = self.profile.start(comm)
-        launch(self._kernel(COMBINE_SOURCE, "intranode_combine_stage", defines), grid, THREADS, p, s)
+        launch(stage, grid, THREADS, p, s)
         self.profile.mark(marks, comm)
-        launch(self._kernel(COMBINE_SOURCE, "intranode_combine_pull", defines), grid, THREADS, p, s)
+        launch(pull, grid, THREADS, p, s)
         self.profile.mark(marks, comm)
         self.profile.finish("combine", ("stage", "pull"), marks)
         return out, out_w

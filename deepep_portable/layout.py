@@ -98,6 +98,7 @@ CTRL_CURRENT = 8        # u64: op in progress (written by its first kernel)
 CTRL_READY = 16         # u64: "my send area holds op n"  (written by me, read by peers)
 CTRL_ERROR = 24         # u32: first error code of this buffer (device-side claim)
 CTRL_NUM_TOKENS = 28    # i32: tokens staged by the current dispatch
+CTRL_COUNTED = 32       # u64: "my count_to / expert_count hold op n's counts" (dispatch stage kernel)
 CTRL_DONE = 64          # u64[R]: DONE[p] = last op whose data peer p finished pulling from me
 
 

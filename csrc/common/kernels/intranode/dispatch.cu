@@ -4,12 +4,13 @@
 //                              write the per-destination send lists and my counts. The send
 //                              positions (index of token t among my tokens for rank r) are scanned
 //                              here, one block per destination rank, while the other warps copy rows.
+//                              With host_out, block 0 first publishes my counts, waits for every
+//                              peer's, and reports my receive count to the host, so the host
+//                              allocates the outputs and launches the pull while the copy runs.
 //   intranode_dispatch_pull:   wait for every peer's READY, derive the receive layout from the
 //                              peers' counts (rows ordered by source rank, then source token),
 //                              and copy my rows straight from the peers' send areas into recv_x;
 //                              it also writes the handle's send_rows (where each of my tokens lands).
-//                              With notify_only it stops after publishing the counts (the host
-//                              then allocates exactly num_recv rows and launches it again).
 //
 // Compile-time (-D): NUM_RANKS, HIDDEN_BYTES (payload bytes per token, multiple of 16),
 // NUM_TOPK (0 when the call has no top-k), NUM_SCALES (0 for BF16). Everything else is a run-time
@@ -82,10 +83,9 @@ struct DispatchParams {
     int* send_rows;                 // [num_tokens, R]: row of my token t at rank j, -1 = not sent (or null)
     int* num_recv_out;              // [1] (or null)
     int* expert_counts_out;         // [num_experts / R], aligned to expert_alignment (or null)
-    int* host_out;                  // mapped: [0] = ready flag, [1] = num_recv, [2..] expert counts (or null)
+    int* host_out;                  // stage: mapped [0] = ready flag, [1] = num_recv, [2..] expert counts (or null)
     int64_t max_recv_rows;
     int64_t expert_alignment;
-    int64_t notify_only;
     // errors
     unsigned int* error_claim;
     int* error_host;
@@ -139,11 +139,61 @@ DEEPEP_DEVICE void scan_send_positions(const DispatchParams& p, int* send_list) 
     }
 }
 
+// My local experts' receive counts (summed over sources, aligned to expert_alignment).
+DEEPEP_DEVICE int local_expert_count(const DispatchParams& p, const PeerBuffers& bufs, int e) {
+    const int experts_per_rank = static_cast<int>(p.num_experts / kNumRanks);
+    int count = 0;
+    for (int s = 0; s < kNumRanks; ++s)
+        count += bufs.at<const volatile int>(s, p.ctrl.expert_count)[bufs.rank * experts_per_rank + e];
+    return align_up<int>(count, static_cast<int>(p.expert_alignment));
+}
+
+// Block 0 of the stage kernel, after writing my counts: COUNTED = n (release), wait for every
+// peer's COUNTED >= n, then hand the host my receive count and expert counts. Peers publish their
+// counts before any wait of theirs but begin_round's (which needs only the previous round), so
+// this wait cannot deadlock; peers rewrite their counts only in round n+1, whose begin_round
+// waits for my DONE = n, given by my next stage kernel.
+DEEPEP_DEVICE void notify_host(const DispatchParams& p, const PeerBuffers& bufs, uint64_t n, const ErrorSink& sink) {
+    __shared__ int s_ok;
+    __syncthreads();   // every thread's count writes precede the release
+    if (threadIdx.x == 0) {
+        s_ok = 1;
+        __threadfence_system();
+        st_release_sys(bufs.at<uint64_t>(bufs.rank, p.ctrl.counted), n);
+    }
+    __syncthreads();
+    if (p.host_out == nullptr)
+        return;
+    const uint64_t deadline = globaltimer_ns() + p.timeout_ns;
+    for (int q = threadIdx.x; q < kNumRanks; q += blockDim.x)
+        if (!wait_ge(bufs.at<const uint64_t>(q, p.ctrl.counted), n, deadline, sink, q))
+            s_ok = 0;
+    __syncthreads();
+    if (!s_ok)
+        return;   // reported; the host raises it
+    __threadfence_system();   // the counts are read after the acquires
+    volatile int* host = p.host_out;
+    const int experts_per_rank = static_cast<int>(p.num_experts / kNumRanks);
+    for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x)
+        host[2 + e] = local_expert_count(p, bufs, e);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int num_recv = 0;
+        for (int s = 0; s < kNumRanks; ++s)
+            num_recv += bufs.at<const volatile int>(s, p.ctrl.count_to)[bufs.rank];
+        host[1] = num_recv;
+        __threadfence_system();
+        host[0] = 1;   // the host reset it to 0 before the launch
+        __threadfence_system();
+    }
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_stage(const __grid_constant__ DispatchParams p) {
     const PeerBuffers bufs = bufs_of(p);
-    const uint64_t n = begin_round(bufs, p.ctrl, p.timeout_ns, sink_of(p, kOpDispatch));
+    const ErrorSink sink = sink_of(p, kOpDispatch);
+    const uint64_t n = begin_round(bufs, p.ctrl, p.timeout_ns, sink);
     if (n == 0)
         return;
     if (blockIdx.x == 0) {
@@ -153,6 +203,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_stage(
         int* expert_count = bufs.at<int>(bufs.rank, p.ctrl.expert_count);
         for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x)
             expert_count[e] = p.num_tokens_per_expert != nullptr ? p.num_tokens_per_expert[e] : 0;
+        notify_host(p, bufs, n, sink);
     }
     int* send_list = bufs.at<int>(bufs.rank, p.send_list_offset);
     char* send_area = bufs.at<char>(bufs.rank, p.send_area_offset);
@@ -235,29 +286,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_pull(c
             }
         }
         const int experts_per_rank = static_cast<int>(p.num_experts / kNumRanks);
-        for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
-            int count = 0;
-            for (int s = 0; s < kNumRanks; ++s)
-                count += bufs.at<const volatile int>(s, p.ctrl.expert_count)[me * experts_per_rank + e];
-            count = align_up<int>(count, static_cast<int>(p.expert_alignment));
-            if (p.expert_counts_out != nullptr)
-                p.expert_counts_out[e] = count;
-            if (p.host_out != nullptr)
-                reinterpret_cast<volatile int*>(p.host_out)[2 + e] = count;
-        }
+        for (int e = threadIdx.x; e < experts_per_rank && p.expert_counts_out != nullptr; e += blockDim.x)
+            p.expert_counts_out[e] = local_expert_count(p, bufs, e);
         if (threadIdx.x == 0 && p.num_recv_out != nullptr)
             *p.num_recv_out = num_recv;
-        __syncthreads();
-        if (threadIdx.x == 0 && p.host_out != nullptr) {
-            volatile int* host = p.host_out;
-            host[1] = num_recv_all;
-            __threadfence_system();
-            host[0] = 1;   // the host reset it to 0 before the launch
-            __threadfence_system();
-        }
     }
-    if (p.notify_only)
-        return;
 
     if (p.send_rows != nullptr) {
         // My rows at rank j start after the rows of ranks 0..me-1 there.
