@@ -161,6 +161,22 @@ def _graph_seconds(fn: Callable[[], None], device: torch.device, cfg: argparse.N
     return _slowest(_timer(device, replay, cfg.warmup, cfg.iters, group), group) / LL_LOOP
 
 
+def _print_graph_trace(engine, fn: Callable[[], None], what: str, group, rank: int, tokens: int) -> None:
+    """Rank 0 prints where one replay of a CUDA graph of LL_LOOP calls spends its time, from the
+    kernels' own timestamps (events cannot be placed inside the replay)."""
+    replay = _graph_of(fn, LL_LOOP)
+    torch.cuda.synchronize()
+    engine.trace_reset()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    replay()
+    torch.cuda.synchronize()
+    report = engine.trace_report()
+    if rank == 0:
+        print(f"[graph trace rank 0, {what}, {tokens} tokens, median of {LL_LOOP} calls] "
+              + ", ".join(f"{k} {v:.1f} us" for k, v in report.items()), flush=True)
+
+
 def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int, group, blocks: int,
                   loop: int = 1, graph: bool = False) -> float:
     """Seconds for one plain copy of num_bytes on this device, every rank copying at once; on the
@@ -349,6 +365,10 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
         gc_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), graph=True)
         _add_rows(rows, buf, cfg, tokens, (("ll_dispatch_graph", g_dispatch, gc_dispatch, dispatch_bytes, prec),
                                            ("ll_combine_graph", g_combine, gc_combine, combine_bytes, "bf16")))
+        engine = getattr(buf._backend, "ll_engine", None)
+        if getattr(engine, "trace", None) is not None:   # DEEPEP_PORTABLE_PROFILE=1
+            for what, fn in (("low_latency_dispatch", dispatch), ("low_latency_combine", combine)):
+                _print_graph_trace(engine, fn, what, group, rank, tokens)
 
 
 def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:

@@ -52,13 +52,15 @@ TRANSPORT_DEFINES = {"nvlink": "DEEPEP_TRANSPORT_NVLINK", "nvshmem": "DEEPEP_TRA
 _DISPATCH_KERNELS = ("ll_dispatch_stage", "ll_dispatch_send", "ll_dispatch_recv")   # launch order
 _COMBINE_KERNELS = ("ll_combine_send", "ll_combine_recv")
 THREADS = 512                      # kThreads in protocol.cuh
+TRACE_CALLS = 64                   # kTraceCalls in protocol.cuh
+TRACE_KERNELS = ("dispatch_stage", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")   # TraceKernel
 OP_NAMES = {3: "low_latency_dispatch", 4: "low_latency_combine"}
 ERROR_TIMEOUT, ERROR_OVERRUN, ERROR_OVERWRITE = 1, 3, 4   # ErrorCode / kErrorOverrun / kErrorOverwrite
 
 _COMMON = ["peer_bases", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_send_arrive", "ctrl_recv_arrive",
            "ctrl_last", "dispatch_signal_offset", "combine_signal_offset", "signal_half_stride", "dispatch_recv_offset",
            "combine_send_offset", "combine_recv_offset", "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes",
-           "error_claim", "error_host", "timeout_ns"]
+           "error_claim", "error_host", "timeout_ns", "trace"]
 LLDispatchParams = _struct("LLDispatchParams", [
     *_COMMON, "x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "recv_x", "recv_scales", "src_info",
     "layout_range", "recv_count", "cumulative_recv_stats", "wait_stats", "use_ue8m0"])
@@ -118,6 +120,9 @@ class LowLatencyEngine:
         self.errors = self.window.errors
         self._kernel_cache = KernelCache(self.dev)
         self.profile = PhaseProfile(self.dev)   # DEEPEP_PORTABLE_PROFILE=1 (used by `bench`)
+        # With profiling, the kernels also stamp their start / end per call (see trace_report).
+        self.trace = (torch.zeros(TRACE_CALLS * len(TRACE_KERNELS) * 2, dtype=torch.int64, device=ctx.device)
+                      if self.profile.enabled else None)
 
     # ---- errors ----------------------------------------------------------------------------------
     def check(self) -> None:
@@ -180,6 +185,39 @@ class LowLatencyEngine:
         p.error_claim = self.base + L.LL_CTRL_ERROR
         p.error_host = self.errors.dev
         p.timeout_ns = int(self.ctx.timeout_s * 1e9)
+        p.trace = _ptr(self.trace)
+
+    # ---- kernel timing trace (profiling only) ---------------------------------------------------------
+    def trace_reset(self) -> None:
+        """Forget the stamps (starts to ~0, ends to 0) on the current stream."""
+        slots = self.trace.view(-1, 2)
+        slots[:, 0].fill_(-1)
+        slots[:, 1].zero_()
+
+    def trace_report(self) -> dict:
+        """Median microseconds over the traced calls since trace_reset(): each kernel's span (first block
+        start to last block end) and the gaps between consecutive kernels of a call ('a>b': from a's end
+        to b's start; negative: b started before a ended, e.g. a receive kernel waiting), 'call' (first
+        start to last end) and 'period' (from one call's first start to the next call's: the steady-state
+        time per call on this rank, which excludes the start skew between ranks that a timed replay pays)."""
+        import statistics
+
+        t = self.trace.view(TRACE_CALLS, len(TRACE_KERNELS), 2).cpu().tolist()
+        spans: dict = {}
+        starts = []
+        for call in t:
+            done = [(name, s, e) for name, (s, e) in zip(TRACE_KERNELS, call) if s != -1 and e != 0]
+            for name, s, e in done:
+                spans.setdefault(name, []).append((e - s) / 1e3)
+            for (a, _, ea), (b, sb, _) in zip(done, done[1:]):
+                spans.setdefault(f"{a}>{b}", []).append((sb - ea) / 1e3)
+            if done:
+                spans.setdefault("call", []).append((done[-1][2] - done[0][1]) / 1e3)
+                starts.append(done[0][1])
+        starts.sort()
+        if len(starts) > 1:
+            spans["period"] = [(b - a) / 1e3 for a, b in zip(starts, starts[1:])]
+        return {k: statistics.median(v) for k, v in spans.items()}
 
     def _plan(self, params_type, source: str, names: Tuple[str, ...], num_max_tokens: int, hidden: int,
               num_experts: int, num_topk: int):

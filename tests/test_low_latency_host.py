@@ -335,3 +335,21 @@ def test_num_experts_change_needs_clean(monkeypatch):
         eng._check_signal_geometry(128)
     eng._signal_experts = 128      # what clean_low_latency_buffer(..., 128) records
     eng._check_signal_geometry(128)
+
+
+def test_trace_report_spans_gaps_and_period():
+    """The kernels' stamps (profiling) turn into per-kernel spans, gaps, the call span and the period."""
+    trace = torch.zeros(ll.TRACE_CALLS * len(ll.TRACE_KERNELS) * 2, dtype=torch.int64)
+    view = trace.view(ll.TRACE_CALLS, len(ll.TRACE_KERNELS), 2)
+    view[:, :, 0] = -1
+    for i, seq in enumerate((63, 0, 1)):   # three dispatch calls, the slot index wrapping around
+        t0 = 1_000_000 + 100_000 * i       # ns: one call every 100 us
+        view[seq, 0] = torch.tensor([t0, t0 + 10_000])              # stage 10 us
+        view[seq, 1] = torch.tensor([t0 + 12_000, t0 + 40_000])     # send 28 us, 2 us after the stage
+        view[seq, 2] = torch.tensor([t0 + 30_000, t0 + 80_000])     # recv started while send ran
+    engine = type("Stub", (), {"trace": trace})()
+    report = ll.LowLatencyEngine.trace_report(engine)
+    assert report["dispatch_stage"] == 10.0 and report["dispatch_send"] == 28.0 and report["dispatch_recv"] == 50.0
+    assert report["dispatch_stage>dispatch_send"] == 2.0 and report["dispatch_send>dispatch_recv"] == -10.0
+    assert report["call"] == 80.0 and report["period"] == 100.0
+    assert not any(k.startswith("combine") for k in report)   # untouched slots are not calls

@@ -62,7 +62,7 @@ struct LLCombineParams {
 extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __grid_constant__ LLCombineParams p) {
     const Common& c = p.c;
     const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
-    const Call call = begin_call(c, c.ctrl_sent, kKindCombine);
+    const Call call = begin_call(c, c.ctrl_sent, kTraceCombineSend, kKindCombine);
     const uint64_t seq = call.seq;
     const int half = static_cast<int>(seq & 1);
     const int lane = threadIdx.x % 32;
@@ -126,13 +126,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
     // per warp, after its last signal; a no-op for load/store peers).
     if (lane == 0)
         tr.flush(0);
-    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq, kKindCombine);
+    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq, kTraceCombineSend, kKindCombine);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __grid_constant__ LLCombineParams p) {
     const Common& c = p.c;
     const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
-    const uint64_t seq = begin_call(c, c.ctrl_recvd).seq;
+    const uint64_t seq = begin_call(c, c.ctrl_recvd, kTraceCombineRecv).seq;
     const int half = static_cast<int>(seq & 1);
     const ErrorSink sink = sink_of(c, kOpCombine);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
@@ -223,5 +223,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __g
             }
         }
     }
-    end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq);
+    end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq, kTraceCombineRecv);
 }

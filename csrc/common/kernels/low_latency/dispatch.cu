@@ -124,6 +124,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_stage(const _
     const Common& c = p.c;
     const int lane = threadIdx.x % 32;
     const int num_warps = gridDim.x * (kThreads / 32);
+    // The send kernel that follows on this stream takes call SENT + 1 (profiling only; SENT does
+    // not change while this kernel runs, so the end mark reads it again instead of keeping it).
+    if (c.trace != nullptr)
+        trace_mark(c.trace, *own<volatile uint64_t>(c, c.ctrl_sent) + 1, kTraceDispatchStage, false);
     for (int64_t t = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; t < p.num_tokens; t += num_warps) {
         char* msg = own<char>(c, p.send_stage_offset + t * c.msg_bytes);
         const int4* row = p.x + t * kRowInt4;
@@ -135,12 +139,16 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_stage(const _
         else
             transport::warp_copy_bytes(msg + kMsgHeader, row, kRowInt4 * 16, lane);
     }
+    if (c.trace != nullptr) {   // uniform over the grid
+        __syncthreads();
+        trace_mark(c.trace, *own<volatile uint64_t>(c, c.ctrl_sent) + 1, kTraceDispatchStage, true);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __grid_constant__ LLDispatchParams p) {
     const Common& c = p.c;
     const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
-    const Call call = begin_call(c, c.ctrl_sent, kKindDispatch);
+    const Call call = begin_call(c, c.ctrl_sent, kTraceDispatchSend, kKindDispatch);
     const uint64_t seq = call.seq;
     const int half = static_cast<int>(seq & 1);
     const int lane = threadIdx.x % 32;
@@ -179,13 +187,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __
     // warp's puts before the kernel ends (one quiet per warp; a no-op for load/store peers).
     if (lane == 0)
         tr.flush(0);
-    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq, kKindDispatch);
+    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq, kTraceDispatchSend, kKindDispatch);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(const __grid_constant__ LLDispatchParams p) {
     const Common& c = p.c;
     const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
-    const uint64_t seq = begin_call(c, c.ctrl_recvd).seq;
+    const uint64_t seq = begin_call(c, c.ctrl_recvd, kTraceDispatchRecv).seq;
     const int half = static_cast<int>(seq & 1);
     const ErrorSink sink = sink_of(c, kOpDispatch);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
@@ -285,5 +293,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(const __
                 p.src_info[e * slots + row] = src_token;
         }
     }
-    end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq);
+    end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq, kTraceDispatchRecv);
 }

@@ -106,10 +106,30 @@ struct Common {
     unsigned int* error_claim;
     int* error_host;
     int64_t timeout_ns;
+    uint64_t* trace;                 // null, or [kTraceCalls][kTraceKernels][start, end] globaltimer ns (profiling)
 };
 
 DEEPEP_DEVICE ErrorSink sink_of(const Common& c, int op) {
     return ErrorSink{c.error_claim, c.error_host, op, static_cast<int>(c.rank)};
+}
+
+// Optional kernel timing (DEEPEP_PORTABLE_PROFILE=1; `bench --mode low_latency` prints it for the
+// CUDA-graph replays, where host events cannot be placed): per call (slot seq % kTraceCalls) and
+// kernel, the earliest block start and the latest block end. The host fills start slots with ~0 and
+// end slots with 0 before the calls it traces.
+constexpr int kTraceCalls = 64;
+enum TraceKernel : int { kTraceDispatchStage = 0, kTraceDispatchSend, kTraceDispatchRecv, kTraceCombineSend,
+                         kTraceCombineRecv, kTraceKernels };
+
+DEEPEP_DEVICE void trace_mark(uint64_t* trace, uint64_t seq, int kernel, bool end) {
+    if (trace == nullptr || threadIdx.x != 0)
+        return;
+    unsigned long long* slot = reinterpret_cast<unsigned long long*>(trace) + ((seq % kTraceCalls) * kTraceKernels + kernel) * 2;
+    const unsigned long long now = globaltimer_ns();
+    if (end)
+        atomicMax(slot + 1, now);
+    else
+        atomicMin(slot, now);
 }
 
 template <typename U>
@@ -129,12 +149,13 @@ struct Call {
     uint64_t prev;
 };
 
-DEEPEP_DEVICE Call begin_call(const Common& c, int64_t counter_off, int kind = -1) {
+DEEPEP_DEVICE Call begin_call(const Common& c, int64_t counter_off, int trace_kernel, int kind = -1) {
     __shared__ uint64_t s_seq, s_prev;
     if (threadIdx.x == 0) {
         const uint64_t seq = *own<volatile uint64_t>(c, counter_off) + 1;
         s_seq = seq;
         s_prev = kind >= 0 ? *own<volatile uint64_t>(c, last_off(c, kind, static_cast<int>(seq & 1))) : 0;
+        trace_mark(c.trace, seq, trace_kernel, false);
     }
     __syncthreads();
     return Call{s_seq, s_prev};
@@ -145,8 +166,10 @@ DEEPEP_DEVICE Call begin_call(const Common& c, int64_t counter_off, int kind = -
 // for the next launch. Every block's accesses (the receive kernel's reads of the half) are ordered
 // before the arrival (__syncthreads + system fence), and the counter store is a system-scope
 // release: a peer that reads RECVD >= seq (the sender-side overwrite check) knows they are done.
-DEEPEP_DEVICE void end_call(const Common& c, int64_t counter_off, int64_t arrive_off, uint64_t seq, int kind = -1) {
+DEEPEP_DEVICE void end_call(const Common& c, int64_t counter_off, int64_t arrive_off, uint64_t seq, int trace_kernel,
+                            int kind = -1) {
     __syncthreads();
+    trace_mark(c.trace, seq, trace_kernel, true);
     if (threadIdx.x == 0) {
         __threadfence_system();
         const unsigned int prev = atomicAdd(own<unsigned int>(c, arrive_off), 1u);
