@@ -64,27 +64,28 @@ struct LLDispatchParams {
 
 namespace {
 
-// FP8 cast of one bf16 row by a warp: lanes 0-15 handle block b, lanes 16-31 block b+1; each lane
-// 8 channels (one 16-byte word). Writes H fp8 bytes at `data` and S float32 scales at `scales`.
+// FP8 cast of 128-channel blocks [b_begin, b_end) of one bf16 row by a warp (b_begin even): lanes
+// 0-15 handle block b, lanes 16-31 block b+1; each lane 8 channels (one 16-byte word). Writes the
+// blocks' fp8 bytes into `data` (the row's H bytes) and their float32 scales into `scales` (S).
 // The loads of kBatch block pairs are issued together (the stores in between would otherwise keep
 // the compiler from hoisting them: one memory round trip per pair).
 DEEPEP_DEVICE void cast_row_fp8(const int4* __restrict__ row, char* __restrict__ data, float* __restrict__ scales,
-                                bool round_scale, int lane) {
+                                bool round_scale, int lane, int b_begin, int b_end) {
     constexpr int kBatch = 8;
     const int half = lane / 16, l16 = lane % 16;
-    for (int b0 = 0; b0 < kNumScales; b0 += 2 * kBatch) {
+    for (int b0 = b_begin; b0 < b_end; b0 += 2 * kBatch) {
         int4 raw[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
             const int b = b0 + 2 * u + half;
-            raw[u] = b < kNumScales ? row[b * 16 + l16] : make_int4(0, 0, 0, 0);
+            raw[u] = b < b_end ? row[b * 16 + l16] : make_int4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-            if (b0 + 2 * u >= kNumScales)
+            if (b0 + 2 * u >= b_end)
                 break;   // uniform over the warp: the shuffles below stay converged
             const int b = b0 + 2 * u + half;
-            const bool active = b < kNumScales;
+            const bool active = b < b_end;
             const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
             float f[8];
 #pragma unroll
@@ -128,16 +129,27 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_stage(const _
     // not change while this kernel runs, so the end mark reads it again instead of keeping it).
     if (c.trace != nullptr)
         trace_mark(c.trace, *own<volatile uint64_t>(c, c.ctrl_sent) + 1, kTraceDispatchStage, false);
-    for (int64_t t = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; t < p.num_tokens; t += num_warps) {
+    // A decode batch has fewer tokens than warps: split each row over up to kMaxParts warps, so a
+    // warp waits for fewer serial rounds of loads (a part is a range of 128-channel block pairs).
+    constexpr int kMaxParts = 4;
+    constexpr int kPairs = (kNumScales + 1) / 2;
+    const int64_t spare = p.num_tokens > 0 ? num_warps / p.num_tokens : 1;
+    const int parts = static_cast<int>(spare < 1 ? 1 : (spare > kMaxParts ? kMaxParts : spare));
+    const int pairs_per_part = (kPairs + parts - 1) / parts;
+    for (int64_t item = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; item < p.num_tokens * parts; item += num_warps) {
+        const int64_t t = item / parts;
+        const int part = static_cast<int>(item % parts);
+        const int b_begin = min(kNumScales, 2 * part * pairs_per_part);
+        const int b_end = min(kNumScales, 2 * (part + 1) * pairs_per_part);
         char* msg = own<char>(c, p.send_stage_offset + t * c.msg_bytes);
         const int4* row = p.x + t * kRowInt4;
-        if (lane == 0)
+        if (lane == 0 && part == 0)
             *reinterpret_cast<int*>(msg) = static_cast<int>(t);
         if (p.use_fp8)
             cast_row_fp8(row, msg + kMsgHeader, reinterpret_cast<float*>(msg + kMsgHeader + kHidden), p.round_scale != 0,
-                         lane);
-        else
-            transport::warp_copy_bytes(msg + kMsgHeader, row, kRowInt4 * 16, lane);
+                         lane, b_begin, b_end);
+        else   // a 128-channel block is 16 words of bf16
+            transport::warp_copy_bytes(msg + kMsgHeader + b_begin * 256, row + b_begin * 16, (b_end - b_begin) * 256, lane);
     }
     if (c.trace != nullptr) {   // uniform over the grid
         __syncthreads();
