@@ -26,6 +26,6 @@ for n in 2 4 8; do
     $PY -m deepep_portable bench --no-progress --ranks "$n" --baseline --mode normal --tokens 4096 16384 2>&1 | tee "$OUT/bench_normal_ep$n.log" | tail -12
     for t in nvlink nvshmem; do
         $PY -m deepep_portable bench --no-progress --ranks "$n" --transport $t --mode low_latency --tokens 128 2>&1 |
-            tee "$OUT/bench_ll_${t}_ep$n.log" | tail -3
+            tee "$OUT/bench_ll_${t}_ep$n.log" | tail -5
     done
 done
