@@ -61,3 +61,53 @@ def test_control_words_do_not_overlap():
         assert off % min(size, 8) == 0   # u64 signals are 8-byte aligned
     # the kernels' ControlLayout takes the offsets in this order
     assert intranode._CONTROL[-1] == "counted" and len(intranode._CONTROL) == 9
+
+
+class _PlanStub:
+    """What IntranodeEngine's plan builders use, without a GPU (no window, no JIT)."""
+
+    def __init__(self, num_ranks: int, num_nvl_bytes: int) -> None:
+        self.num_ranks = num_ranks
+        self.ctx = type("Ctx", (), {"num_nvl_bytes": num_nvl_bytes})()
+        self.kernels = []
+
+    def _common(self, p) -> None:
+        p.rank = 3
+
+    def _kernel(self, source, name, defines):
+        self.kernels.append((source, name, tuple(sorted(defines.items()))))
+        return name
+
+    _capacity = intranode.IntranodeEngine._capacity
+
+
+def test_dispatch_plan_fills_the_layout_fields_once():
+    ranks, hidden, scales, topk = 8, 7168, 56, 8
+    stub = _PlanStub(ranks, 1 << 30)
+    kernels, t = intranode.IntranodeEngine._dispatch_plan(stub, hidden, 1, scales, topk, 256, 4)
+    lay = L.NormalLayout(ranks, hidden, 1, scales, topk)
+    cap = lay.max_tokens_per_rank(1 << 30)
+    assert kernels == ("intranode_dispatch_stage", "intranode_dispatch_pull")
+    assert dict(stub.kernels[0][2]) == dict(NUM_RANKS=ranks, HIDDEN_BYTES=hidden, NUM_TOPK=topk, NUM_SCALES=scales)
+    assert (t.send_list_offset, t.send_area_offset) == (lay.send_list_offset(), lay.send_area_offset(cap))
+    assert (t.slot_bytes, t.capacity) == (lay.dispatch_slot, cap)
+    # the slot: payload | scales | top-k ids | top-k weights, each 16-byte aligned, inside the slot
+    assert t.scales_offset == hidden and t.topk_idx_offset == hidden + L.align_up(scales * 4)
+    assert t.topk_weights_offset + topk * 4 <= t.slot_bytes
+    assert (t.num_scales, t.num_experts, t.expert_alignment, t.rank) == (scales, 256, 4, 3)
+    # a call copies the template and fills its own pointers: the template stays as built
+    p = intranode.DispatchParams.from_buffer_copy(t)
+    p.x, p.host_out, p.num_tokens = 1234, 5678, 99
+    assert (t.x, t.host_out, t.num_tokens) == (0, 0, 0) and p.slot_bytes == t.slot_bytes
+
+
+def test_combine_plan_fills_the_layout_fields_once():
+    stub = _PlanStub(4, 1 << 28)
+    kernels, t = intranode.IntranodeEngine._combine_plan(stub, 4096, 8)
+    lay = L.NormalLayout(4, 4096, 2, 0, 8)
+    assert kernels == ("intranode_combine_stage", "intranode_combine_pull")
+    assert t.send_area_offset == lay.send_area_offset(lay.max_tokens_per_rank(1 << 28))
+    assert (t.slot_bytes, t.weights_offset, t.rank) == (lay.combine_slot, 4096 * 2, 3)
+    p = intranode.CombineParams.from_buffer_copy(t)
+    p.out = 42
+    assert t.out == 0
