@@ -66,6 +66,13 @@ def zero_async(t: torch.Tensor, stream: StreamLike) -> None:
         _C.memset_d8_async(dev, t.data_ptr(), 0, nbytes, stream_handle(stream, dev))
 
 
+def forced_arch() -> Optional[str]:
+    """DEEPEP_PORTABLE_FORCE_ARCH (e.g. sm_80 on a Hopper GPU): part of every key that caches kernels."""
+    import os
+
+    return os.environ.get("DEEPEP_PORTABLE_FORCE_ARCH")
+
+
 class KernelCache:
     """jit.load memoized per (source, kernel, defines, forced arch) for one device: the hot path of
     an op should not rebuild jit's cache keys on every call."""
@@ -75,9 +82,7 @@ class KernelCache:
         self._fns: dict = {}
 
     def get(self, source: str, name: str, defines: dict):
-        import os
-
-        key = (source, name, tuple(sorted(defines.items())), os.environ.get("DEEPEP_PORTABLE_FORCE_ARCH"))
+        key = (source, name, tuple(sorted(defines.items())), forced_arch())
         fn = self._fns.get(key)
         if fn is None:
             fn = self._fns[key] = jit.load(source, name, defines, self.device)

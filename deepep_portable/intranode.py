@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import layout as L
-from ._kernels import KernelCache, launch, stream_handle
+from ._kernels import KernelCache, forced_arch, launch, stream_handle
 from .handles import DispatchHandle
 from .ipc import CommTimeoutError, IpcWindow, MappedWords
 from .profiling import PhaseProfile
@@ -123,7 +123,9 @@ class IntranodeEngine:
     def _plan(self, key: tuple, build):
         """(kernels, params template) of one call shape, built once: the host path before the first
         kernel is on the op's critical path whenever the GPU has nothing queued (a template copy and
-        the per-call pointers instead of layout arithmetic, a struct fill and kernel lookups)."""
+        the per-call pointers instead of layout arithmetic, a struct fill and kernel lookups). Keyed
+        by the forced architecture too, like the kernel cache."""
+        key = (*key, forced_arch())
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = build()

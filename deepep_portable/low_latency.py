@@ -38,7 +38,7 @@ import torch
 
 from . import jit
 from . import layout as L
-from ._kernels import KernelCache, launch, stream_handle
+from ._kernels import KernelCache, forced_arch, launch, stream_handle
 from .handles import LowLatencyHandle
 from .intranode import _ptr, _struct
 from .ipc import CommTimeoutError, IpcWindow
@@ -222,7 +222,7 @@ class LowLatencyEngine:
     def _plan(self, params_type, source: str, names: Tuple[str, ...], num_max_tokens: int, hidden: int,
               num_experts: int, num_topk: int):
         """(kernels, params template) of one call shape, built once (the layout is checked then)."""
-        key = (params_type, num_max_tokens, hidden, num_experts, num_topk)
+        key = (params_type, num_max_tokens, hidden, num_experts, num_topk, forced_arch())
         plan = self._plans.get(key)
         if plan is None:
             lay = self._layout(num_max_tokens, hidden, num_experts)

@@ -111,3 +111,18 @@ def test_combine_plan_fills_the_layout_fields_once():
     p = intranode.CombineParams.from_buffer_copy(t)
     p.out = 42
     assert t.out == 0
+
+
+def test_plans_follow_the_forced_architecture(monkeypatch):
+    """A plan holds loaded kernels: forcing another architecture (DEEPEP_PORTABLE_FORCE_ARCH, e.g. the
+    sm_80 variant on a Hopper GPU) must build a new one, as the kernel cache does."""
+    stub = _PlanStub(2, 1 << 20)
+    stub._plans = {}
+    builds = []
+    build = lambda: builds.append(1) or ("kernels", None)   # noqa: E731
+    monkeypatch.delenv("DEEPEP_PORTABLE_FORCE_ARCH", raising=False)
+    intranode.IntranodeEngine._plan(stub, ("dispatch", 1), build)
+    intranode.IntranodeEngine._plan(stub, ("dispatch", 1), build)
+    monkeypatch.setenv("DEEPEP_PORTABLE_FORCE_ARCH", "sm_80")
+    intranode.IntranodeEngine._plan(stub, ("dispatch", 1), build)
+    assert len(builds) == 2
