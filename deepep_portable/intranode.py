@@ -143,12 +143,10 @@ class IntranodeEngine:
         cap = self._capacity(lay)
         p = DispatchParams()
         self._common(p)
-        slot_scales = L.align_up(hidden * elem_bytes)
-        slot_topk = slot_scales + L.align_up(num_scales * 4)
         p.send_list_offset, p.send_area_offset = lay.send_list_offset(), lay.send_area_offset(cap)
         p.slot_bytes, p.capacity = lay.dispatch_slot, cap
-        p.scales_offset, p.topk_idx_offset = slot_scales, slot_topk
-        p.topk_weights_offset = slot_topk + L.align_up(topk * 4)
+        p.scales_offset, p.topk_idx_offset = lay.dispatch_scales_offset, lay.dispatch_topk_idx_offset
+        p.topk_weights_offset = lay.dispatch_topk_weights_offset
         p.num_scales, p.num_experts, p.expert_alignment = num_scales, num_experts, expert_alignment
         defines = dict(NUM_RANKS=self.num_ranks, HIDDEN_BYTES=hidden * elem_bytes, NUM_TOPK=topk,
                        NUM_SCALES=num_scales)
@@ -160,7 +158,7 @@ class IntranodeEngine:
         p = CombineParams()
         self._common(p)
         p.send_area_offset, p.slot_bytes = lay.send_area_offset(self._capacity(lay)), lay.combine_slot
-        p.weights_offset = L.align_up(hidden * 2)
+        p.weights_offset = lay.combine_weights_offset
         defines = dict(NUM_RANKS=self.num_ranks, HIDDEN=hidden, NUM_TOPK=topk)
         kernels = tuple(self._kernel(COMBINE_SOURCE, f"intranode_combine_{k}", defines) for k in ("stage", "pull"))
         return kernels, p

@@ -63,6 +63,23 @@ class NormalLayout:
     def combine_slot(self) -> int:
         return combine_slot_bytes(self.hidden, self.num_topk)
 
+    # byte offsets of a slot's parts (the kernels' scales_offset / topk_*_offset / weights_offset)
+    @property
+    def dispatch_scales_offset(self) -> int:
+        return align_up(self.hidden * self.elem_bytes)
+
+    @property
+    def dispatch_topk_idx_offset(self) -> int:
+        return self.dispatch_scales_offset + align_up(self.num_scales * 4)
+
+    @property
+    def dispatch_topk_weights_offset(self) -> int:
+        return self.dispatch_topk_idx_offset + align_up(self.num_topk * 4)
+
+    @property
+    def combine_weights_offset(self) -> int:
+        return align_up(self.hidden * 2)
+
     @property
     def bytes_per_token(self) -> int:
         """Buffer bytes one token per rank costs: its send-list entries and the larger of its
