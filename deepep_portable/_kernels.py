@@ -203,3 +203,30 @@ def copy_with_blocks(dst: torch.Tensor, src: torch.Tensor, num_blocks: int, stre
     assert nbytes == dst.numel() * dst.element_size() and nbytes % 16 == 0
     fn = jit.load(COPY_SOURCE, "copy_int4", {}, device_index(src))
     launch(fn, max(1, num_blocks), 256, CopyParams(src.data_ptr(), dst.data_ptr(), nbytes // 16), stream)
+
+
+class CopySegmentsParams(ctypes.Structure):
+    """Mirror of `struct CopySegmentsParams` in copy.cu."""
+
+    _fields_ = [("src", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("num_int4", ctypes.c_uint64),
+                ("num_segments", ctypes.c_int32)]
+
+
+class SegmentCopy:
+    """One launch that copies consecutive spans of `src` to the given addresses (peers' memory
+    mapped over CUDA IPC included): the benchmark's ceiling for an op's traffic pattern. The address
+    and length tables live on the device, so the launch can be captured in a CUDA graph."""
+
+    def __init__(self, src: torch.Tensor, dst_addresses: Sequence[int], nbytes: Sequence[int]) -> None:
+        if len(dst_addresses) != len(nbytes) or any(n % 16 for n in nbytes):
+            raise ValueError("one destination per segment, each a multiple of 16 bytes")
+        if sum(nbytes) > src.numel() * src.element_size():
+            raise ValueError("the segments exceed the source")
+        self.src = src
+        self.dst = torch.tensor(list(dst_addresses), dtype=torch.int64, device=src.device)
+        self.num_int4 = torch.tensor([n // 16 for n in nbytes], dtype=torch.int64, device=src.device)
+        self.params = CopySegmentsParams(src.data_ptr(), self.dst.data_ptr(), self.num_int4.data_ptr(), len(nbytes))
+        self.fn = jit.load(COPY_SOURCE, "copy_segments", {}, device_index(src))
+
+    def __call__(self, num_blocks: int, stream: StreamLike = None) -> None:
+        launch(self.fn, max(1, num_blocks), 256, self.params, stream)

@@ -220,6 +220,74 @@ def _nccl_all_to_all(rank: int, world: int, group, per_rank_rows: List[int], rec
     return _slowest(_timer(device, a2a, cfg.warmup, cfg.iters, group), group)
 
 
+def _pattern_ceiling(buf: "deep_ep.Buffer", matrix: List[List[int]], forward: bool, row_bytes: int,
+                     device: torch.device, cfg: argparse.Namespace, group, blocks: int, loop: int = 1,
+                     graph: bool = False) -> float:
+    """Seconds for the ideal copy of an op's traffic between ranks on different GPUs: in one launch
+    with the op's block budget, every rank writes exactly the bytes the op sends each rank straight
+    into that rank's memory (mapped over CUDA IPC, so over NVLink between GPUs). matrix[s][d] is the
+    rows rank s sends rank d in the dispatch direction; combine (forward=False) sends them back."""
+    from ._kernels import SegmentCopy
+    from .ipc import IpcWindow
+
+    world, rank = len(matrix), buf._ctx.rank
+    row = (row_bytes + 15) // 16 * 16
+
+    def sent(a: int, b: int) -> int:   # bytes rank a writes to rank b
+        return (matrix[a][b] if forward else matrix[b][a]) * row
+
+    window_bytes = max(16, max(sum(sent(a, r) for a in range(world)) for r in range(world)))
+    window = IpcWindow(buf._ctx, window_bytes, 0, "ceiling window")
+    try:
+        # Sources land in rank order in each destination window, as an op's receive layout would.
+        dst = [window.bases[d] + sum(sent(a, d) for a in range(rank)) for d in range(world)]
+        nbytes = [sent(rank, d) for d in range(world)]
+        src = torch.randint(0, 255, (max(16, sum(nbytes)),), dtype=torch.uint8, device=device)
+        copy = SegmentCopy(src, dst, nbytes)
+
+        def fn():
+            copy(blocks, torch.cuda.current_stream())
+
+        if graph:
+            replay = _graph_of(fn, LL_LOOP)
+            dist.barrier(group=group)
+            return _slowest(_timer(device, replay, cfg.warmup, cfg.iters, group), group) / LL_LOOP
+        dist.barrier(group=group)
+        return _slowest(_timer(device, fn, cfg.warmup, cfg.iters, group, loop), group)
+    finally:
+        torch.cuda.synchronize()
+        window.close()   # collective: no peer writes into it any more
+
+
+def _ceiling(buf: "deep_ep.Buffer", matrix: List[List[int]], forward: bool, row_bytes: int, num_bytes: int,
+             device: torch.device, cfg: argparse.Namespace, group, loop: int = 1, graph: bool = False) -> float:
+    """The op's ceiling: its traffic pattern copied over the links when the ranks span GPUs, else one
+    plain copy of the same bytes on the device (ranks sharing one GPU: every byte lands in its HBM
+    either way)."""
+    if getattr(cfg, "peer_ceiling", False):
+        return _pattern_ceiling(buf, matrix, forward, row_bytes, device, cfg, group, _blocks(buf), loop, graph)
+    return _copy_ceiling(num_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), loop, graph)
+
+
+def _add_baseline_rows(rows: List[Row], cfg: argparse.Namespace, tokens: int, matrix: List[List[int]], rank: int,
+                       group, device: torch.device, ops) -> None:
+    """The same rows moved by all_to_all_single over NCCL, beside the op's ceilings. ops: (name,
+    dispatch direction?, row bytes, payload bytes, ceiling seconds, precision)."""
+    world = len(matrix)
+    send_rows = list(matrix[rank])
+    recv_rows = [matrix[s][rank] for s in range(world)]
+    for name, forward, row_bytes, nbytes, ceiling, prec in ops:
+        t = _nccl_all_to_all(rank, world, group, send_rows if forward else recv_rows,
+                             recv_rows if forward else send_rows, row_bytes, device, cfg)
+        if t is None:
+            if rank == 0:
+                print("baseline skipped: all_to_all_single over NCCL needs one GPU per rank and an NCCL group",
+                      flush=True)
+            return
+        rows.append(Row(name, tokens, cfg.hidden, cfg.topk, cfg.experts, prec, t * 1e6, nbytes / t / 1e9,
+                        ceiling * 1e6, nbytes / ceiling / 1e9, "nccl a2a", 0))
+
+
 def _random_topk(num_tokens: int, num_experts: int, topk: int, device: torch.device, gen: torch.Generator):
     scores = torch.rand(num_tokens, num_experts, generator=gen).to(device)
     idx = torch.topk(scores, topk, dim=-1, sorted=False).indices.to(deep_ep.topk_idx_t)
@@ -277,28 +345,18 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
     if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (a collective op)
         _print_host_profile(f"dispatch, {tokens} tokens", dispatch, device, rank == 0)
     t_combine = _slowest(_timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group), group)
-    c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
-    c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf))
+    matrix = [[int(v) for v in t.tolist()] for t in all_per_rank]
+    row_bytes = dispatch_bytes // max(1, sent_rows)
+    c_dispatch = _ceiling(buf, matrix, True, row_bytes, dispatch_bytes, device, cfg, group)
+    c_combine = _ceiling(buf, matrix, False, hidden * 2, combine_bytes, device, cfg, group)
     _print_profile(getattr(buf._backend, "engine", None), rank, tokens)
     prec = "fp8" if cfg.fp8 else "bf16"
     _add_rows(rows, buf, cfg, tokens, (("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                                        ("combine", t_combine, c_combine, combine_bytes, "bf16")))
     if cfg.baseline:
-        # The same rows moved by all_to_all_single over NCCL, each way, beside the same ceilings.
-        send_rows = [int(v) for v in per_rank.tolist()]
-        recv_rows = [int(t[rank]) for t in all_per_rank]
-        row_bytes = dispatch_bytes // max(1, sent_rows)
-        for op, fwd, nbytes, c, rb, p in (("a2a_dispatch", True, dispatch_bytes, c_dispatch, row_bytes, prec),
-                                          ("a2a_combine", False, combine_bytes, c_combine, hidden * 2, "bf16")):
-            t = _nccl_all_to_all(rank, world, group, send_rows if fwd else recv_rows,
-                                 recv_rows if fwd else send_rows, rb, device, cfg)
-            if t is None:
-                if rank == 0 and fwd:
-                    print("baseline skipped: all_to_all_single over NCCL needs one GPU per rank and an NCCL group",
-                          flush=True)
-                continue
-            rows.append(Row(op, tokens, hidden, topk, experts, p, t * 1e6, nbytes / t / 1e9, c * 1e6,
-                            nbytes / c / 1e9, "nccl a2a", 0))
+        _add_baseline_rows(rows, cfg, tokens, matrix, rank, group, device,
+                           (("a2a_dispatch", True, row_bytes, dispatch_bytes, c_dispatch, prec),
+                            ("a2a_combine", False, hidden * 2, combine_bytes, c_combine, "bf16")))
 
 
 def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tokens: int, rows: List[Row]) -> None:
@@ -347,8 +405,16 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
     loop = LL_LOOP if device.type == "cuda" else 1
     t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group, loop), group)
     t_combine = _slowest(_timer(device, combine, cfg.warmup, cfg.iters, group, loop), group)
-    c_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), loop)
-    c_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), loop)
+    # matrix[s][d]: (token, expert) pairs rank s sends rank d (LL sends a token once per expert).
+    experts_per_rank = experts // world
+    per_rank = torch.bincount((topk_idx[topk_idx >= 0] // experts_per_rank).flatten(), minlength=world)
+    per_rank = per_rank.to(torch.int64)
+    gathered = [torch.zeros_like(per_rank) for _ in range(world)]
+    dist.all_gather(gathered, per_rank, group=group)
+    matrix = [[int(v) for v in t.tolist()] for t in gathered]
+    d_row = dispatch_bytes // max(1, pairs)
+    c_dispatch = _ceiling(buf, matrix, True, d_row, dispatch_bytes, device, cfg, group, loop)
+    c_combine = _ceiling(buf, matrix, False, hidden * 2, combine_bytes, device, cfg, group, loop)
     if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (collective ops)
         _print_host_profile(f"low_latency_dispatch, {tokens} tokens", dispatch, device, rank == 0)
         _print_host_profile(f"low_latency_combine, {tokens} tokens", combine, device, rank == 0)
@@ -361,14 +427,18 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
         # Python host path, which the eager rows above include whenever the GPU waits for the host.
         g_dispatch = _graph_seconds(dispatch, device, cfg, group)
         g_combine = _graph_seconds(combine, device, cfg, group)
-        gc_dispatch = _copy_ceiling(dispatch_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), graph=True)
-        gc_combine = _copy_ceiling(combine_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), graph=True)
+        gc_dispatch = _ceiling(buf, matrix, True, d_row, dispatch_bytes, device, cfg, group, graph=True)
+        gc_combine = _ceiling(buf, matrix, False, hidden * 2, combine_bytes, device, cfg, group, graph=True)
         _add_rows(rows, buf, cfg, tokens, (("ll_dispatch_graph", g_dispatch, gc_dispatch, dispatch_bytes, prec),
                                            ("ll_combine_graph", g_combine, gc_combine, combine_bytes, "bf16")))
         engine = getattr(buf._backend, "ll_engine", None)
         if getattr(engine, "trace", None) is not None:   # DEEPEP_PORTABLE_PROFILE=1
             for what, fn in (("low_latency_dispatch", dispatch), ("low_latency_combine", combine)):
                 _print_graph_trace(engine, fn, what, group, rank, tokens)
+    if cfg.baseline:
+        _add_baseline_rows(rows, cfg, tokens, matrix, rank, group, device,
+                           (("a2a_dispatch", True, d_row, dispatch_bytes, c_dispatch, prec),
+                            ("a2a_combine", False, hidden * 2, combine_bytes, c_combine, "bf16")))
 
 
 def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
@@ -376,6 +446,8 @@ def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if cfg.num_sms is not None:   # spawned ranks import the module afresh: set it here, not in the parent
         deep_ep.Buffer.set_num_sms(cfg.num_sms)
+    cfg.peer_ceiling = torch.cuda.is_available() and (
+        cfg.ceiling == "pattern" or (cfg.ceiling == "auto" and _ranks_span_gpus(group)))
     rows: List[Row] = []
     sweep = cfg.tokens
     progress = sweep
@@ -389,14 +461,27 @@ def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
     for tokens in progress:
         (bench_normal if cfg.mode == "normal" else bench_low_latency)(rank, world, group, cfg, tokens, rows)
     if rank == 0:
-        print_table(rows, world)
+        print_table(rows, world, cfg.peer_ceiling)
         if cfg.plot:
             plot(rows, cfg.plot, world)
 
 
-def print_table(rows: List[Row], world: int) -> None:
+def _ranks_span_gpus(group) -> bool:
+    """True when the ranks are on more than one GPU (then the ceiling copies over the links)."""
+    if not torch.cuda.is_available():
+        return False
+    from .ipc import device_uuid
+
+    uuids = [None] * dist.get_world_size(group)
+    dist.all_gather_object(uuids, device_uuid(torch.cuda.current_device()), group=group)
+    return len(set(uuids)) > 1
+
+
+def print_table(rows: List[Row], world: int, peer_ceiling: bool = False) -> None:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    print(f"\n{world} ranks on {dev}; ceiling = one plain copy of the same bytes on the same device, same run"
+    what = ("the op's traffic pattern copied straight into the peers' memory (over the GPU links), "
+            if peer_ceiling else "one plain copy of the same bytes on the same device, ")
+    print(f"\n{world} ranks on {dev}; ceiling = {what}same run"
           + (", with the same number of blocks (SMs column)" if torch.cuda.is_available() else ""))
     cells = [HEADER] + [r.cells() for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
@@ -443,6 +528,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=20 if gpu else 3)
     p.add_argument("--baseline", action="store_true",
                    help="also time torch.distributed.all_to_all_single over NCCL for the same rows (one GPU per rank)")
+    p.add_argument("--ceiling", choices=["auto", "copy", "pattern"], default="auto",
+                   help="copy: one plain copy of the op's bytes on the device; pattern (GPU): the op's "
+                        "rank-to-rank traffic copied into the peers' memory; auto: pattern when the ranks "
+                        "span GPUs, else copy")
     p.add_argument("--plot", default=None, metavar="FILE.png")
     p.add_argument("--no-progress", action="store_true")
 

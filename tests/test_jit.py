@@ -149,6 +149,21 @@ def test_param_struct_matches_ptx(tmp_path):
 
 
 @needs_nvcc
+def test_copy_param_structs_match_ptx(tmp_path):
+    """The benchmark ceilings' kernels take the byte sizes their ctypes mirrors pack."""
+    from deepep_portable import _kernels
+
+    out = tmp_path / "copy.ptx"
+    cmd = [NVCC, "-ptx", "-arch=sm_90", *jit.BASE_FLAGS, f"-I{jit.kernel_root()}",
+           os.path.join(jit.kernel_root(), _kernels.COPY_SOURCE), "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    ptx = out.read_text()
+    for kernel, mirror in (("copy_int4", _kernels.CopyParams), ("copy_segments", _kernels.CopySegmentsParams)):
+        sizes = re.findall(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{kernel}_param_0\[(\d+)\]", ptx)
+        assert sizes == [str(ctypes.sizeof(mirror))], (kernel, sizes)
+
+
+@needs_nvcc
 def test_precompile_every_family(cache):
     assert "layout" in jit.families()
     results = jit.precompile(archs=("sm_80", "sm_90"), cache=cache)

@@ -1,8 +1,26 @@
-// The benchmark's ceiling: one plain pass over the bytes (16-byte loads and stores, grid-stride),
+// The benchmark's ceilings: one plain pass over the bytes (16-byte loads and stores, grid-stride),
 // launched with the same number of blocks as the kernel it is compared with.
+//   copy_int4:     one span, src -> dst on this device.
+//   copy_segments: the op's traffic pattern: span s of this rank's source goes to dst[s], which may
+//                  be a peer's memory mapped over CUDA IPC (NVLink between GPUs), all in one launch.
 #include <cstdint>
 
 #include "common/kernels/common.cuh"
+
+// Every block walks the span grid-stride; four loads in flight per thread.
+__device__ __forceinline__ void copy_span(const int4* src, int4* dst, int64_t num_int4) {
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < num_int4; i += 4 * stride) {
+        const int4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
+        dst[i] = a;
+        dst[i + stride] = b;
+        dst[i + 2 * stride] = c;
+        dst[i + 3 * stride] = d;
+    }
+    for (; i < num_int4; i += stride)
+        dst[i] = src[i];
+}
 
 struct CopyParams {
     const int4* src;
@@ -11,15 +29,23 @@ struct CopyParams {
 };
 
 extern "C" __global__ void __launch_bounds__(256) copy_int4(const __grid_constant__ CopyParams p) {
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    for (; i + 3 * stride < p.num_int4; i += 4 * stride) {   // four loads in flight per thread
-        const int4 a = p.src[i], b = p.src[i + stride], c = p.src[i + 2 * stride], d = p.src[i + 3 * stride];
-        p.dst[i] = a;
-        p.dst[i + stride] = b;
-        p.dst[i + 2 * stride] = c;
-        p.dst[i + 3 * stride] = d;
+    copy_span(p.src, p.dst, p.num_int4);
+}
+
+struct CopySegmentsParams {
+    const int4* src;             // this rank's source, the segments back to back
+    const uint64_t* dst;         // [num_segments] destination addresses (device array)
+    const int64_t* num_int4;     // [num_segments] lengths in 16-byte units (device array)
+    int32_t num_segments;
+};
+
+// No block waits for another, so segments need no synchronization: a block that finishes its share
+// of one segment moves on to its share of the next.
+extern "C" __global__ void __launch_bounds__(256) copy_segments(const __grid_constant__ CopySegmentsParams p) {
+    const int4* src = p.src;
+    for (int s = 0; s < p.num_segments; ++s) {
+        const int64_t n = p.num_int4[s];
+        copy_span(src, reinterpret_cast<int4*>(p.dst[s]), n);
+        src += n;
     }
-    for (; i < p.num_int4; i += stride)
-        p.dst[i] = p.src[i];
 }
