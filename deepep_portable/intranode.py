@@ -67,6 +67,7 @@ class IntranodeEngine:
         self.errors = self.window.errors
         self._kernel_cache = KernelCache(self.dev)
         self._plans: dict = {}   # per call shape: (kernels, filled params template); see _plan
+        self._spare: Optional[tuple] = None   # (cached, N): the next dispatch's small outputs; see _small_outputs
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
@@ -163,6 +164,34 @@ class IntranodeEngine:
         kernels = tuple(self._kernel(COMBINE_SOURCE, f"intranode_combine_{k}", defines) for k in ("stage", "pull"))
         return kernels, p
 
+    # ---- small outputs ------------------------------------------------------------------------------
+    def _allocate_small(self, cached: bool, N: int) -> tuple:
+        """Small int32 outputs that only comm-stream kernels write, in one allocation on the comm stream:
+        [send_pos N*R (not cached) | send_rows N*R (not cached) | rank_prefix R*R | num_recv 1], as views
+        (send_pos, send_rows, rank_prefix, num_recv); the first two None for a cached dispatch."""
+        R = self.num_ranks
+        n = (0 if cached else 2 * N * R) + R * R + 1
+        with torch.cuda.stream(self.ctx.comm_stream):
+            small = torch.empty(n, dtype=torch.int32, device=self.ctx.device)
+        pos = None if cached else small[:N * R].view(N, R)
+        rows = None if cached else small[N * R:2 * N * R].view(N, R)
+        return pos, rows, small[n - 1 - R * R:n - 1].view(R, R), small[n - 1:]
+
+    def _small_outputs(self, cached: bool, N: int) -> tuple:
+        """The views of _allocate_small for this call: the spare the previous dispatch of the same kind
+        and size prepared after its last launch (so the allocation, ~75-100 us of host time under MPS,
+        is not between entering the op and its first kernel), else a fresh allocation. A spare is
+        handed out once; it is comm-stream memory nobody else holds. Never during graph capture (the
+        memory would come from, or outlive, the graph's private pool)."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare[0] == (cached, N) and not torch.cuda.is_current_stream_capturing():
+            return spare[1]
+        return self._allocate_small(cached, N)
+
+    def _prepare_spare(self, cached: bool, N: int) -> None:
+        if not torch.cuda.is_current_stream_capturing():
+            self._spare = ((cached, N), self._allocate_small(cached, N))
+
     # ---- dispatch ---------------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs, handle: Optional[DispatchHandle] = None) -> DispatchResult:
         t_host = time.perf_counter()
@@ -189,15 +218,10 @@ class IntranodeEngine:
             send_pos, per_rank = state["send_pos"], state["num_tokens_per_rank"]
         else:
             per_rank = args.num_tokens_per_rank
-        # Small int32 outputs that only comm-stream kernels write, in one allocation on the comm stream:
-        # [send_pos N*R (not cached) | send_rows N*R (not cached) | rank_prefix R*R | num_recv 1]
-        small_n = (0 if cached else 2 * N * R) + R * R + 1
-        with torch.cuda.stream(comm):
-            small = torch.empty(small_n, dtype=torch.int32, device=dev)
+        views = self._small_outputs(cached, N)
         if not cached:
-            send_pos, send_rows = small[:N * R].view(N, R), small[N * R:2 * N * R].view(N, R)
-        rank_prefix = small[small_n - 1 - R * R:small_n - 1].view(R, R)
-        num_recv_dev = small[small_n - 1:]
+            send_pos, send_rows = views[0], views[1]
+        rank_prefix, num_recv_dev = views[2], views[3]
         self.profile.host_time("dispatch:until_alloc", t_host)
 
         p = DispatchParams.from_buffer_copy(template)
@@ -254,6 +278,7 @@ class IntranodeEngine:
         launch(pull, grid, THREADS, p, s)
         if learn_count:
             self.profile.host_time("dispatch:notify_to_pull_launch", t_wait)
+        self._prepare_spare(cached, N)   # the GPU is busy with the pull now
         self.profile.mark(marks, comm)
         self.profile.finish("dispatch", ("stage", "pull"), marks)
         self.profile.host_time("dispatch:call", t_host)

@@ -126,3 +126,24 @@ def test_plans_follow_the_forced_architecture(monkeypatch):
     monkeypatch.setenv("DEEPEP_PORTABLE_FORCE_ARCH", "sm_80")
     intranode.IntranodeEngine._plan(stub, ("dispatch", 1), build)
     assert len(builds) == 2
+
+
+def test_small_outputs_spare_is_used_once_and_only_for_its_shape(monkeypatch):
+    """The next dispatch's small outputs are allocated after the current one's last launch; a spare
+    serves one call of the same kind and size, never two calls (two handles would share memory)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    stub = _PlanStub(2, 1 << 20)
+    stub._spare = None
+    made = []
+    stub._allocate_small = lambda cached, n: made.append((cached, n)) or ("views", len(made))
+    take = lambda cached, n: intranode.IntranodeEngine._small_outputs(stub, cached, n)   # noqa: E731
+    prepare = lambda cached, n: intranode.IntranodeEngine._prepare_spare(stub, cached, n)   # noqa: E731
+    assert take(False, 64) == ("views", 1)           # no spare yet: allocate now
+    prepare(False, 64)
+    assert take(False, 64) == ("views", 2)           # the spare
+    assert take(False, 64) == ("views", 3)           # used up: allocate now
+    prepare(False, 64)
+    assert take(True, 64) == ("views", 5)            # other kind: the spare is dropped, not reused
+    assert take(False, 64) == ("views", 6)
