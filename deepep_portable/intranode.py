@@ -31,7 +31,8 @@ def _struct(name: str, fields: List[str]) -> type:
     return type(name, (ctypes.Structure,), {"_fields_": [(f, ctypes.c_int64) for f in fields]})
 
 
-_CONTROL = ["round", "current", "ready", "error", "num_tokens", "done", "count_to", "expert_count", "counted"]
+_CONTROL = ["round", "current", "ready", "error", "num_tokens", "done", "count_to", "expert_count", "counted",
+            "stage_ticket"]
 DispatchParams = _struct("DispatchParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
     "send_list_offset", "send_area_offset", "slot_bytes", "capacity", "scales_offset", "topk_idx_offset",
@@ -71,7 +72,8 @@ class IntranodeEngine:
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
-                     L.ctrl_count_to(self.num_ranks), L.ctrl_expert_count(self.num_ranks), L.CTRL_COUNTED]
+                     L.ctrl_count_to(self.num_ranks), L.ctrl_expert_count(self.num_ranks), L.CTRL_COUNTED,
+                     L.CTRL_STAGE_TICKET]
 
     # ---- errors --------------------------------------------------------------------------------
     def check(self) -> None:

@@ -53,14 +53,15 @@ def test_control_area_fits():
 def test_control_words_do_not_overlap():
     ranks = 8
     words = sorted([(L.CTRL_ROUND, 8), (L.CTRL_CURRENT, 8), (L.CTRL_READY, 8), (L.CTRL_ERROR, 4),
-                    (L.CTRL_NUM_TOKENS, 4), (L.CTRL_COUNTED, 8), (L.CTRL_DONE, 8 * ranks),
+                    (L.CTRL_NUM_TOKENS, 4), (L.CTRL_COUNTED, 8), (L.CTRL_STAGE_TICKET, 4),
+                    (L.CTRL_DONE, 8 * ranks),
                     (L.ctrl_count_to(ranks), 4 * ranks), (L.ctrl_expert_count(ranks), 4)])
     for (a, size_a), (b, _) in zip(words, words[1:]):
         assert a + size_a <= b
     for off, size in words:
         assert off % min(size, 8) == 0   # u64 signals are 8-byte aligned
     # the kernels' ControlLayout takes the offsets in this order
-    assert intranode._CONTROL[-1] == "counted" and len(intranode._CONTROL) == 9
+    assert intranode._CONTROL[-1] == "stage_ticket" and len(intranode._CONTROL) == 10
 
 
 class _PlanStub:

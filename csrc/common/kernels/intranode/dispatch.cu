@@ -1,6 +1,7 @@
 // Intranode dispatch, pull-based (see protocol.cuh for the round protocol).
 //
-//   intranode_dispatch_stage:  copy my tokens once into my send area (payload, scales, top-k),
+//   intranode_dispatch_stage:  copy my tokens once into my send area (payload, scales, top-k; warps
+//                              draw tokens from a counter, see draw_token),
 //                              write the per-destination send lists and my counts. The send
 //                              positions (index of token t among my tokens for rank r) are scanned
 //                              here, one block per destination rank, while the other warps copy rows.
@@ -188,6 +189,23 @@ DEEPEP_DEVICE void notify_host(const DispatchParams& p, const PeerBuffers& bufs,
     }
 }
 
+// The stage kernel hands my tokens out one at a time through my STAGE_TICKET word instead of striding
+// them over the grid: block 0 (which first waits for every peer's counts) and the blocks that scan
+// send positions start copying late, and with a fixed share they would finish last. Every warp draws
+// until it gets a ticket past the tokens, so num_tokens + warps tickets are drawn in all; the warp
+// that draws the last one re-arms the word for the next round (every other warp has drawn its last
+// ticket by then, and the next kernel on the stream starts after this one ends).
+DEEPEP_DEVICE int64_t draw_token(unsigned int* ticket, int64_t num_tokens, int lane) {
+    unsigned int v = 0;
+    if (lane == 0) {
+        const unsigned int total = static_cast<unsigned int>(num_tokens) + gridDim.x * (blockDim.x / 32);
+        v = atomicAdd(ticket, 1u);
+        if (v == total - 1)
+            atomicExch(ticket, 0u);
+    }
+    return static_cast<int64_t>(__shfl_sync(0xffffffffu, v, 0));
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_stage(const __grid_constant__ DispatchParams p) {
@@ -211,8 +229,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_stage(
     if (scan)
         scan_send_positions(p, send_list);   // after begin_round: no peer reads my send lists any more
     const int lane = threadIdx.x % 32;
-    const int warps = gridDim.x * (blockDim.x / 32);
-    for (int64_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < p.num_tokens; t += warps) {
+    unsigned int* ticket = bufs.at<unsigned int>(bufs.rank, p.ctrl.stage_ticket);
+    for (int64_t t = draw_token(ticket, p.num_tokens, lane); t < p.num_tokens; t = draw_token(ticket, p.num_tokens, lane)) {
         char* slot = send_area + t * p.slot_bytes;
         const int4* src = p.x + t * kHiddenInt4;
         RowCopy<kHiddenInt4> row;

@@ -21,7 +21,7 @@ namespace deepep_portable::intranode {
 
 // Byte offsets of the control area (mirrors deepep_portable/layout.py).
 struct ControlLayout {
-    int64_t round, current, ready, error, num_tokens, done, count_to, expert_count, counted;
+    int64_t round, current, ready, error, num_tokens, done, count_to, expert_count, counted, stage_ticket;
 };
 
 // One rank's view of every buffer of the group.
