@@ -5,7 +5,9 @@
 # suite (one rank per GPU), the low-latency tests over NVSHMEM, and the benchmarks (normal: 4096 and
 # 16384 tokens; low-latency: 128 tokens) with, in the same run, the op's ceiling (its traffic pattern
 # copied straight into the peers' memory, see bench.py) and all_to_all_single over NCCL as the
-# baseline. Every step is killed after STEP_TIMEOUT seconds (default 400). Logs under $OUT.
+# baseline. MIXED=1 then runs the suite with two ranks per GPU under MPS (peers on the same GPU and
+# across the link in one group). Every step is killed after STEP_TIMEOUT seconds (default 400).
+# Logs under $OUT.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
@@ -43,6 +45,14 @@ for n in $SIZES; do
             --transport $t --mode low_latency --tokens 128
     done
 done
+if [ "${MIXED:-0}" = 1 ] && [ "$GPUS" -ge 2 ]; then
+    # Two ranks per GPU under MPS: peers on the same GPU and peers across the link in one group.
+    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+    nvidia-cuda-mps-control -d
+    step "tests_mixed_$((2 * GPUS))ranks" $MPIRUN -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
+        -n $((2 * GPUS)) $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
+    echo quit | nvidia-cuda-mps-control
+fi
 echo; echo "=== benchmark tables"
 for f in "$OUT"/bench_*.log; do
     [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -a -A12 "ranks on" "$f" | grep -a -v "^$"; }
