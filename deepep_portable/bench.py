@@ -220,28 +220,36 @@ def _nccl_all_to_all(rank: int, world: int, group, per_rank_rows: List[int], rec
     return _slowest(_timer(device, a2a, cfg.warmup, cfg.iters, group), group)
 
 
-def _pattern_ceiling(buf: "deep_ep.Buffer", matrix: List[List[int]], forward: bool, row_bytes: int,
-                     device: torch.device, cfg: argparse.Namespace, group, blocks: int, loop: int = 1,
-                     graph: bool = False) -> float:
-    """Seconds for the ideal copy of an op's traffic between ranks on different GPUs: in one launch
-    with the op's block budget, every rank writes exactly the bytes the op sends each rank straight
-    into that rank's memory (mapped over CUDA IPC, so over NVLink between GPUs). matrix[s][d] is the
-    rows rank s sends rank d in the dispatch direction; combine (forward=False) sends them back."""
-    from ._kernels import SegmentCopy
-    from .ipc import IpcWindow
-
-    world, rank = len(matrix), buf._ctx.rank
+def pattern_segments(matrix: List[List[int]], rank: int, forward: bool, row_bytes: int):
+    """The pattern ceiling's copy plan for `rank`: (window bytes every rank allocates, offset of my
+    segment in each destination's window, bytes of each segment). matrix[s][d] = rows rank s sends
+    rank d in the dispatch direction; combine (forward=False) sends them back. Rows are rounded up to
+    16 bytes (the copy moves int4s); sources land in rank order in each window, as an op's receive
+    layout would, so the segments of all ranks tile each window without overlap."""
+    world = len(matrix)
     row = (row_bytes + 15) // 16 * 16
 
     def sent(a: int, b: int) -> int:   # bytes rank a writes to rank b
         return (matrix[a][b] if forward else matrix[b][a]) * row
 
     window_bytes = max(16, max(sum(sent(a, r) for a in range(world)) for r in range(world)))
+    offsets = [sum(sent(a, d) for a in range(rank)) for d in range(world)]
+    return window_bytes, offsets, [sent(rank, d) for d in range(world)]
+
+
+def _pattern_ceiling(buf: "deep_ep.Buffer", matrix: List[List[int]], forward: bool, row_bytes: int,
+                     device: torch.device, cfg: argparse.Namespace, group, blocks: int, loop: int = 1,
+                     graph: bool = False) -> float:
+    """Seconds for the ideal copy of an op's traffic between ranks on different GPUs: in one launch
+    with the op's block budget, every rank writes exactly the bytes the op sends each rank straight
+    into that rank's memory (mapped over CUDA IPC, so over NVLink between GPUs); see pattern_segments."""
+    from ._kernels import SegmentCopy
+    from .ipc import IpcWindow
+
+    window_bytes, offsets, nbytes = pattern_segments(matrix, buf._ctx.rank, forward, row_bytes)
     window = IpcWindow(buf._ctx, window_bytes, 0, "ceiling window")
     try:
-        # Sources land in rank order in each destination window, as an op's receive layout would.
-        dst = [window.bases[d] + sum(sent(a, d) for a in range(rank)) for d in range(world)]
-        nbytes = [sent(rank, d) for d in range(world)]
+        dst = [base + off for base, off in zip(window.bases, offsets)]
         src = torch.randint(0, 255, (max(16, sum(nbytes)),), dtype=torch.uint8, device=device)
         copy = SegmentCopy(src, dst, nbytes)
 

@@ -45,3 +45,46 @@ def test_doctor_reports_every_transport():
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("reference", "nvshmem", "nccl_gin", "ibgda", "nvlink"):
         assert name in r.stdout
+
+
+@pytest.mark.parametrize("forward", [True, False])
+def test_pattern_ceiling_segments_tile_every_window(forward):
+    """The pattern ceiling moves exactly the op's bytes: each rank's segments go to the right ranks,
+    and all ranks' segments tile each destination window in source order, without overlap."""
+    import random
+
+    from deepep_portable.bench import pattern_segments
+
+    rng = random.Random(7)
+    world, row_bytes = 5, 7392 + 4   # a row that is not a multiple of 16 rounds up
+    row = (row_bytes + 15) // 16 * 16
+    matrix = [[rng.randrange(0, 40) for _ in range(world)] for _ in range(world)]
+    matrix[2] = [0] * world          # a rank that sends nothing
+    plans = [pattern_segments(matrix, r, forward, row_bytes) for r in range(world)]
+    assert len({p[0] for p in plans}) == 1                       # every rank allocates the same window
+    window = plans[0][0]
+    for d in range(world):
+        spans = sorted((plans[s][1][d], plans[s][2][d], s) for s in range(world))
+        end = 0
+        for off, nbytes, s in spans:
+            rows = matrix[s][d] if forward else matrix[d][s]
+            assert nbytes == rows * row and off % 16 == 0 and nbytes % 16 == 0
+            assert off == end or nbytes == 0                         # contiguous, no overlap
+            end = max(end, off + nbytes)
+        assert end <= window
+        assert [s for off, n, s in spans if n] == sorted(s for off, n, s in spans if n)   # source order
+
+
+def test_segment_copy_rejects_bad_plans():
+    """A bad copy plan is refused before anything is allocated or launched (no GPU needed)."""
+    import torch
+
+    from deepep_portable._kernels import SegmentCopy
+
+    src = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        SegmentCopy(src, [0], [8])            # not a multiple of 16
+    with pytest.raises(ValueError):
+        SegmentCopy(src, [0, 0], [64, 16])    # more than the source holds
+    with pytest.raises(ValueError):
+        SegmentCopy(src, [0], [16, 16])       # one destination per segment

@@ -134,33 +134,30 @@ def test_bad_arch_and_define_names():
     assert jit._target_flags("sm_90a", False) == ["-cubin", "-arch=sm_90a"]
 
 
+def _ptx_param_sizes(tmp_path, source: str, defines: dict) -> dict:
+    """{kernel: [byte size of each parameter]} from the PTX of one kernel source (no GPU)."""
+    out = tmp_path / "kernels.ptx"
+    cmd = [NVCC, "-ptx", "-arch=sm_90", *jit.BASE_FLAGS, f"-I{jit.kernel_root()}",
+           *(f"-D{k}={v}" for k, v in defines.items()), os.path.join(jit.kernel_root(), source), "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    sizes: dict = {}
+    for kernel, index, size in re.findall(r"\.param\s+\.align\s+\d+\s+\.b8\s+(\w+)_param_(\d+)\[(\d+)\]",
+                                          out.read_text()):
+        sizes.setdefault(kernel, []).append((int(index), int(size)))
+    return {k: [size for _, size in sorted(v)] for k, v in sizes.items()}
+
+
 @needs_nvcc
-def test_param_struct_matches_ptx(tmp_path):
-    """The ctypes mirror has the byte size of the kernel's parameter (checked in PTX, no GPU)."""
+def test_param_structs_match_ptx(tmp_path):
+    """Each ctypes mirror has the byte size of its kernel's one parameter (checked in PTX, no GPU):
+    the layout kernel and the benchmark ceilings' copy kernels."""
     from deepep_portable import _kernels
 
-    out = tmp_path / "layout.ptx"
-    cmd = [NVCC, "-ptx", "-arch=sm_90", *jit.BASE_FLAGS, f"-I{jit.kernel_root()}",
-           *(f"-D{k}={v}" for k, v in LAYOUT_VARIANTS[1].items()),
-           os.path.join(jit.kernel_root(), _kernels.LAYOUT_SOURCE), "-o", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True)
-    params = re.findall(r"\.param\s+\.align\s+(\d+)\s+\.b8\s+dispatch_layout_param_(\d+)\[(\d+)\]", out.read_text())
-    assert [(int(i), int(n)) for _, i, n in params] == [(0, ctypes.sizeof(_kernels.LayoutParams))]
-
-
-@needs_nvcc
-def test_copy_param_structs_match_ptx(tmp_path):
-    """The benchmark ceilings' kernels take the byte sizes their ctypes mirrors pack."""
-    from deepep_portable import _kernels
-
-    out = tmp_path / "copy.ptx"
-    cmd = [NVCC, "-ptx", "-arch=sm_90", *jit.BASE_FLAGS, f"-I{jit.kernel_root()}",
-           os.path.join(jit.kernel_root(), _kernels.COPY_SOURCE), "-o", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True)
-    ptx = out.read_text()
-    for kernel, mirror in (("copy_int4", _kernels.CopyParams), ("copy_segments", _kernels.CopySegmentsParams)):
-        sizes = re.findall(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{kernel}_param_0\[(\d+)\]", ptx)
-        assert sizes == [str(ctypes.sizeof(mirror))], (kernel, sizes)
+    layout = _ptx_param_sizes(tmp_path, _kernels.LAYOUT_SOURCE, LAYOUT_VARIANTS[1])
+    assert layout["dispatch_layout"] == [ctypes.sizeof(_kernels.LayoutParams)]
+    copy = _ptx_param_sizes(tmp_path, _kernels.COPY_SOURCE, {})
+    assert copy == {"copy_int4": [ctypes.sizeof(_kernels.CopyParams)],
+                    "copy_segments": [ctypes.sizeof(_kernels.CopySegmentsParams)]}
 
 
 @needs_nvcc
