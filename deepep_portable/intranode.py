@@ -24,6 +24,7 @@ DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
 THREADS = 512   # __launch_bounds__ of the intranode kernels
 OP_NAMES = {1: "dispatch", 2: "combine"}
+MAX_SPARES = 4   # (kind, tokens) shapes whose next dispatch finds its small outputs ready
 
 
 def _struct(name: str, fields: List[str]) -> type:
@@ -68,7 +69,7 @@ class IntranodeEngine:
         self.errors = self.window.errors
         self._kernel_cache = KernelCache(self.dev)
         self._plans: dict = {}   # per call shape: (kernels, filled params template); see _plan
-        self._spare: Optional[tuple] = None   # (cached, N): the next dispatch's small outputs; see _small_outputs
+        self._spares: dict = {}   # (cached, N) -> the next such dispatch's small outputs; see _small_outputs
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
@@ -183,16 +184,22 @@ class IntranodeEngine:
         """The views of _allocate_small for this call: the spare the previous dispatch of the same kind
         and size prepared after its last launch (so the allocation, ~75-100 us of host time under MPS,
         is not between entering the op and its first kernel), else a fresh allocation. A spare is
-        handed out once; it is comm-stream memory nobody else holds. Never during graph capture (the
-        memory would come from, or outlive, the graph's private pool)."""
-        spare, self._spare = self._spare, None
-        if spare is not None and spare[0] == (cached, N) and not torch.cuda.is_current_stream_capturing():
-            return spare[1]
+        handed out once; it is comm-stream memory nobody else holds. Spares are kept per (kind, size),
+        so alternating calls (a dispatch and a cached one, as training's forward and backward) each
+        find theirs. Never during graph capture (the memory would come from, or outlive, the graph's
+        private pool)."""
+        if not torch.cuda.is_current_stream_capturing():
+            spare = self._spares.pop((cached, N), None)
+            if spare is not None:
+                return spare
         return self._allocate_small(cached, N)
 
     def _prepare_spare(self, cached: bool, N: int) -> None:
-        if not torch.cuda.is_current_stream_capturing():
-            self._spare = ((cached, N), self._allocate_small(cached, N))
+        if torch.cuda.is_current_stream_capturing():
+            return
+        self._spares[(cached, N)] = self._allocate_small(cached, N)
+        while len(self._spares) > MAX_SPARES:   # token counts that vary call to call: keep the newest
+            del self._spares[next(iter(self._spares))]
 
     # ---- dispatch ---------------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs, handle: Optional[DispatchHandle] = None) -> DispatchResult:

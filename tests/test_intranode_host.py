@@ -136,7 +136,7 @@ def test_small_outputs_spare_is_used_once_and_only_for_its_shape(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     stub = _PlanStub(2, 1 << 20)
-    stub._spare = None
+    stub._spares = {}
     made = []
     stub._allocate_small = lambda cached, n: made.append((cached, n)) or ("views", len(made))
     take = lambda cached, n: intranode.IntranodeEngine._small_outputs(stub, cached, n)   # noqa: E731
@@ -145,6 +145,11 @@ def test_small_outputs_spare_is_used_once_and_only_for_its_shape(monkeypatch):
     prepare(False, 64)
     assert take(False, 64) == ("views", 2)           # the spare
     assert take(False, 64) == ("views", 3)           # used up: allocate now
-    prepare(False, 64)
-    assert take(True, 64) == ("views", 5)            # other kind: the spare is dropped, not reused
-    assert take(False, 64) == ("views", 6)
+    prepare(False, 64)                               # views 4
+    assert take(True, 64) == ("views", 5)            # other kind: not that spare
+    prepare(True, 64)                                # views 6
+    assert take(False, 64) == ("views", 4)           # alternating kinds each find theirs
+    assert take(True, 64) == ("views", 6)
+    for n in range(intranode.MAX_SPARES + 2):        # varying sizes: only the newest few are kept
+        prepare(False, n)
+    assert len(stub._spares) == intranode.MAX_SPARES and (False, 0) not in stub._spares
