@@ -202,7 +202,7 @@ def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int,
 
 
 def _nccl_all_to_all(rank: int, world: int, group, per_rank_rows: List[int], recv_rows: List[int],
-                     row_bytes: int, device: torch.device, cfg: argparse.Namespace) -> Optional[float]:
+                     row_bytes: int, device: torch.device, cfg: argparse.Namespace, loop: int = 1) -> Optional[float]:
     """Seconds for torch.distributed.all_to_all_single of the same rows over NCCL (what a user
     would pick without this library), or None when NCCL cannot serve this group (ranks sharing a GPU,
     or a non-NCCL group)."""
@@ -217,7 +217,7 @@ def _nccl_all_to_all(rank: int, world: int, group, per_rank_rows: List[int], rec
         dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
 
     dist.barrier(group=group)
-    return _slowest(_timer(device, a2a, cfg.warmup, cfg.iters, group), group)
+    return _slowest(_timer(device, a2a, cfg.warmup, cfg.iters, group, loop), group)
 
 
 def pattern_segments(matrix: List[List[int]], rank: int, forward: bool, row_bytes: int):
@@ -246,10 +246,16 @@ def _pattern_ceiling(buf: "deep_ep.Buffer", matrix: List[List[int]], forward: bo
     from ._kernels import SegmentCopy
     from .ipc import IpcWindow
 
-    window_bytes, offsets, nbytes = pattern_segments(matrix, buf._ctx.rank, forward, row_bytes)
+    rank, world = buf._ctx.rank, len(matrix)
+    window_bytes, offsets, nbytes = pattern_segments(matrix, rank, forward, row_bytes)
     window = IpcWindow(buf._ctx, window_bytes, 0, "ceiling window")
     try:
-        dst = [base + off for base, off in zip(window.bases, offsets)]
+        # Rank r writes to r+1, r+2, ... first (its own segment last): in step with the other ranks'
+        # orders, every destination takes one writer at a time instead of all ranks writing into rank
+        # 0 together, then into rank 1, and so on.
+        order = [(rank + 1 + i) % world for i in range(world)]
+        dst = [window.bases[d] + offsets[d] for d in order]
+        nbytes = [nbytes[d] for d in order]
         src = torch.randint(0, 255, (max(16, sum(nbytes)),), dtype=torch.uint8, device=device)
         copy = SegmentCopy(src, dst, nbytes)
 
@@ -278,7 +284,7 @@ def _ceiling(buf: "deep_ep.Buffer", matrix: List[List[int]], forward: bool, row_
 
 
 def _add_baseline_rows(rows: List[Row], cfg: argparse.Namespace, tokens: int, matrix: List[List[int]], rank: int,
-                       group, device: torch.device, ops) -> None:
+                       group, device: torch.device, ops, loop: int = 1) -> None:
     """The same rows moved by all_to_all_single over NCCL, beside the op's ceilings. ops: (name,
     dispatch direction?, row bytes, payload bytes, ceiling seconds, precision)."""
     world = len(matrix)
@@ -286,7 +292,7 @@ def _add_baseline_rows(rows: List[Row], cfg: argparse.Namespace, tokens: int, ma
     recv_rows = [matrix[s][rank] for s in range(world)]
     for name, forward, row_bytes, nbytes, ceiling, prec in ops:
         t = _nccl_all_to_all(rank, world, group, send_rows if forward else recv_rows,
-                             recv_rows if forward else send_rows, row_bytes, device, cfg)
+                             recv_rows if forward else send_rows, row_bytes, device, cfg, loop)
         if t is None:
             if rank == 0:
                 print("baseline skipped: all_to_all_single over NCCL needs one GPU per rank and an NCCL group",
@@ -302,6 +308,11 @@ def _random_topk(num_tokens: int, num_experts: int, topk: int, device: torch.dev
     # Some tokens drop an expert (-1), as real routers with capacity limits do.
     drop = torch.rand(num_tokens, topk, generator=gen).to(device) < 0.05
     return idx.masked_fill(drop, -1).contiguous()
+
+
+def _dispatch_row_bytes(hidden: int, fp8: bool) -> int:
+    """Payload bytes of one dispatched row: FP8 data and its float32 scale per 128 channels, or BF16."""
+    return hidden + hidden // 128 * 4 if fp8 else hidden * 2
 
 
 def _fp8_cast(x: torch.Tensor):
@@ -347,14 +358,14 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
         raise AssertionError(f"rank {rank}: combine differs from the oracle at tokens {bad}")
 
     sent_rows = int(in_rank.sum())
-    dispatch_bytes = sent_rows * (hidden * (1 if cfg.fp8 else 2) + (hidden // 128 * 4 if cfg.fp8 else 0))
+    row_bytes = _dispatch_row_bytes(hidden, cfg.fp8)
+    dispatch_bytes = sent_rows * row_bytes
     combine_bytes = sent_rows * hidden * 2
     t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
     if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (a collective op)
         _print_host_profile(f"dispatch, {tokens} tokens", dispatch, device, rank == 0)
     t_combine = _slowest(_timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group), group)
     matrix = [[int(v) for v in t.tolist()] for t in all_per_rank]
-    row_bytes = dispatch_bytes // max(1, sent_rows)
     c_dispatch = _ceiling(buf, matrix, True, row_bytes, dispatch_bytes, device, cfg, group)
     c_combine = _ceiling(buf, matrix, False, hidden * 2, combine_bytes, device, cfg, group)
     _print_profile(getattr(buf._backend, "engine", None), rank, tokens)
@@ -408,7 +419,8 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
         raise AssertionError(f"rank {rank}: low-latency combine differs from the oracle (max abs err {err})")
 
     pairs = int((topk_idx >= 0).sum())
-    dispatch_bytes = pairs * (hidden + hidden // 128 * 4 if cfg.fp8 else hidden * 2)
+    d_row = _dispatch_row_bytes(hidden, cfg.fp8)
+    dispatch_bytes = pairs * d_row
     combine_bytes = pairs * hidden * 2
     loop = LL_LOOP if device.type == "cuda" else 1
     t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group, loop), group)
@@ -420,7 +432,6 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
     gathered = [torch.zeros_like(per_rank) for _ in range(world)]
     dist.all_gather(gathered, per_rank, group=group)
     matrix = [[int(v) for v in t.tolist()] for t in gathered]
-    d_row = dispatch_bytes // max(1, pairs)
     c_dispatch = _ceiling(buf, matrix, True, d_row, dispatch_bytes, device, cfg, group, loop)
     c_combine = _ceiling(buf, matrix, False, hidden * 2, combine_bytes, device, cfg, group, loop)
     if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (collective ops)
@@ -446,7 +457,7 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
     if cfg.baseline:
         _add_baseline_rows(rows, cfg, tokens, matrix, rank, group, device,
                            (("a2a_dispatch", True, d_row, dispatch_bytes, c_dispatch, prec),
-                            ("a2a_combine", False, hidden * 2, combine_bytes, c_combine, "bf16")))
+                            ("a2a_combine", False, hidden * 2, combine_bytes, c_combine, "bf16")), loop)
 
 
 def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
@@ -475,14 +486,16 @@ def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
 
 
 def _ranks_span_gpus(group) -> bool:
-    """True when the ranks are on more than one GPU (then the ceiling copies over the links)."""
+    """True when the ranks are on more than one GPU of one node (then the ceiling copies over the
+    links; across nodes the pattern copy cannot map the peers' memory, so the plain copy stays)."""
     if not torch.cuda.is_available():
         return False
+    from .comm import node_identity
     from .ipc import device_uuid
 
-    uuids = [None] * dist.get_world_size(group)
-    dist.all_gather_object(uuids, device_uuid(torch.cuda.current_device()), group=group)
-    return len(set(uuids)) > 1
+    where = [None] * dist.get_world_size(group)
+    dist.all_gather_object(where, (node_identity(), device_uuid(torch.cuda.current_device())), group=group)
+    return len({host for host, _ in where}) == 1 and len({uuid for _, uuid in where}) > 1
 
 
 def print_table(rows: List[Row], world: int, peer_ceiling: bool = False) -> None:

@@ -23,9 +23,10 @@ step() {   # step NAME CMD... : run with a timeout, log to $OUT/NAME.log, keep t
     timeout -k 10 "${STEP_TIMEOUT:-400}" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     SUMMARY+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -a -E 'passed|failed|rror' "$OUT/$name.log" | tail -1 | cut -c1-90)")")
+    return $rc
 }
 
-step build $PY setup.py build_ext --inplace
+step build $PY setup.py build_ext --inplace || { tail -20 "$OUT/build.log"; exit 1; }
 step precompile $PY -m deepep_portable precompile --arch sm_90 --nvshmem
 step p2p $PY scripts/p2p_bandwidth.py
 cat "$OUT/p2p.log"
@@ -48,14 +49,17 @@ done
 if [ "${MIXED:-0}" = 1 ] && [ "$GPUS" -ge 2 ]; then
     # Two ranks per GPU under MPS: peers on the same GPU and peers across the link in one group.
     export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
-    nvidia-cuda-mps-control -d
-    step "tests_mixed_$((2 * GPUS))ranks" $MPIRUN -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
-        -n $((2 * GPUS)) $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
-    echo quit | nvidia-cuda-mps-control
+    if nvidia-cuda-mps-control -d; then
+        step "tests_mixed_$((2 * GPUS))ranks" $MPIRUN -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
+            -n $((2 * GPUS)) $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
+        echo quit | nvidia-cuda-mps-control
+    else
+        SUMMARY+=("tests_mixed            not run: the MPS daemon did not start")
+    fi
 fi
 echo; echo "=== benchmark tables"
 for f in "$OUT"/bench_*.log; do
     [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -a -A12 "ranks on" "$f" | grep -a -v "^$"; }
 done
-echo; echo "=== summary ($GPUS GPUs, one rank per GPU; logs in $OUT)"
+echo; echo "=== summary ($GPUS GPUs; one rank per GPU unless the step says mixed; logs in $OUT)"
 printf '%s\n' "${SUMMARY[@]}"
