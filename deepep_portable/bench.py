@@ -177,7 +177,16 @@ def _print_graph_trace(engine, fn: Callable[[], None], what: str, group, rank: i
               + ", ".join(f"{k} {v:.1f} us" for k, v in report.items()), flush=True)
 
 
-def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int, group, blocks: int,
+def _ceiling_seconds(copy: Callable[[], None], device: torch.device, cfg: argparse.Namespace, group,
+                     loop: int, graph: bool) -> float:
+    """Seconds per call of a ceiling copy, timed as the op beside it is (graph-replayed or eager)."""
+    if graph and device.type == "cuda":
+        return _graph_seconds(copy, device, cfg, group)
+    dist.barrier(group=group)
+    return _slowest(_timer(device, copy, cfg.warmup, cfg.iters, group, loop), group)
+
+
+def _copy_ceiling(num_bytes: int, device: torch.device, cfg: argparse.Namespace, group, blocks: int,
                   loop: int = 1, graph: bool = False) -> float:
     """Seconds for one plain copy of num_bytes on this device, every rank copying at once; on the
     GPU with the same block budget as the communication kernels (`graph`: replayed from a CUDA
@@ -193,12 +202,7 @@ def _copy_ceiling(num_bytes: int, device: torch.device, warmup: int, iters: int,
     else:
         def copy():
             dst.copy_(src)
-    if graph and device.type == "cuda":
-        replay = _graph_of(copy, LL_LOOP)
-        dist.barrier(group=group)
-        return _slowest(_timer(device, replay, warmup, iters, group), group) / LL_LOOP
-    dist.barrier(group=group)
-    return _slowest(_timer(device, copy, warmup, iters, group, loop), group)
+    return _ceiling_seconds(copy, device, cfg, group, loop, graph)
 
 
 def _nccl_all_to_all(rank: int, world: int, group, per_rank_rows: List[int], recv_rows: List[int],
@@ -259,15 +263,7 @@ def _pattern_ceiling(buf: "deep_ep.Buffer", matrix: List[List[int]], forward: bo
         src = torch.randint(0, 255, (max(16, sum(nbytes)),), dtype=torch.uint8, device=device)
         copy = SegmentCopy(src, dst, nbytes)
 
-        def fn():
-            copy(blocks, torch.cuda.current_stream())
-
-        if graph:
-            replay = _graph_of(fn, LL_LOOP)
-            dist.barrier(group=group)
-            return _slowest(_timer(device, replay, cfg.warmup, cfg.iters, group), group) / LL_LOOP
-        dist.barrier(group=group)
-        return _slowest(_timer(device, fn, cfg.warmup, cfg.iters, group, loop), group)
+        return _ceiling_seconds(lambda: copy(blocks, torch.cuda.current_stream()), device, cfg, group, loop, graph)
     finally:
         torch.cuda.synchronize()
         window.close()   # collective: no peer writes into it any more
@@ -280,7 +276,7 @@ def _ceiling(buf: "deep_ep.Buffer", matrix: List[List[int]], forward: bool, row_
     either way)."""
     if getattr(cfg, "peer_ceiling", False):
         return _pattern_ceiling(buf, matrix, forward, row_bytes, device, cfg, group, _blocks(buf), loop, graph)
-    return _copy_ceiling(num_bytes, device, cfg.warmup, cfg.iters, group, _blocks(buf), loop, graph)
+    return _copy_ceiling(num_bytes, device, cfg, group, _blocks(buf), loop, graph)
 
 
 def _add_baseline_rows(rows: List[Row], cfg: argparse.Namespace, tokens: int, matrix: List[List[int]], rank: int,
