@@ -230,3 +230,38 @@ class SegmentCopy:
 
     def __call__(self, num_blocks: int, stream: StreamLike = None) -> None:
         launch(self.fn, max(1, num_blocks), 256, self.params, stream)
+
+
+class StartLineParams(ctypes.Structure):
+    """Mirror of `struct StartLineParams` in copy.cu."""
+
+    _fields_ = [("counter", ctypes.c_uint64), ("target", ctypes.c_uint64), ("timed_out", ctypes.c_uint64),
+                ("timeout_ns", ctypes.c_uint64)]
+
+
+class StartLine:
+    """The benchmark's start line on the GPU (kernel `start_line` in copy.cu): cross() enqueues a
+    one-thread kernel that returns once every rank's stream has reached its own cross(). Collective
+    to build (one IPC window over ctx's group); every rank must call cross() the same number of times."""
+
+    def __init__(self, ctx, timeout_s: float = 60.0) -> None:
+        from .ipc import IpcWindow, MappedWords
+
+        self.window = IpcWindow(ctx, 256, 256, "start line")
+        self.flag = MappedWords(self.window.dev, 1)
+        self.world, self.crossings, self.timeout_ns = ctx.num_ranks, 0, int(timeout_s * 1e9)
+        self.fn = jit.load(COPY_SOURCE, "start_line", {}, self.window.dev)
+
+    def cross(self, stream: StreamLike = None) -> None:
+        self.crossings += 1
+        params = StartLineParams(self.window.bases[0], self.world * self.crossings, self.flag.dev, self.timeout_ns)
+        launch(self.fn, 1, 32, params, stream)
+
+    def check(self) -> None:
+        if self.flag.words[0]:
+            raise RuntimeError("bench start line: a rank waited past the timeout for the others (a rank "
+                               "skipped a timed sample or is stuck)")
+
+    def close(self) -> None:
+        self.window.close()   # collective
+        self.flag.free()

@@ -8,6 +8,7 @@ included, over the op's time; the time reported is the slowest rank's median.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -88,15 +89,41 @@ def _add_rows(rows: List[Row], buf, cfg: argparse.Namespace, tokens: int, measur
 
 
 LL_LOOP = 10   # low-latency ops are timed as back-to-back calls (see _timer)
+_START_LINE = None   # the GPU start line of the Buffer being benchmarked (see _start_line)
+
+
+@contextlib.contextmanager
+def _start_line(buf: "deep_ep.Buffer", cfg: argparse.Namespace):
+    """While a Buffer is benchmarked, _timer starts every sample at a GPU start line over its group
+    (--start-line gpu and ranks on one node; otherwise the host barrier alone)."""
+    global _START_LINE
+    line = None
+    if torch.cuda.is_available() and getattr(cfg, "start_line", "gpu") == "gpu" and buf._ctx.device.type == "cuda":
+        from ._kernels import StartLine
+
+        try:
+            line = StartLine(buf._ctx)
+        except RuntimeError:   # ranks on several nodes: no IPC mapping of rank 0's word
+            line = None
+    _START_LINE = line
+    try:
+        yield
+    finally:
+        _START_LINE = None
+        if line is not None:
+            line.close()
 
 
 def _timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int, group=None,
            loop: int = 1) -> float:
     """Median seconds of fn (events on CUDA; perf_counter on the CPU).
 
-    With `group`, every timed sample starts after a barrier, so all ranks start together: a collective
-    op's time then excludes the skew with which the ranks' timers would otherwise start (a rank that
-    starts early would count its wait for the others). The ceiling is timed the same way.
+    With `group`, every timed sample starts after a barrier, and on the GPU (with --start-line gpu, the
+    default) after the start line (`_START_LINE`): a one-thread kernel that returns on every rank's
+    stream once all ranks' streams reached it, so the start events of all ranks mark the same moment.
+    A collective op's time then excludes the skew with which the ranks would otherwise start (a rank
+    that starts early counts its wait for the others; the host barrier alone leaves the processes'
+    exit skew, tens of microseconds with 8 ranks, in every sample). The ceiling is timed the same way.
     With `loop` > 1 a sample is `loop` back-to-back calls, divided by `loop` (low-latency ops: the
     steady-state time of a call, as consecutive layers issue them; the barrier's exit skew is then
     paid once per sample instead of once per call)."""
@@ -109,11 +136,15 @@ def _timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int
             torch.cuda.synchronize()
             if group is not None:
                 dist.barrier(group=group)
+            if _START_LINE is not None:
+                _START_LINE.cross(torch.cuda.current_stream())
             start.record()
             for _ in range(loop):
                 fn()
             end.record()
             end.synchronize()
+            if _START_LINE is not None:
+                _START_LINE.check()
             samples.append(start.elapsed_time(end) / 1e3 / loop)
         else:
             if group is not None:
@@ -325,53 +356,55 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
     hidden, topk, experts = cfg.hidden, cfg.topk, cfg.experts
     nvl_bytes = deep_ep.Config().get_nvl_buffer_size_hint(hidden * 2, world, tokens)
     buf = deep_ep.Buffer(group, nvl_bytes, 0, transport=cfg.transport)
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
-    topk_idx = _random_topk(tokens, experts, topk, device, gen)
-    topk_weights = torch.rand(tokens, topk, generator=gen).to(device)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, experts)
-    x_in = _fp8_cast(x) if cfg.fp8 else x
+    with _start_line(buf, cfg):
+        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+        topk_idx = _random_topk(tokens, experts, topk, device, gen)
+        topk_weights = torch.rand(tokens, topk, generator=gen).to(device)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, experts)
+        x_in = _fp8_cast(x) if cfg.fp8 else x
 
-    def dispatch():
-        return buf.dispatch(x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+        def dispatch():
+            return buf.dispatch(x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
 
-    recv_x, recv_idx, recv_w, counts, handle, _ = dispatch()
-    # Check: the rows received are what every source sent here; the round trip sums each token
-    # once per destination rank (identity experts), exactly.
-    all_per_rank = [torch.zeros_like(per_rank) for _ in range(world)]
-    dist.all_gather(all_per_rank, per_rank, group=group)
-    expected_rows = int(sum(int(t[rank]) for t in all_per_rank))
-    got_rows = (recv_x[0] if cfg.fp8 else recv_x).size(0)
-    if got_rows != expected_rows:
-        raise AssertionError(f"rank {rank}: received {got_rows} rows, expected {expected_rows}")
-    combine_in = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=1)).to(torch.bfloat16) \
-        if cfg.fp8 else recv_x
-    combined, _, _ = buf.combine(combine_in, handle)
-    ref_src = (x_in[0].float() * x_in[1].repeat_interleave(128, dim=1)).to(torch.bfloat16) if cfg.fp8 else x
-    expected = (ref_src.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
-    if not torch.equal(combined, expected):
-        bad = (combined != expected).any(1).nonzero().flatten()[:5].tolist()
-        raise AssertionError(f"rank {rank}: combine differs from the oracle at tokens {bad}")
+        recv_x, recv_idx, recv_w, counts, handle, _ = dispatch()
+        # Check: the rows received are what every source sent here; the round trip sums each token
+        # once per destination rank (identity experts), exactly.
+        all_per_rank = [torch.zeros_like(per_rank) for _ in range(world)]
+        dist.all_gather(all_per_rank, per_rank, group=group)
+        expected_rows = int(sum(int(t[rank]) for t in all_per_rank))
+        got_rows = (recv_x[0] if cfg.fp8 else recv_x).size(0)
+        if got_rows != expected_rows:
+            raise AssertionError(f"rank {rank}: received {got_rows} rows, expected {expected_rows}")
+        combine_in = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=1)).to(torch.bfloat16) \
+            if cfg.fp8 else recv_x
+        combined, _, _ = buf.combine(combine_in, handle)
+        ref_src = (x_in[0].float() * x_in[1].repeat_interleave(128, dim=1)).to(torch.bfloat16) if cfg.fp8 else x
+        expected = (ref_src.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
+        if not torch.equal(combined, expected):
+            bad = (combined != expected).any(1).nonzero().flatten()[:5].tolist()
+            raise AssertionError(f"rank {rank}: combine differs from the oracle at tokens {bad}")
 
-    sent_rows = int(in_rank.sum())
-    row_bytes = _dispatch_row_bytes(hidden, cfg.fp8)
-    dispatch_bytes = sent_rows * row_bytes
-    combine_bytes = sent_rows * hidden * 2
-    t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
-    if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (a collective op)
-        _print_host_profile(f"dispatch, {tokens} tokens", dispatch, device, rank == 0)
-    t_combine = _slowest(_timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group), group)
-    matrix = [[int(v) for v in t.tolist()] for t in all_per_rank]
-    c_dispatch = _ceiling(buf, matrix, True, row_bytes, dispatch_bytes, device, cfg, group)
-    c_combine = _ceiling(buf, matrix, False, hidden * 2, combine_bytes, device, cfg, group)
-    _print_profile(getattr(buf._backend, "engine", None), rank, tokens)
-    prec = "fp8" if cfg.fp8 else "bf16"
-    _add_rows(rows, buf, cfg, tokens, (("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
-                                       ("combine", t_combine, c_combine, combine_bytes, "bf16")))
-    if cfg.baseline:
-        _add_baseline_rows(rows, cfg, tokens, matrix, rank, group, device,
-                           (("a2a_dispatch", True, row_bytes, dispatch_bytes, c_dispatch, prec),
-                            ("a2a_combine", False, hidden * 2, combine_bytes, c_combine, "bf16")))
+        sent_rows = int(in_rank.sum())
+        row_bytes = _dispatch_row_bytes(hidden, cfg.fp8)
+        dispatch_bytes = sent_rows * row_bytes
+        combine_bytes = sent_rows * hidden * 2
+        t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
+        if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (a collective op)
+            _print_host_profile(f"dispatch, {tokens} tokens", dispatch, device, rank == 0)
+        t_combine = _slowest(_timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group),
+                             group)
+        matrix = [[int(v) for v in t.tolist()] for t in all_per_rank]
+        c_dispatch = _ceiling(buf, matrix, True, row_bytes, dispatch_bytes, device, cfg, group)
+        c_combine = _ceiling(buf, matrix, False, hidden * 2, combine_bytes, device, cfg, group)
+        _print_profile(getattr(buf._backend, "engine", None), rank, tokens)
+        prec = "fp8" if cfg.fp8 else "bf16"
+        _add_rows(rows, buf, cfg, tokens, (("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
+                                           ("combine", t_combine, c_combine, combine_bytes, "bf16")))
+        if cfg.baseline:
+            _add_baseline_rows(rows, cfg, tokens, matrix, rank, group, device,
+                               (("a2a_dispatch", True, row_bytes, dispatch_bytes, c_dispatch, prec),
+                                ("a2a_combine", False, hidden * 2, combine_bytes, c_combine, "bf16")))
 
 
 def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tokens: int, rows: List[Row]) -> None:
@@ -381,79 +414,80 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
     rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world, experts)
     buf = deep_ep.Buffer(group, 0, rdma_bytes, low_latency_mode=True, num_qps_per_rank=max(1, experts // world),
                          transport=cfg.transport)
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
-    topk_idx = _random_topk(tokens, experts, topk, device, gen)
-    topk_weights = torch.rand(tokens, topk, generator=gen).to(device)
+    with _start_line(buf, cfg):
+        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+        topk_idx = _random_topk(tokens, experts, topk, device, gen)
+        topk_weights = torch.rand(tokens, topk, generator=gen).to(device)
 
-    def dispatch():
-        return buf.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=cfg.fp8)
+        def dispatch():
+            return buf.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=cfg.fp8)
 
-    recv_x, recv_count, handle, _, _ = dispatch()
-    # Identity experts in BF16: combine returns sum_k w_k * x exactly as the oracle computes it.
-    recv_bf16 = recv_x if not cfg.fp8 else None
-    if recv_bf16 is None:
-        data, scales = recv_x
-        recv_bf16 = (data.float() * scales.repeat_interleave(128, dim=2)).to(torch.bfloat16)
-        # The reference cast runs on the CPU: on CUDA, torch divides by the Python scalar 448 as a
-        # multiplication by its reciprocal, which is off by one ulp of the scale now and then (seen
-        # on the H200: one FP8 step of difference, x4 through the top-k weights).
-        src = _fp8_cast(x.cpu())
-        ref_x = (src[0].float() * src[1].repeat_interleave(128, dim=1)).to(torch.bfloat16).to(device)
-    else:
-        ref_x = x
-    def combine():
-        return buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle)
+        recv_x, recv_count, handle, _, _ = dispatch()
+        # Identity experts in BF16: combine returns sum_k w_k * x exactly as the oracle computes it.
+        recv_bf16 = recv_x if not cfg.fp8 else None
+        if recv_bf16 is None:
+            data, scales = recv_x
+            recv_bf16 = (data.float() * scales.repeat_interleave(128, dim=2)).to(torch.bfloat16)
+            # The reference cast runs on the CPU: on CUDA, torch divides by the Python scalar 448 as a
+            # multiplication by its reciprocal, which is off by one ulp of the scale now and then (seen
+            # on the H200: one FP8 step of difference, x4 through the top-k weights).
+            src = _fp8_cast(x.cpu())
+            ref_x = (src[0].float() * src[1].repeat_interleave(128, dim=1)).to(torch.bfloat16).to(device)
+        else:
+            ref_x = x
+        def combine():
+            return buf.low_latency_combine(recv_bf16, topk_idx, topk_weights, handle)
 
-    combined, _, _ = combine()
-    w = torch.where(topk_idx >= 0, topk_weights, torch.zeros_like(topk_weights))
-    expected = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
-    for k in range(topk):
-        expected += w[:, k:k + 1] * ref_x.float()
-    err = (combined.float() - expected).abs().max().item() if tokens else 0.0
-    scale = expected.abs().max().item() if tokens else 1.0
-    if err > 1e-2 * max(scale, 1e-6):
-        raise AssertionError(f"rank {rank}: low-latency combine differs from the oracle (max abs err {err})")
+        combined, _, _ = combine()
+        w = torch.where(topk_idx >= 0, topk_weights, torch.zeros_like(topk_weights))
+        expected = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
+        for k in range(topk):
+            expected += w[:, k:k + 1] * ref_x.float()
+        err = (combined.float() - expected).abs().max().item() if tokens else 0.0
+        scale = expected.abs().max().item() if tokens else 1.0
+        if err > 1e-2 * max(scale, 1e-6):
+            raise AssertionError(f"rank {rank}: low-latency combine differs from the oracle (max abs err {err})")
 
-    pairs = int((topk_idx >= 0).sum())
-    d_row = _dispatch_row_bytes(hidden, cfg.fp8)
-    dispatch_bytes = pairs * d_row
-    combine_bytes = pairs * hidden * 2
-    loop = LL_LOOP if device.type == "cuda" else 1
-    t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group, loop), group)
-    t_combine = _slowest(_timer(device, combine, cfg.warmup, cfg.iters, group, loop), group)
-    # matrix[s][d]: (token, expert) pairs rank s sends rank d (LL sends a token once per expert).
-    experts_per_rank = experts // world
-    per_rank = torch.bincount((topk_idx[topk_idx >= 0] // experts_per_rank).flatten(), minlength=world)
-    per_rank = per_rank.to(torch.int64)
-    gathered = [torch.zeros_like(per_rank) for _ in range(world)]
-    dist.all_gather(gathered, per_rank, group=group)
-    matrix = [[int(v) for v in t.tolist()] for t in gathered]
-    c_dispatch = _ceiling(buf, matrix, True, d_row, dispatch_bytes, device, cfg, group, loop)
-    c_combine = _ceiling(buf, matrix, False, hidden * 2, combine_bytes, device, cfg, group, loop)
-    if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (collective ops)
-        _print_host_profile(f"low_latency_dispatch, {tokens} tokens", dispatch, device, rank == 0)
-        _print_host_profile(f"low_latency_combine, {tokens} tokens", combine, device, rank == 0)
-    _print_profile(getattr(buf._backend, "ll_engine", None), rank, tokens)
-    prec = "fp8" if cfg.fp8 else "bf16"
-    _add_rows(rows, buf, cfg, tokens, (("ll_dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
-                                       ("ll_combine", t_combine, c_combine, combine_bytes, "bf16")))
-    if device.type == "cuda":
-        # The same calls replayed from CUDA graphs (how decode steps run them): GPU time without the
-        # Python host path, which the eager rows above include whenever the GPU waits for the host.
-        g_dispatch = _graph_seconds(dispatch, device, cfg, group)
-        g_combine = _graph_seconds(combine, device, cfg, group)
-        gc_dispatch = _ceiling(buf, matrix, True, d_row, dispatch_bytes, device, cfg, group, graph=True)
-        gc_combine = _ceiling(buf, matrix, False, hidden * 2, combine_bytes, device, cfg, group, graph=True)
-        _add_rows(rows, buf, cfg, tokens, (("ll_dispatch_graph", g_dispatch, gc_dispatch, dispatch_bytes, prec),
-                                           ("ll_combine_graph", g_combine, gc_combine, combine_bytes, "bf16")))
-        engine = getattr(buf._backend, "ll_engine", None)
-        if getattr(engine, "trace", None) is not None:   # DEEPEP_PORTABLE_PROFILE=1
-            for what, fn in (("low_latency_dispatch", dispatch), ("low_latency_combine", combine)):
-                _print_graph_trace(engine, fn, what, group, rank, tokens)
-    if cfg.baseline:
-        _add_baseline_rows(rows, cfg, tokens, matrix, rank, group, device,
-                           (("a2a_dispatch", True, d_row, dispatch_bytes, c_dispatch, prec),
-                            ("a2a_combine", False, hidden * 2, combine_bytes, c_combine, "bf16")), loop)
+        pairs = int((topk_idx >= 0).sum())
+        d_row = _dispatch_row_bytes(hidden, cfg.fp8)
+        dispatch_bytes = pairs * d_row
+        combine_bytes = pairs * hidden * 2
+        loop = LL_LOOP if device.type == "cuda" else 1
+        t_dispatch = _slowest(_timer(device, dispatch, cfg.warmup, cfg.iters, group, loop), group)
+        t_combine = _slowest(_timer(device, combine, cfg.warmup, cfg.iters, group, loop), group)
+        # matrix[s][d]: (token, expert) pairs rank s sends rank d (LL sends a token once per expert).
+        experts_per_rank = experts // world
+        per_rank = torch.bincount((topk_idx[topk_idx >= 0] // experts_per_rank).flatten(), minlength=world)
+        per_rank = per_rank.to(torch.int64)
+        gathered = [torch.zeros_like(per_rank) for _ in range(world)]
+        dist.all_gather(gathered, per_rank, group=group)
+        matrix = [[int(v) for v in t.tolist()] for t in gathered]
+        c_dispatch = _ceiling(buf, matrix, True, d_row, dispatch_bytes, device, cfg, group, loop)
+        c_combine = _ceiling(buf, matrix, False, hidden * 2, combine_bytes, device, cfg, group, loop)
+        if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (collective ops)
+            _print_host_profile(f"low_latency_dispatch, {tokens} tokens", dispatch, device, rank == 0)
+            _print_host_profile(f"low_latency_combine, {tokens} tokens", combine, device, rank == 0)
+        _print_profile(getattr(buf._backend, "ll_engine", None), rank, tokens)
+        prec = "fp8" if cfg.fp8 else "bf16"
+        _add_rows(rows, buf, cfg, tokens, (("ll_dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
+                                           ("ll_combine", t_combine, c_combine, combine_bytes, "bf16")))
+        if device.type == "cuda":
+            # The same calls replayed from CUDA graphs (how decode steps run them): GPU time without the
+            # Python host path, which the eager rows above include whenever the GPU waits for the host.
+            g_dispatch = _graph_seconds(dispatch, device, cfg, group)
+            g_combine = _graph_seconds(combine, device, cfg, group)
+            gc_dispatch = _ceiling(buf, matrix, True, d_row, dispatch_bytes, device, cfg, group, graph=True)
+            gc_combine = _ceiling(buf, matrix, False, hidden * 2, combine_bytes, device, cfg, group, graph=True)
+            _add_rows(rows, buf, cfg, tokens, (("ll_dispatch_graph", g_dispatch, gc_dispatch, dispatch_bytes, prec),
+                                               ("ll_combine_graph", g_combine, gc_combine, combine_bytes, "bf16")))
+            engine = getattr(buf._backend, "ll_engine", None)
+            if getattr(engine, "trace", None) is not None:   # DEEPEP_PORTABLE_PROFILE=1
+                for what, fn in (("low_latency_dispatch", dispatch), ("low_latency_combine", combine)):
+                    _print_graph_trace(engine, fn, what, group, rank, tokens)
+        if cfg.baseline:
+            _add_baseline_rows(rows, cfg, tokens, matrix, rank, group, device,
+                               (("a2a_dispatch", True, d_row, dispatch_bytes, c_dispatch, prec),
+                                ("a2a_combine", False, hidden * 2, combine_bytes, c_combine, "bf16")), loop)
 
 
 def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
@@ -549,6 +583,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="copy: one plain copy of the op's bytes on the device; pattern (GPU): the op's "
                         "rank-to-rank traffic copied into the peers' memory; auto: pattern when the ranks "
                         "span GPUs, else copy")
+    p.add_argument("--start-line", choices=["gpu", "host"], default="gpu",
+                   help="where a timed sample starts on every rank: gpu (default): after a barrier, at a "
+                        "one-thread kernel that all ranks' streams leave together; host: after the barrier "
+                        "only (the processes' exit skew then counts in the op's time)")
     p.add_argument("--plot", default=None, metavar="FILE.png")
     p.add_argument("--no-progress", action="store_true")
 

@@ -482,4 +482,4 @@ register_family(
     ["intranode_combine_stage", "intranode_combine_pull"],
     variants=[dict(NUM_RANKS=8, HIDDEN=7168, NUM_TOPK=8),
               dict(NUM_RANKS=4, HIDDEN=4096, NUM_TOPK=0)])
-register_family("copy", "common/kernels/copy.cu", ["copy_int4", "copy_segments"], variants=[{}])
+register_family("copy", "common/kernels/copy.cu", ["copy_int4", "copy_segments", "start_line"], variants=[{}])

@@ -9,7 +9,8 @@
 #   nvshmem (the NVSHMEM self-test at 2 PEs), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
 #   benchll (bench --mode low_latency), hostcosts (scripts/host_costs.py: host cost of the steps before
 #   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT).
-#   NUM_SMS=16 (normal mode), LL_NUM_SMS (low-latency mode; default: Buffer's); BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420).
+#   NUM_SMS=16 (normal mode), LL_NUM_SMS (low-latency mode; default: Buffer's); BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420);
+#   BENCH_ARGS: extra arguments for every bench step (e.g. "--start-line host").
 set -uo pipefail
 RANKS=${1:-4}
 STEPS=${2:-"build doctor single mpi bench"}
@@ -49,17 +50,17 @@ for s in $STEPS; do
     llnvshmem) start_mps; DEEPEP_TEST_LL_TRANSPORT=nvshmem step llnvshmem $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
     nvshmem) start_mps; step nvshmem $MPIRUN -n 2 $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_nvshmem_gpu_mpi.py; stop_mps ;;
     profile) start_mps
-            DEEPEP_PORTABLE_PROFILE=1 step profile $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 4096 16384
+            DEEPEP_PORTABLE_PROFILE=1 step profile $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 4096 16384 ${BENCH_ARGS:-}
             stop_mps ;;
     benchll) start_mps
-            step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvlink --mode low_latency --tokens 128 ${LL_NUM_SMS:+--num-sms $LL_NUM_SMS}
-            step bench_ll_nvshmem $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvshmem --mode low_latency --tokens 128 ${LL_NUM_SMS:+--num-sms $LL_NUM_SMS}
+            step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvlink --mode low_latency --tokens 128 ${LL_NUM_SMS:+--num-sms $LL_NUM_SMS} ${BENCH_ARGS:-}
+            step bench_ll_nvshmem $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvshmem --mode low_latency --tokens 128 ${LL_NUM_SMS:+--num-sms $LL_NUM_SMS} ${BENCH_ARGS:-}
             stop_mps ;;
     hostcosts) start_mps; step hostcosts $PY scripts/host_costs.py --procs "$RANKS"; stop_mps ;;
     cache)  tar czf "$OUT/jit_cache.tgz" -C "$DEEPEP_PORTABLE_CACHE_DIR" . ;;
     bench)  start_mps
-            step bench_normal $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 512 4096 16384
-            step bench_normal_bf16 $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --no-fp8 --tokens 4096
+            step bench_normal $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 512 4096 16384 ${BENCH_ARGS:-}
+            step bench_normal_bf16 $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --no-fp8 --tokens 4096 ${BENCH_ARGS:-}
             [ "${BENCH_REFERENCE:-1}" = 1 ] && step bench_reference $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport reference --mode normal --tokens 4096 --warmup 1 --iters 3
             stop_mps ;;
     *) echo "unknown step $s" ;;

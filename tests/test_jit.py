@@ -157,7 +157,8 @@ def test_param_structs_match_ptx(tmp_path):
     assert layout["dispatch_layout"] == [ctypes.sizeof(_kernels.LayoutParams)]
     copy = _ptx_param_sizes(tmp_path, _kernels.COPY_SOURCE, {})
     assert copy == {"copy_int4": [ctypes.sizeof(_kernels.CopyParams)],
-                    "copy_segments": [ctypes.sizeof(_kernels.CopySegmentsParams)]}
+                    "copy_segments": [ctypes.sizeof(_kernels.CopySegmentsParams)],
+                    "start_line": [ctypes.sizeof(_kernels.StartLineParams)]}
 
 
 @needs_nvcc

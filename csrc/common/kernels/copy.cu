@@ -49,3 +49,35 @@ extern "C" __global__ void __launch_bounds__(256) copy_segments(const __grid_con
         src += n;
     }
 }
+
+// The benchmark's GPU start line: every rank's stream runs this one-thread kernel before a timed
+// sample, so the sample starts on every GPU stream at (nearly) the same moment instead of when each
+// host left its barrier (host exit skew otherwise lands in the op's time: a rank that starts early
+// waits inside its first call for the late ones). Each rank adds 1 to one shared counter (rank 0's
+// word, mapped over CUDA IPC) and spins until it reaches `target` = ranks x crossings so far. A
+// bounded wait: past the deadline the kernel sets *timed_out and returns (the bench then raises).
+struct StartLineParams {
+    unsigned long long* counter;   // rank 0's word, mapped here
+    unsigned long long target;
+    int* timed_out;                // host-mapped word of this rank
+    unsigned long long timeout_ns;
+};
+
+extern "C" __global__ void start_line(const __grid_constant__ StartLineParams p) {
+    if (threadIdx.x != 0 || blockIdx.x != 0)
+        return;
+    atomicAdd_system(p.counter, 1ull);
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    while (true) {
+        unsigned long long v;
+        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p.counter) : "memory");
+        if (v >= p.target)
+            return;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start > p.timeout_ns) {
+            *p.timed_out = 1;
+            return;
+        }
+    }
+}
