@@ -148,6 +148,8 @@ LL_CTRL_SEND_ARRIVE = 16         # u32: blocks of the running send kernel that f
 LL_CTRL_RECV_ARRIVE = 20         # u32: same for the receive kernel
 LL_CTRL_ERROR = 24               # u32: first error code (device-side claim)
 LL_CTRL_LAST = 32                # u64 [kind (dispatch, combine)][half]: last call of that kind that used that half
+LL_CTRL_STAGE_ARRIVE = 64        # u32: blocks of the running dispatch past its stage phase (grid barrier)
+LL_CTRL_STAGED = 72              # u64: the last dispatch call whose stage phase every block finished
 LL_MSG_HEADER = ALIGN            # bytes before a dispatch message's payload (int32 source token)
 
 

@@ -49,7 +49,8 @@ from .transports.base import (BufferContext, LowLatencyCombineArgs, LowLatencyDi
 DISPATCH_SOURCE = "common/kernels/low_latency/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
 TRANSPORT_DEFINES = {"nvlink": "DEEPEP_TRANSPORT_NVLINK", "nvshmem": "DEEPEP_TRANSPORT_NVSHMEM"}
-_DISPATCH_KERNELS = ("ll_dispatch_stage", "ll_dispatch_send", "ll_dispatch_recv")   # launch order
+# send phase, receive phase (hook mode, in that order), and both in one launch (calls without a hook)
+_DISPATCH_KERNELS = ("ll_dispatch_send", "ll_dispatch_recv", "ll_dispatch")
 _COMBINE_KERNELS = ("ll_combine_send", "ll_combine_recv")
 THREADS = 512                      # kThreads in protocol.cuh
 TRACE_CALLS = 64                   # kTraceCalls in protocol.cuh
@@ -62,7 +63,8 @@ _COMMON = ["peer_bases", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_s
            "combine_send_offset", "combine_recv_offset", "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes",
            "error_claim", "error_host", "timeout_ns", "trace"]
 LLDispatchParams = _struct("LLDispatchParams", [
-    *_COMMON, "x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "recv_x", "recv_scales", "src_info",
+    *_COMMON, "x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "ctrl_stage_arrive",
+    "ctrl_staged", "recv_x", "recv_scales", "src_info",
     "layout_range", "recv_count", "cumulative_recv_stats", "wait_stats", "use_ue8m0"])
 LLCombineParams = _struct("LLCombineParams", [
     *_COMMON, "x", "src_info", "layout_range", "expect_half", "topk_idx", "topk_weights", "out", "num_tokens",
@@ -230,6 +232,7 @@ class LowLatencyEngine:
             self._common(template, lay)
             if params_type is LLDispatchParams:
                 template.send_stage_offset = lay.send_stage_offset
+                template.ctrl_stage_arrive, template.ctrl_staged = L.LL_CTRL_STAGE_ARRIVE, L.LL_CTRL_STAGED
             kernels = tuple(self._kernel(source, name, hidden, num_topk) for name in names)
             plan = self._plans[key] = (kernels, template)
         return plan
@@ -261,9 +264,10 @@ class LowLatencyEngine:
     def _current_stream(self):
         return torch.cuda.current_stream(self.ctx.device)
 
-    def _two_phase(self, op: str, sends: tuple, recv, params, return_recv_hook: bool,
-                   keep: tuple) -> Optional[Callable[[], None]]:
-        """Launch the send kernels now; the receive kernel now or in the returned hook.
+    def _two_phase(self, op: str, send, recv, params, return_recv_hook: bool,
+                   keep: tuple, fused=None) -> Optional[Callable[[], None]]:
+        """Launch the send kernel now; the receive kernel now or in the returned hook. `fused`: a
+        kernel that runs both phases in one launch, used instead of the two when there is no hook.
 
         Receive kernels number themselves RECVD + 1 on the device, so they are launched in call order
         (see the module docstring); `keep` holds what the receive kernel reads or writes until then."""
@@ -275,8 +279,14 @@ class LowLatencyEngine:
         grid = self._grid()
         # DEEPEP_PORTABLE_PROFILE=1: events around the send and receive phases (calls without hooks)
         marks = None if return_recv_hook else self.profile.start(comm)
-        for send in sends:
-            launch(send, grid, THREADS, params, stream_handle(comm))
+        if fused is not None and not return_recv_hook:
+            launch(fused, grid, THREADS, params, stream_handle(comm))
+            self._calls += 1
+            self._recvs += 1
+            self.profile.mark(marks, comm)
+            self.profile.finish(op, ("send+recv",), marks)
+            return None
+        launch(send, grid, THREADS, params, stream_handle(comm))
         self._calls += 1
         self.profile.mark(marks, comm)
         if not return_recv_hook:
@@ -328,7 +338,7 @@ class LowLatencyEngine:
         num_topk = idx.size(1)
         T, E, R = args.num_max_dispatch_tokens_per_rank, args.num_experts, self.num_ranks
         num_local = E // R
-        (stage, send, recv), template = self._plan(LLDispatchParams, DISPATCH_SOURCE, _DISPATCH_KERNELS, T, hidden,
+        (send, recv, fused), template = self._plan(LLDispatchParams, DISPATCH_SOURCE, _DISPATCH_KERNELS, T, hidden,
                                                    E, num_topk)
         self._check_signal_geometry(E)
         self._check_aligned("x", x)
@@ -346,7 +356,7 @@ class LowLatencyEngine:
         p.wait_stats = _ptr(args.dispatch_wait_recv_cost_stats)
         keep = (recv_x, scales, recv_count, src_info, layout_range, args.cumulative_local_expert_recv_stats,
                 args.dispatch_wait_recv_cost_stats)
-        hook = self._two_phase("low_latency_dispatch", (stage, send), recv, p, args.return_recv_hook, keep)
+        hook = self._two_phase("low_latency_dispatch", send, recv, p, args.return_recv_hook, keep, fused)
         handle = LowLatencyHandle(src_info, layout_range, T, hidden, E)
         return LowLatencyDispatchResult(recv_x, scales, recv_count, handle, hook)
 
@@ -379,7 +389,7 @@ class LowLatencyEngine:
             slot_table.record_stream(self.ctx.comm_stream)   # freed here, read on the comm stream later
         p.slot_table = slot_table.data_ptr()
         keep = (x, idx, w, out, handle.src_info, handle.layout_range, args.combine_wait_recv_cost_stats, slot_table)
-        hook = self._two_phase("low_latency_combine", (send,), recv, p, args.return_recv_hook, keep)
+        hook = self._two_phase("low_latency_combine", send, recv, p, args.return_recv_hook, keep)
         return out, hook
 
     def next_combine_half(self) -> int:

@@ -24,6 +24,7 @@ except Exception:   # pragma: no cover - CI installs a compiler
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="no nvcc")
 KERNELS = [(ll.DISPATCH_SOURCE, "ll_dispatch_send", ll.LLDispatchParams),
            (ll.DISPATCH_SOURCE, "ll_dispatch_recv", ll.LLDispatchParams),
+           (ll.DISPATCH_SOURCE, "ll_dispatch", ll.LLDispatchParams),
            (ll.COMBINE_SOURCE, "ll_combine_send", ll.LLCombineParams),
            (ll.COMBINE_SOURCE, "ll_combine_recv", ll.LLCombineParams)]
 
@@ -109,7 +110,7 @@ def test_sender_checks_overwrite_and_counters_are_released(tmp_path):
 
 def test_families_registered():
     fams = jit.families()
-    assert fams["low_latency_dispatch"].kernels == ("ll_dispatch_stage", "ll_dispatch_send", "ll_dispatch_recv")
+    assert fams["low_latency_dispatch"].kernels == ("ll_dispatch_send", "ll_dispatch_recv", "ll_dispatch")
     assert fams["low_latency_combine"].kernels == ("ll_combine_send", "ll_combine_recv")
 
 
@@ -299,20 +300,25 @@ def test_receive_hooks_run_in_call_order_once(monkeypatch):
     eng = _fake_engine(monkeypatch)
     p = ll.LLDispatchParams()
     keep = (torch.zeros(1),)
-    h1 = eng._two_phase("op", (_Fn("send1", log),), _Fn("recv1", log), p, True, keep)
-    h2 = eng._two_phase("op", (_Fn("send2", log),), _Fn("recv2", log), p, True, keep)
+    h1 = eng._two_phase("op", _Fn("send1", log), _Fn("recv1", log), p, True, keep)
+    h2 = eng._two_phase("op", _Fn("send2", log), _Fn("recv2", log), p, True, keep)
     with pytest.raises(RuntimeError, match="call order"):
         h2()
     with pytest.raises(RuntimeError, match="pending"):
-        eng._two_phase("op", (_Fn("send3", log),), _Fn("recv3", log), p, False, keep)
+        eng._two_phase("op", _Fn("send3", log), _Fn("recv3", log), p, False, keep)
     h1()
     with pytest.raises(RuntimeError, match="already called"):
         h1()
     h2()
-    assert eng._two_phase("op", (_Fn("send3", log),), _Fn("recv3", log), p, False, keep) is None
+    assert eng._two_phase("op", _Fn("send3", log), _Fn("recv3", log), p, False, keep) is None
     assert log == ["send1", "send2", "recv1", "recv2", "send3", "recv3"]
     assert (eng._calls, eng._recvs) == (3, 3)
-    h4 = eng._two_phase("op", (_Fn("send4", log),), _Fn("recv4", log), p, True, keep)
+    # without a hook, a fused kernel replaces the two; with one, the two phases stay apart
+    assert eng._two_phase("op", _Fn("s", log), _Fn("r", log), p, False, keep, _Fn("fused5", log)) is None
+    h6 = eng._two_phase("op", _Fn("send6", log), _Fn("recv6", log), p, True, keep, _Fn("fused6", log))
+    h6()
+    assert log[6:] == ["fused5", "send6", "recv6"] and (eng._calls, eng._recvs) == (5, 5)
+    h4 = eng._two_phase("op", _Fn("send4", log), _Fn("recv4", log), p, True, keep)
     eng._epoch += 1          # what clean_low_latency_buffer does
     eng._calls = eng._recvs = 0
     with pytest.raises(RuntimeError, match="clean_low_latency_buffer"):

@@ -338,7 +338,7 @@ def test_environment():
 
 
 @pytest.mark.parametrize("source,kernels", [
-    ("common/kernels/low_latency/dispatch.cu", ("ll_dispatch_stage", "ll_dispatch_send", "ll_dispatch_recv")),
+    ("common/kernels/low_latency/dispatch.cu", ("ll_dispatch_send", "ll_dispatch_recv", "ll_dispatch")),
     ("common/kernels/low_latency/combine.cu", ("ll_combine_send", "ll_combine_recv")),
 ])
 def test_low_latency_kernels_link_for_the_nvshmem_transport(source, kernels, cache):

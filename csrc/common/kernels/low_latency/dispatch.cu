@@ -1,18 +1,28 @@
 // Low-latency dispatch (see protocol.cuh for the buffer, the call counter and the signals).
 //
-//   ll_dispatch_stage: one warp per token builds its message once in my send stage (header: source
-//       token; payload: the bf16 row, or the FP8 cast of it and its float32 scales), however many
-//       experts selected it (a token goes to up to top-k experts: casting per expert repeats work).
-//   ll_dispatch_send: one warp per global expert g (experts strided over every warp of the grid).
-//       The warp scans my tokens in order (32 at a time, __ballot_sync on "token lists g"), so the
-//       k-th token of mine that selected g goes to slot k of (g's local expert, me) at g's rank:
-//       deterministic, packed, in source-token order. It copies each staged message straight into
-//       the receiver's buffer, then SETs the (local expert, me) signal to (seq << 32) | count, also
-//       when count is 0. It never waits. (stage + send are the send phase: two kernels on one stream.)
-//   ll_dispatch_recv: one warp per (local expert e, source s) pair. Its lanes wait for the signals
-//       of sources 0..s of expert e (the rows of s start after those of sources < s), then the warp
-//       copies s's messages out of my buffer into recv_x / scales (column-major) / src_info and
-//       writes layout_range[e][s]; the pair with s = R-1 writes recv_count[e] and the stats.
+// Three phases, written once as device functions and put together by three kernels:
+//   stage:   one warp per token (or per part of a token: a decode batch has fewer tokens than warps)
+//            builds its message once in my send stage (header: source token; payload: the bf16 row,
+//            or the FP8 cast of it and its float32 scales), however many experts selected it (a token
+//            goes to up to top-k experts: casting per expert would repeat the work).
+//   send:    one warp per global expert g (experts strided over every warp of the grid). The warp
+//            scans my tokens in order (32 at a time, __ballot_sync on "token lists g"), so the k-th
+//            token of mine that selected g goes to slot k of (g's local expert, me) at g's rank:
+//            deterministic, packed, in source-token order. It copies each staged message straight
+//            into the receiver's buffer, then SETs the (local expert, me) signal to
+//            (seq << 32) | count, also when count is 0. It never waits.
+//   receive: one warp per (local expert e, source s) pair. Its lanes wait for the signals of sources
+//            0..s of expert e (the rows of s start after those of sources < s), then the warp copies
+//            s's messages out of my buffer into recv_x / scales (column-major) / src_info and writes
+//            layout_range[e][s]; the pair with s = R-1 writes recv_count[e] and the stats.
+// Stage and send are separated by a barrier over my grid (stage_barrier), not by a kernel boundary:
+// one launch and no gap between them. Kernels:
+//   ll_dispatch_send: stage + send (the send phase of a call with return_recv_hook=True);
+//   ll_dispatch_recv: receive (launched by the hook);
+//   ll_dispatch:      stage + send + receive in one launch (calls without a hook): a warp moves on to
+//                     its receive pairs as soon as its sends are out, while peers are still sending.
+// Grids spin (stage barrier, receive waits), so every block of every rank sharing the GPU must be
+// resident at once: the host caps the grid accordingly (Window.grid).
 //
 // Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, DEEPEP_TRANSPORT_*.
 // Run-time: ranks, experts, T, FP8 flags.
@@ -51,6 +61,8 @@ struct LLDispatchParams {
     int64_t use_fp8;
     int64_t round_scale;
     int64_t send_stage_offset;        // my send stage: [T] messages
+    int64_t ctrl_stage_arrive;        // u32 in my control area: blocks past the stage phase of this call
+    int64_t ctrl_staged;              // u64 in my control area: the last call whose stage phase is complete
     // receive
     int4* recv_x;                     // [E_local, R*T, HIDDEN] bf16 or fp8
     void* recv_scales;                // fp32 [E_local][S][R*T] or int32 [E_local][S/4][R*T] (column-major views)
@@ -121,14 +133,13 @@ DEEPEP_DEVICE int64_t message_used_bytes(bool use_fp8) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_stage(const __grid_constant__ LLDispatchParams p) {
+namespace {
+
+// Stage phase: my tokens' messages into my send stage (see the top of the file).
+DEEPEP_DEVICE void stage_tokens(const LLDispatchParams& p) {
     const Common& c = p.c;
     const int lane = threadIdx.x % 32;
     const int num_warps = gridDim.x * (kThreads / 32);
-    // The send kernel that follows on this stream takes call SENT + 1 (profiling only; SENT does
-    // not change while this kernel runs, so the end mark reads it again instead of keeping it).
-    if (c.trace != nullptr)
-        trace_mark(c.trace, *own<volatile uint64_t>(c, c.ctrl_sent) + 1, kTraceDispatchStage, false);
     // A decode batch has fewer tokens than warps: split each row over up to kMaxParts warps, so a
     // warp waits for fewer serial rounds of loads (a part is a range of 128-channel block pairs).
     constexpr int kMaxParts = 4;
@@ -151,16 +162,38 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_stage(const _
         else   // a 128-channel block is 16 words of bf16
             transport::warp_copy_bytes(msg + kMsgHeader + b_begin * 256, row + b_begin * 16, (b_end - b_begin) * 256, lane);
     }
-    if (c.trace != nullptr) {   // uniform over the grid
-        __syncthreads();
-        trace_mark(c.trace, *own<volatile uint64_t>(c, c.ctrl_sent) + 1, kTraceDispatchStage, true);
-    }
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __grid_constant__ LLDispatchParams p) {
+// Every block of my grid waits here until all of them have staged their tokens (the send phase
+// reads messages other blocks built). The last block to arrive re-arms the arrival word and
+// publishes STAGED = seq with a release; the others acquire-poll it (seq grows every call: no reset,
+// no ABA). The blocks are co-resident (see the top of the file), so the wait ends; it is bounded
+// anyway. System scope: a network put's NIC reads the stage. False (reported) on timeout.
+DEEPEP_DEVICE bool stage_barrier(const LLDispatchParams& p, uint64_t seq, uint64_t deadline) {
     const Common& c = p.c;
-    const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
-    const Call call = begin_call(c, c.ctrl_sent, kTraceDispatchSend, kKindDispatch);
+    __shared__ int s_ok;
+    __syncthreads();   // every thread of the block has staged
+    if (threadIdx.x == 0) {
+        s_ok = 1;
+        __threadfence_system();
+        uint64_t* staged = own<uint64_t>(c, p.ctrl_staged);
+        if (atomicAdd(own<unsigned int>(c, p.ctrl_stage_arrive), 1u) == gridDim.x - 1) {
+            __threadfence_system();   // acquire side of the other blocks' arrivals
+            atomicExch(own<unsigned int>(c, p.ctrl_stage_arrive), 0u);
+            st_release_sys(staged, seq);
+        } else if (!wait_ge(staged, seq, deadline, sink_of(c, kOpDispatch), static_cast<int>(c.rank))) {
+            s_ok = 0;
+        }
+    }
+    __syncthreads();
+    return s_ok != 0;
+}
+
+// Send phase of call `call` (see the top of the file). `ok`: the stage barrier passed; when it did
+// not (reported), the messages are not trusted and not sent, but every signal is still set with
+// count 0 so no peer is left waiting for this rank.
+DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr, const Call& call, bool ok) {
+    const Common& c = p.c;
     const uint64_t seq = call.seq;
     const int half = static_cast<int>(seq & 1);
     const int lane = threadIdx.x % 32;
@@ -175,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __
         const int dst = g / num_local, local = g % num_local;
         const uint64_t recvd = lane == 0 ? peer_recvd(tr, c, dst) : 0;   // checked below, before the signal
         uint32_t count = 0;
-        for (int64_t t0 = 0; t0 < p.num_tokens; t0 += 32) {
+        for (int64_t t0 = 0; ok && t0 < p.num_tokens; t0 += 32) {
             uint32_t mask = __ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g));
             while (mask != 0) {
                 const int j = __ffs(mask) - 1;
@@ -195,17 +228,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __
             tr.signal(0, dst, dispatch_signal_off(c, half, local, me), signal_value(seq, count));
         }
     }
-    // The puts read my send stage, which the next dispatch's stage kernel rewrites: complete this
-    // warp's puts before the kernel ends (one quiet per warp; a no-op for load/store peers).
+    // The puts read my send stage, which the next dispatch's stage phase rewrites: complete this
+    // warp's puts before the phase ends (one quiet per warp; a no-op for load/store peers).
     if (lane == 0)
         tr.flush(0);
-    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq, kTraceDispatchSend, kKindDispatch);
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(const __grid_constant__ LLDispatchParams p) {
+// Receive phase of call `seq` (see the top of the file).
+DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& tr, uint64_t seq) {
     const Common& c = p.c;
-    const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
-    const uint64_t seq = begin_call(c, c.ctrl_recvd, kTraceDispatchRecv).seq;
     const int half = static_cast<int>(seq & 1);
     const ErrorSink sink = sink_of(c, kOpDispatch);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
@@ -305,5 +336,45 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(const __
                 p.src_info[e * slots + row] = src_token;
         }
     }
+}
+
+
+// Stage + send of one call: the trace's stage span ends and its send span starts at the barrier.
+DEEPEP_DEVICE void stage_and_send(const LLDispatchParams& p, const Transport& tr) {
+    const Common& c = p.c;
+    const Call call = begin_call(c, c.ctrl_sent, kTraceDispatchStage, kKindDispatch);
+    const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
+    stage_tokens(p);
+    const bool ok = stage_barrier(p, call.seq, deadline);
+    trace_mark(c.trace, call.seq, kTraceDispatchStage, true);
+    trace_mark(c.trace, call.seq, kTraceDispatchSend, false);
+    send_messages(p, tr, call, ok);
+    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, call.seq, kTraceDispatchSend, kKindDispatch);
+}
+
+DEEPEP_DEVICE void receive(const LLDispatchParams& p, const Transport& tr) {
+    const Common& c = p.c;
+    const uint64_t seq = begin_call(c, c.ctrl_recvd, kTraceDispatchRecv).seq;
+    receive_messages(p, tr, seq);
     end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq, kTraceDispatchRecv);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __grid_constant__ LLDispatchParams p) {
+    stage_and_send(p, make_transport(p.c.peer_bases, p.c.rank, p.c.num_ranks));
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(const __grid_constant__ LLDispatchParams p) {
+    receive(p, make_transport(p.c.peer_bases, p.c.rank, p.c.num_ranks));
+}
+
+// Without a hook the receive phase follows in the same launch: a warp's receive waits overlap the
+// peers' (and my other warps') sends instead of starting after a kernel boundary. RECVD + 1 is this
+// call (the host allows no hook-less op while a hook is pending), and a block reads RECVD before it
+// can arrive at the receive phase's end (end_call), so the sequence numbers agree.
+extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch(const __grid_constant__ LLDispatchParams p) {
+    const Transport tr = make_transport(p.c.peer_bases, p.c.rank, p.c.num_ranks);
+    stage_and_send(p, tr);
+    receive(p, tr);
 }

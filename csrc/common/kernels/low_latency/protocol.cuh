@@ -9,13 +9,14 @@
 //   data of a half: dispatch receive slots [E_local][R][T] messages, the combine send area
 //                   [E_local][R*T][H] bf16 (the zero-copy buffer; written only by this rank), then
 //                   the combine receive slots [E][T][H] bf16.
-//   send stage: [T] dispatch messages built by ll_dispatch_stage (written only by this rank; read by
-//               the send kernel that follows it on the same stream, which quiets before it ends).
+//   send stage: [T] dispatch messages built by the dispatch's stage phase (written only by this rank;
+//               read by its send phase after a barrier over the grid; the send quiets before it ends).
 //
 // Calls: every LL op (dispatch or combine) is one call, numbered 1, 2, ... on every rank in the same
-// order. A call is two kernels: SEND (never waits) and RECEIVE (waits for the peers' signals). The
-// send kernel takes seq = SENT + 1 and its last block to finish stores SENT = seq; the receive kernel
-// does the same with RECVD. So sends and receives pair up first-in first-out, even when hooks delay
+// order. A call has two phases: SEND (never waits for a peer) and RECEIVE (waits for the peers'
+// signals), two kernels (the hook launches the second) or, for a dispatch without a hook, one kernel
+// running both. The send phase takes seq = SENT + 1 and its last block to finish stores SENT = seq;
+// the receive phase does the same with RECVD. So sends and receives pair up first-in first-out, even when hooks delay
 // receives, and a captured CUDA graph keeps counting on replay (the counters live in device memory).
 // half = seq & 1; every signal of call seq is SET to (seq << 32) | count, so no signal is ever
 // zeroed between calls; a receiver waits until the value reaches seq << 32 and reports an overrun if
