@@ -45,6 +45,12 @@ constexpr int kNumTopk = NUM_TOPK;
 constexpr int kNumScales = NUM_SCALES;
 constexpr int kScalesPerLane = (kNumScales + 31) / 32;
 constexpr int kTopkPerLane = (kNumTopk + 31) / 32;
+// Rows a warp of the pull kernel takes at a time; the chunks are strided over the warps, so the
+// grid works in a window of warps * kPullRows rows of the output at a time. Swept on the H200
+// emulation (8 ranks, 16 blocks, 4096 / 16384 tokens): 8 rows pulled in 909 / 3936 us, 16 in
+// 892 / 4015, 32 in 967 / 4233; an even contiguous split per warp was slower still (PERFORMANCE.md).
+constexpr int kPullRows = 8;
+static_assert(kPullRows >= 1 && kPullRows <= 32, "a lane resolves one row of a chunk");
 static_assert(HIDDEN_BYTES % 16 == 0, "payload rows must be 16-byte multiples");
 static_assert(kNumRanks >= 1 && kNumTopk >= 0 && kNumTopk <= 128, "bad compile-time shape");
 }  // namespace
@@ -334,16 +340,16 @@ extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_pull(c
     const int lane = threadIdx.x % 32;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
     const int experts_per_rank = static_cast<int>(p.num_experts / kNumRanks);
-    for (int64_t base = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * 32; base < p.max_recv_rows;
-         base += warps * 32) {
+    for (int64_t base = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * kPullRows; base < p.max_recv_rows;
+         base += warps * kPullRows) {
         int my_src = 0, my_token = -1;
-        if (base + lane < num_recv) {
+        if (lane < kPullRows && base + lane < num_recv) {
             const int i = static_cast<int>(base + lane);
             while (src_offset[my_src + 1] <= i)
                 ++my_src;
             my_token = bufs.at<const int>(my_src, p.send_list_offset)[me * p.capacity + (i - src_offset[my_src])];
         }
-        const int rows = static_cast<int>(p.max_recv_rows - base < 32 ? p.max_recv_rows - base : 32);
+        const int rows = static_cast<int>(p.max_recv_rows - base < kPullRows ? p.max_recv_rows - base : kPullRows);
         for (int k = 0; k < rows; ++k) {
             const int64_t i = base + k;
             const int s = __shfl_sync(0xffffffffu, my_src, k);
