@@ -241,8 +241,11 @@ class StartLineParams(ctypes.Structure):
 
 class StartLine:
     """The benchmark's start line on the GPU (kernel `start_line` in copy.cu): cross() enqueues a
-    one-thread kernel that returns once every rank's stream has reached its own cross(). Collective
-    to build (one IPC window over ctx's group); every rank must call cross() the same number of times."""
+    one-thread kernel that returns once every rank's stream has reached its own cross(), or after
+    `timeout_s`, setting the flag check() raises on. Collective to build (one IPC window over ctx's
+    group); every rank must call cross() the same number of times. The ranks add to one word in rank
+    0's memory with system-scope atomics: ranks on one GPU or on NVLink-connected GPUs; GPUs joined by
+    PCIe without peer atomics need `bench --start-line host`."""
 
     def __init__(self, ctx, timeout_s: float = 60.0) -> None:
         from .ipc import IpcWindow, MappedWords

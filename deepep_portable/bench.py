@@ -110,8 +110,10 @@ def _start_line(buf: "deep_ep.Buffer", cfg: argparse.Namespace):
         yield
     finally:
         _START_LINE = None
-        if line is not None:
-            line.close()
+    # Normal exit only: close() is collective, and a rank that raised would otherwise wait in it for
+    # peers that sit in another collective (the failing process is going away with its window anyway).
+    if line is not None:
+        line.close()
 
 
 def _timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int, group=None,

@@ -7,8 +7,9 @@ window: CUDA IPC (ipc.IpcWindow, transport "nvlink": kernels built with DEEPEP_T
 NVSHMEM's symmetric heap (nvshmem_window.NvshmemWindow, transport "nvshmem": kernels built with
 DEEPEP_TRANSPORT_NVSHMEM and device-linked). The kernels are the same source either way.
 
-Every LL op is one *call*: a SEND kernel, then a RECEIVE kernel, both on `ctx.comm_stream` (Buffer
-orders that stream against the caller's). The call counter that picks the buffer half and the
+Every LL op is one *call*: a SEND phase, then a RECEIVE phase, both on `ctx.comm_stream` (Buffer
+orders that stream against the caller's): two kernels, or for a dispatch without a hook one kernel
+running both (`ll_dispatch`). The call counter that picks the buffer half and the
 signal values lives in device memory, so CUDA-graph replays keep counting. With
 `return_recv_hook=True` the op launches only the send kernel and returns `hook`; calling it later
 does `comm_stream.wait_stream(current)`, launches the receive kernel on the comm stream, then

@@ -325,6 +325,16 @@ def test_receive_hooks_run_in_call_order_once(monkeypatch):
         h4()
 
 
+def test_timeout_on_own_blocks_is_named_so():
+    """The LL dispatch's stage barrier waits for the rank's own blocks and reports itself as the peer."""
+    from deepep_portable.ipc import CommTimeoutError
+
+    own = str(CommTimeoutError("low_latency_dispatch", 3, 3, 5, 2.0))
+    assert "its own blocks" in own and "block 5" in own and "rank 3" in own
+    peer = str(CommTimeoutError("low_latency_dispatch", 3, 1, 5, 2.0))
+    assert "waiting for peer 1 (channel 5)" in peer
+
+
 def test_misaligned_rows_refused():
     x = torch.zeros(33, dtype=torch.bfloat16)
     ll.LowLatencyEngine._check_aligned("x", x[:32])

@@ -334,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_pull(c
         }
     }
 
-    // Each warp takes 32 consecutive rows; lane k first resolves row base+k (its source rank and
+    // Each warp takes kPullRows consecutive rows; lane k first resolves row base+k (its source rank and
     // source token: one remote index load per lane, all in flight together), then the warp copies
     // the rows one after another, taking (source, token) from lane k.
     const int lane = threadIdx.x % 32;

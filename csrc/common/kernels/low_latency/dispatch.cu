@@ -10,7 +10,8 @@
 //            token of mine that selected g goes to slot k of (g's local expert, me) at g's rank:
 //            deterministic, packed, in source-token order. It copies each staged message straight
 //            into the receiver's buffer, then SETs the (local expert, me) signal to
-//            (seq << 32) | count, also when count is 0. It never waits.
+//            (seq << 32) | count, also when count is 0. It never waits for a peer (the stage
+//            barrier before it waits for the rank's own blocks only).
 //   receive: one warp per (local expert e, source s) pair. Its lanes wait for the signals of sources
 //            0..s of expert e (the rows of s start after those of sources < s), then the warp copies
 //            s's messages out of my buffer into recv_x / scales (column-major) / src_info and writes
@@ -19,8 +20,8 @@
 // one launch and no gap between them. Kernels:
 //   ll_dispatch_send: stage + send (the send phase of a call with return_recv_hook=True);
 //   ll_dispatch_recv: receive (launched by the hook);
-//   ll_dispatch:      stage + send + receive in one launch (calls without a hook): a warp moves on to
-//                     its receive pairs as soon as its sends are out, while peers are still sending.
+//   ll_dispatch:      stage + send + receive in one launch (calls without a hook): a block moves on to
+//                     its receive pairs once its warps' sends are out, while peers are still sending.
 // Grids spin (stage barrier, receive waits), so every block of every rank sharing the GPU must be
 // resident at once: the host caps the grid accordingly (Window.grid).
 //

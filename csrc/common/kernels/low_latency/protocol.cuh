@@ -2,8 +2,9 @@
 //
 // Buffer (one per rank, same size everywhere, offsets from deepep_portable/layout.py LowLatencyLayout):
 //   [ control | signals of half 0 | signals of half 1 | data of half 0 | data of half 1 | send stage ]
-//   control: SENT (u64, calls whose send kernel finished), RECVD (u64, calls whose receive kernel
-//            finished), two block-arrival words, the error claim word.
+//   control: SENT (u64, calls whose send phase finished), RECVD (u64, calls whose receive phase
+//            finished), two block-arrival words, the error claim word, LAST (see below), and the
+//            dispatch's grid-barrier words STAGE_ARRIVE (u32) and STAGED (u64) (layout.py LL_CTRL_*).
 //   signals of a half: dispatch [E_local][R] u64 (slot (e, s) written only by source rank s),
 //                      combine  [E] u64 (slot g written only by the rank that owns expert g).
 //   data of a half: dispatch receive slots [E_local][R][T] messages, the combine send area
