@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/kernels/common.cuh"
+#include "common/kernels/signal.cuh"
 
 // Every block walks the span grid-stride; four loads in flight per thread.
 __device__ __forceinline__ void copy_span(const int4* src, int4* dst, int64_t num_int4) {
@@ -58,24 +59,18 @@ extern "C" __global__ void __launch_bounds__(256) copy_segments(const __grid_con
 // bounded wait: past the deadline the kernel sets *timed_out and returns (the bench then raises).
 struct StartLineParams {
     unsigned long long* counter;   // rank 0's word, mapped here
-    unsigned long long target;
+    uint64_t target;
     int* timed_out;                // host-mapped word of this rank
-    unsigned long long timeout_ns;
+    uint64_t timeout_ns;
 };
 
 extern "C" __global__ void start_line(const __grid_constant__ StartLineParams p) {
     if (threadIdx.x != 0 || blockIdx.x != 0)
         return;
     atomicAdd_system(p.counter, 1ull);
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    while (true) {
-        unsigned long long v;
-        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p.counter) : "memory");
-        if (v >= p.target)
-            return;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - start > p.timeout_ns) {
+    const uint64_t deadline = deepep_portable::globaltimer_ns() + p.timeout_ns;
+    while (deepep_portable::ld_acquire_sys(reinterpret_cast<const uint64_t*>(p.counter)) < p.target) {
+        if (deepep_portable::globaltimer_ns() > deadline) {
             *p.timed_out = 1;
             return;
         }

@@ -176,15 +176,11 @@ DEEPEP_DEVICE bool stage_barrier(const LLDispatchParams& p, uint64_t seq, uint64
     __syncthreads();   // every thread of the block has staged
     if (threadIdx.x == 0) {
         s_ok = 1;
-        __threadfence_system();
         uint64_t* staged = own<uint64_t>(c, p.ctrl_staged);
-        if (atomicAdd(own<unsigned int>(c, p.ctrl_stage_arrive), 1u) == gridDim.x - 1) {
-            __threadfence_system();   // acquire side of the other blocks' arrivals
-            atomicExch(own<unsigned int>(c, p.ctrl_stage_arrive), 0u);
+        if (arrive_last(c, p.ctrl_stage_arrive))
             st_release_sys(staged, seq);
-        } else if (!wait_ge(staged, seq, deadline, sink_of(c, kOpDispatch), static_cast<int>(c.rank))) {
+        else if (!wait_ge(staged, seq, deadline, sink_of(c, kOpDispatch), static_cast<int>(c.rank)))
             s_ok = 0;
-        }
     }
     __syncthreads();
     return s_ok != 0;

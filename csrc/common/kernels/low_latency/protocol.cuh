@@ -168,20 +168,27 @@ DEEPEP_DEVICE Call begin_call(const Common& c, int64_t counter_off, int trace_ke
 // for the next launch. Every block's accesses (the receive kernel's reads of the half) are ordered
 // before the arrival (__syncthreads + system fence), and the counter store is a system-scope
 // release: a peer that reads RECVD >= seq (the sender-side overwrite check) knows they are done.
+// Thread 0 of a block, after a __syncthreads that gathered the block's accesses: arrive on the u32
+// word at `arrive_off` (system fence first, so those accesses are ordered before the arrival). True
+// for the grid's last block only, which has then acquired every other block's arrival (second fence)
+// and re-armed the word to 0 for the next use (no block arrives again before that).
+DEEPEP_DEVICE bool arrive_last(const Common& c, int64_t arrive_off) {
+    __threadfence_system();
+    if (atomicAdd(own<unsigned int>(c, arrive_off), 1u) != gridDim.x - 1)
+        return false;
+    __threadfence_system();
+    atomicExch(own<unsigned int>(c, arrive_off), 0u);
+    return true;
+}
+
 DEEPEP_DEVICE void end_call(const Common& c, int64_t counter_off, int64_t arrive_off, uint64_t seq, int trace_kernel,
                             int kind = -1) {
     __syncthreads();
     trace_mark(c.trace, seq, trace_kernel, true);
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        const unsigned int prev = atomicAdd(own<unsigned int>(c, arrive_off), 1u);
-        if (prev == gridDim.x - 1) {
-            __threadfence_system();   // acquire side of the arrivals: every block's accesses before the stores
-            atomicExch(own<unsigned int>(c, arrive_off), 0u);
-            if (kind >= 0)
-                *own<volatile uint64_t>(c, last_off(c, kind, static_cast<int>(seq & 1))) = seq;
-            st_release_sys(own<uint64_t>(c, counter_off), seq);
-        }
+    if (threadIdx.x == 0 && arrive_last(c, arrive_off)) {
+        if (kind >= 0)
+            *own<volatile uint64_t>(c, last_off(c, kind, static_cast<int>(seq & 1))) = seq;
+        st_release_sys(own<uint64_t>(c, counter_off), seq);
     }
 }
 
