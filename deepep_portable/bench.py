@@ -426,7 +426,7 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
 
         recv_x, recv_count, handle, _, _ = dispatch()
         # Identity experts in BF16: combine returns sum_k w_k * x exactly as the oracle computes it.
-        recv_bf16 = recv_x if not cfg.fp8 else None
+        recv_bf16 = recv_x.clone() if not cfg.fp8 else None   # recv_x is a view the next dispatches rewrite
         if recv_bf16 is None:
             data, scales = recv_x
             recv_bf16 = (data.float() * scales.repeat_interleave(128, dim=2)).to(torch.bfloat16)

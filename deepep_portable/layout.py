@@ -150,7 +150,7 @@ LL_CTRL_ERROR = 24               # u32: first error code (device-side claim)
 LL_CTRL_LAST = 32                # u64 [kind (dispatch, combine)][half]: last call of that kind that used that half
 LL_CTRL_STAGE_ARRIVE = 64        # u32: blocks of the running dispatch past its stage phase (grid barrier)
 LL_CTRL_STAGED = 72              # u64: the last dispatch call whose stage phase every block finished
-LL_MSG_HEADER = ALIGN            # bytes before a dispatch message's payload (int32 source token)
+LL_MSG_HEADER = ALIGN            # head of a dispatch side message (int32 source token), before its scales
 
 
 @dataclass(frozen=True)
@@ -159,13 +159,17 @@ class LowLatencyLayout:
 
         [ control | signals of half 0 | signals of half 1 | data of half 0 | data of half 1 | send stage ]
 
-    signals of a half: dispatch u64 [E_local][R] (slot (e, s) written by source s), then combine u64
-    [E] (slot g written by g's rank). Data of a half: the dispatch receive slots (one message per
-    (local expert, source rank, token)), the combine send area (the zero-copy buffer, bf16
-    [E_local][R*T][H], written only by this rank), then the combine receive slots bf16 [E][T][H]. The signal
-    areas sit apart from the data so a signal slot is never overwritten by payload of the same shape.
-    The send stage holds my tokens' dispatch messages, each built once (FP8 cast included) before it
-    is copied to every expert that selected it: [T] messages, rewritten by every dispatch.
+    signals of a half: dispatch u64 [E_local][R] (slot (e, s) written by source s), combine u64 [E]
+    (slot g written by g's rank), dispatch ranges u64 [E_local][R] (the first recv_x row of s's block
+    of e, written by s) and dispatch reservations u64 [E_local] (fetch_add by the sources, zeroed by
+    this rank's receive). Data of a half: the dispatch output recv_x [E_local][R*T] rows (sized for
+    bf16; FP8 rows are H bytes, packed from the start: the tensor the op returns is a view of it, which
+    the peers write), the dispatch side messages [E_local][R][T] (source token + FP8 scales), the
+    combine send area (the zero-copy buffer, bf16 [E_local][R*T][H], written only by this rank), then
+    the combine receive slots bf16 [E][T][H]. The signal areas sit apart from the data so a signal slot
+    is never overwritten by payload of the same shape. The send stage holds my tokens' dispatch
+    messages (side message, then payload), each built once (FP8 cast included) before it is copied to
+    every expert that selected it: [T] messages, rewritten by every dispatch.
     See csrc/common/kernels/low_latency/protocol.cuh for the protocol."""
 
     num_max_tokens: int
@@ -182,8 +186,18 @@ class LowLatencyLayout:
         return low_latency_message_bytes(self.hidden)
 
     @property
+    def side_bytes(self) -> int:
+        """One dispatch side message: the int32 source token in a 16-byte head, then the float32 scales (FP8)."""
+        return LL_MSG_HEADER + align_up(self.hidden // 128 * 4)
+
+    @property
     def dispatch_recv_bytes(self) -> int:
-        return self.num_experts * self.num_max_tokens * self.message_bytes
+        """recv_x of one half: [E_local][R*T] rows of up to 2H bytes (bf16)."""
+        return self.num_experts * self.num_max_tokens * self.hidden * 2
+
+    @property
+    def dispatch_side_bytes(self) -> int:
+        return self.num_experts * self.num_max_tokens * self.side_bytes
 
     @property
     def combine_send_bytes(self) -> int:
@@ -195,13 +209,14 @@ class LowLatencyLayout:
 
     @property
     def signal_bytes(self) -> int:
-        """Signals of one half: dispatch [E_local * R == E] and combine [E], u64 each."""
-        return align_up(self.num_experts * 8 * 2, 128)
+        """Signals of one half: dispatch [E_local * R == E], combine [E], dispatch ranges [E] and
+        dispatch reservations [E_local], u64 each."""
+        return align_up(8 * (3 * self.num_experts + self.num_local_experts), 128)
 
     @property
     def data_half_bytes(self) -> int:
-        return align_up(self.dispatch_recv_bytes, 128) + align_up(self.combine_send_bytes, 128) + \
-            align_up(self.combine_recv_bytes, 128)
+        return align_up(self.dispatch_recv_bytes, 128) + align_up(self.dispatch_side_bytes, 128) + \
+            align_up(self.combine_send_bytes, 128) + align_up(self.combine_recv_bytes, 128)
 
     @property
     def half_bytes(self) -> int:
@@ -214,6 +229,14 @@ class LowLatencyLayout:
     def combine_signal_offset(self, half: int = 0) -> int:
         return self.dispatch_signal_offset(half) + self.num_experts * 8
 
+    def dispatch_range_offset(self, half: int = 0) -> int:
+        """protocol.cuh dispatch_range_off (the kernels derive it from the dispatch signals' offset)."""
+        return self.dispatch_signal_offset(half) + 2 * self.num_experts * 8
+
+    def dispatch_reserve_offset(self, half: int = 0) -> int:
+        """protocol.cuh dispatch_reserve_off."""
+        return self.dispatch_signal_offset(half) + 3 * self.num_experts * 8
+
     @property
     def signal_half_stride(self) -> int:
         return self.signal_bytes
@@ -225,8 +248,11 @@ class LowLatencyLayout:
     def dispatch_recv_offset(self, half: int = 0) -> int:
         return self.data_offset + half * self.data_half_bytes
 
-    def combine_send_offset(self, half: int = 0) -> int:
+    def dispatch_side_offset(self, half: int = 0) -> int:
         return self.dispatch_recv_offset(half) + align_up(self.dispatch_recv_bytes, 128)
+
+    def combine_send_offset(self, half: int = 0) -> int:
+        return self.dispatch_side_offset(half) + align_up(self.dispatch_side_bytes, 128)
 
     def combine_recv_offset(self, half: int = 0) -> int:
         return self.combine_send_offset(half) + align_up(self.combine_send_bytes, 128)

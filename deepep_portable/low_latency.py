@@ -61,11 +61,11 @@ ERROR_TIMEOUT, ERROR_OVERRUN, ERROR_OVERWRITE = 1, 3, 4   # ErrorCode / kErrorOv
 
 _COMMON = ["peer_bases", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_send_arrive", "ctrl_recv_arrive",
            "ctrl_last", "dispatch_signal_offset", "combine_signal_offset", "signal_half_stride", "dispatch_recv_offset",
-           "combine_send_offset", "combine_recv_offset", "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes",
+           "dispatch_side_offset", "combine_send_offset", "combine_recv_offset", "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes",
            "error_claim", "error_host", "timeout_ns", "trace"]
 LLDispatchParams = _struct("LLDispatchParams", [
     *_COMMON, "x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "ctrl_stage_arrive",
-    "ctrl_staged", "recv_x", "recv_scales", "src_info",
+    "ctrl_staged", "expect_half", "recv_scales", "src_info",
     "layout_range", "recv_count", "cumulative_recv_stats", "wait_stats", "use_ue8m0"])
 LLCombineParams = _struct("LLCombineParams", [
     *_COMMON, "x", "src_info", "layout_range", "expect_half", "topk_idx", "topk_weights", "out", "num_tokens",
@@ -142,8 +142,9 @@ class LowLatencyEngine:
         if code == ERROR_TIMEOUT:
             err: Exception = CommTimeoutError(op, rank, peer, channel, self.ctx.timeout_s)
         elif code == ERROR_OVERRUN and peer < 0:
-            err = RuntimeError(f"{op} on rank {rank}: the zero-copy combine buffer belongs to the other buffer "
-                               f"half (call {detail} on the device): a CUDA graph with an odd number of "
+            what = "recv_x it returned" if op_id == 3 else "zero-copy combine buffer"
+            err = RuntimeError(f"{op} on rank {rank}: the {what} belongs to the other buffer half than the one "
+                               f"the device used (half {detail}): a CUDA graph with an odd number of "
                                f"low-latency calls? this Buffer cannot be used again")
         elif code == ERROR_OVERWRITE:
             err = RuntimeError(f"{op} on rank {rank}: call {detail} found peer {peer} still receiving the previous "
@@ -182,6 +183,7 @@ class LowLatencyEngine:
         p.dispatch_signal_offset, p.combine_signal_offset = lay.dispatch_signal_offset(), lay.combine_signal_offset()
         p.signal_half_stride = lay.signal_half_stride
         p.dispatch_recv_offset, p.combine_recv_offset = lay.dispatch_recv_offset(), lay.combine_recv_offset()
+        p.dispatch_side_offset = lay.dispatch_side_offset()
         p.combine_send_offset = lay.combine_send_offset()
         p.data_half_stride = lay.data_half_stride
         p.num_experts, p.num_max_tokens, p.msg_bytes = lay.num_experts, lay.num_max_tokens, lay.message_bytes
@@ -344,18 +346,22 @@ class LowLatencyEngine:
         self._check_signal_geometry(E)
         self._check_aligned("x", x)
         dev = x.device
-        # outputs on the current stream (Buffer made the right one current), like the reference
-        recv_x, scales, recv_count, src_info, layout_range = allocate_low_latency_outputs(
-            num_local, R, T, hidden, args.use_fp8, args.use_ue8m0, dev)
+        # recv_x is the half's output area in the window (the peers write it); the small outputs are
+        # allocated on the current stream (Buffer made the right one current), like the reference's
+        half = self.next_half()
+        recv_x = self._recv_x_view(template.dispatch_recv_offset + half * template.data_half_stride, T, hidden, E,
+                                   args.use_fp8)
+        _, scales, recv_count, src_info, layout_range = allocate_low_latency_outputs(
+            num_local, R, T, hidden, args.use_fp8, args.use_ue8m0, dev, with_recv_x=False)
 
         p = LLDispatchParams.from_buffer_copy(template)
         p.x, p.topk_idx, p.num_tokens = x.data_ptr(), idx.data_ptr(), num_tokens
         p.use_fp8, p.round_scale, p.use_ue8m0 = int(args.use_fp8), int(args.round_scale), int(args.use_ue8m0)
-        p.recv_x, p.recv_scales, p.src_info = recv_x.data_ptr(), _ptr(scales), src_info.data_ptr()
+        p.expect_half, p.recv_scales, p.src_info = half, _ptr(scales), src_info.data_ptr()
         p.layout_range, p.recv_count = layout_range.data_ptr(), recv_count.data_ptr()
         p.cumulative_recv_stats = _ptr(args.cumulative_local_expert_recv_stats)
         p.wait_stats = _ptr(args.dispatch_wait_recv_cost_stats)
-        keep = (recv_x, scales, recv_count, src_info, layout_range, args.cumulative_local_expert_recv_stats,
+        keep = (scales, recv_count, src_info, layout_range, args.cumulative_local_expert_recv_stats,
                 args.dispatch_wait_recv_cost_stats)
         hook = self._two_phase("low_latency_dispatch", send, recv, p, args.return_recv_hook, keep, fused)
         handle = LowLatencyHandle(src_info, layout_range, T, hidden, E)
@@ -393,9 +399,31 @@ class LowLatencyEngine:
         hook = self._two_phase("low_latency_combine", send, recv, p, args.return_recv_hook, keep)
         return out, hook
 
-    def next_combine_half(self) -> int:
+    def next_half(self) -> int:
         """The half the next LL call uses (call n, counted from 1, uses half n & 1)."""
         return (self._calls + 1) & 1
+
+    def _recv_x_view(self, offset: int, num_max_tokens: int, hidden: int, num_experts: int,
+                     use_fp8: bool) -> torch.Tensor:
+        """[E_local, R*T, H] FP8 or bf16 view of a dispatch output area at `offset` in my window. A view
+        of this Buffer's memory (no copy, no ownership): the peers' next dispatch on the same half
+        rewrites it, and it must not be used after the Buffer is destroyed."""
+        shape = (num_experts // self.num_ranks, self.num_ranks * num_max_tokens, hidden)
+        numel = shape[0] * shape[1] * shape[2] // (2 if use_fp8 else 1)   # int16 elements (hidden is even)
+        flat = torch.as_tensor(_DeviceView(self.base + offset, numel), device=self.ctx.device)
+        return flat.view(torch.float8_e4m3fn if use_fp8 else torch.bfloat16).view(shape)
+
+    def next_dispatch_recv_x(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
+                             use_fp8: bool) -> torch.Tensor:
+        """The recv_x the next LL call returns if it is a dispatch of that shape (the tests poison it
+        before the call: the peers write it during the send phase, before any hook)."""
+        self._require()
+        lay = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        return self._recv_x_view(lay.dispatch_recv_offset(self.next_half()), num_max_dispatch_tokens_per_rank, hidden,
+                                 num_experts, use_fp8)
+
+    def next_combine_half(self) -> int:
+        return self.next_half()
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """bf16 [E_local, R*T, H] view of the combine send area of the next call's half.

@@ -267,6 +267,33 @@ def low_latency_dispatch(rank: int, num_experts: int, num_max_dispatch_tokens_pe
     return LowLatencyDispatchExpect(recv_x, recv_x_scales, recv_count, src_info, layout_range)
 
 
+def low_latency_row_map(layout_range: torch.Tensor, expected_layout_range: torch.Tensor) -> List[torch.Tensor]:
+    """For a dispatch whose (expert, source) blocks may sit in any order (the kernels place them in the
+    order their reservations arrived, as DeepEP does), map every received row to the oracle's row:
+    out[e][r] = the oracle row of expert e holding what row r of `layout_range`'s layout holds. Raises
+    AssertionError unless every block has the oracle's count and the non-empty blocks tile rows
+    [0, recv_count[e]) exactly (no gap, no overlap); the begin of an empty block is not checked."""
+    got, exp = layout_range.detach().cpu(), expected_layout_range.detach().cpu()
+    assert got.shape == exp.shape, f"layout_range shape {list(got.shape)}, expected {list(exp.shape)}"
+    mask = (1 << 32) - 1
+    out = []
+    for e in range(got.shape[0]):
+        counts, exp_counts = (got[e] & mask).tolist(), (exp[e] & mask).tolist()
+        assert counts == exp_counts, f"expert {e}: block sizes per source {counts}, expected {exp_counts}"
+        total = sum(counts)
+        rows = torch.full((total,), -1, dtype=torch.int64)
+        for s, n in enumerate(counts):
+            if n == 0:
+                continue
+            begin, exp_begin = int(got[e, s]) >> 32, int(exp[e, s]) >> 32
+            assert 0 <= begin and begin + n <= total, f"expert {e} source {s}: rows [{begin}, {begin + n}) " \
+                                                      f"outside [0, {total})"
+            assert bool((rows[begin:begin + n] == -1).all()), f"expert {e} source {s}: block overlaps another"
+            rows[begin:begin + n] = torch.arange(exp_begin, exp_begin + n)
+        out.append(rows)
+    return out
+
+
 def low_latency_combine(rank: int, num_experts: int, num_max_dispatch_tokens_per_rank: int,
                         combine_x_all: Sequence[torch.Tensor], topk_idx_all: Sequence[torch.Tensor],
                         topk_weights: torch.Tensor) -> torch.Tensor:

@@ -129,9 +129,13 @@ def test_layout_regions(tokens, hidden, ranks, experts):
     for half in (0, 1):
         regions.append((f"dispatch signals {half}", lay.dispatch_signal_offset(half), 8 * experts))
         regions.append((f"combine signals {half}", lay.combine_signal_offset(half), 8 * experts))
+        regions.append((f"dispatch range signals {half}", lay.dispatch_range_offset(half), 8 * experts))
+        regions.append((f"dispatch reserve signals {half}", lay.dispatch_reserve_offset(half),
+                        8 * lay.num_local_experts))
         # the combine send area (zero-copy buffer) has its own bytes: peers' later dispatches write the
         # dispatch receive area, never this rank's combine send area
         regions.append((f"dispatch recv {half}", lay.dispatch_recv_offset(half), lay.dispatch_recv_bytes))
+        regions.append((f"dispatch side {half}", lay.dispatch_side_offset(half), lay.dispatch_side_bytes))
         regions.append((f"combine send {half}", lay.combine_send_offset(half), lay.combine_send_bytes))
         regions.append((f"combine recv {half}", lay.combine_recv_offset(half), lay.combine_recv_bytes))
         assert lay.combine_send_offset(0) + half * lay.data_half_stride == lay.combine_send_offset(half)
@@ -139,6 +143,9 @@ def test_layout_regions(tokens, hidden, ranks, experts):
         assert lay.dispatch_signal_offset(0) + half * lay.signal_half_stride == lay.dispatch_signal_offset(half)
         assert lay.combine_signal_offset(0) + half * lay.signal_half_stride == lay.combine_signal_offset(half)
         assert lay.dispatch_recv_offset(0) + half * lay.data_half_stride == lay.dispatch_recv_offset(half)
+        assert lay.dispatch_side_offset(0) + half * lay.data_half_stride == lay.dispatch_side_offset(half)
+        assert lay.dispatch_range_offset(0) + half * lay.signal_half_stride == lay.dispatch_range_offset(half)
+        assert lay.dispatch_reserve_offset(0) + half * lay.signal_half_stride == lay.dispatch_reserve_offset(half)
         assert lay.combine_recv_offset(0) + half * lay.data_half_stride == lay.combine_recv_offset(half)
     regions.append(("send stage", lay.send_stage_offset, tokens * lay.message_bytes))
     regions.sort(key=lambda r: r[1])
@@ -148,9 +155,14 @@ def test_layout_regions(tokens, hidden, ranks, experts):
     assert last + size <= lay.total_bytes
     for name, off, _ in regions:
         assert off % (8 if "signals" in name else 16) == 0, name   # u64 signals; int4 rows
-    # the dispatch message slot table: (local expert, source, token) -> inside the half's area
+    # a send-stage message is a side message followed by a recv_x row (FP8 or bf16)
+    assert lay.side_bytes % 16 == 0 and lay.side_bytes >= L.LL_MSG_HEADER + hidden // 128 * 4
+    assert lay.message_bytes >= max(lay.side_bytes + hidden, L.LL_MSG_HEADER + 2 * hidden)
+    # the side message slot table: (local expert, source, token) -> inside the half's side area
     last_msg = ((lay.num_local_experts - 1) * ranks + ranks - 1) * tokens + tokens - 1
-    assert (last_msg + 1) * lay.message_bytes <= lay.dispatch_recv_bytes
+    assert (last_msg + 1) * lay.side_bytes <= lay.dispatch_side_bytes
+    # recv_x [E_local, R*T, H] as bf16 (the larger) fills the dispatch output area
+    assert lay.num_local_experts * ranks * tokens * hidden * 2 == lay.dispatch_recv_bytes
     # the zero-copy view [E_local, R*T, H] bf16 and the combine rows [E, T, H] bf16
     assert lay.num_local_experts * ranks * tokens * hidden * 2 == lay.combine_send_bytes
     assert experts * tokens * hidden * 2 == lay.combine_recv_bytes

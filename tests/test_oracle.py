@@ -187,6 +187,23 @@ def test_low_latency_dispatch_then_combine_is_weighted_sum(num_ranks):
         assert torch.equal(out, expected.to(torch.bfloat16))
 
 
+def test_low_latency_row_map_accepts_any_block_order_and_only_that():
+    """The kernels place (expert, source) blocks in reservation order: the row map must accept any
+    order of exactly the oracle's blocks, and refuse wrong sizes, gaps and overlaps."""
+    def rng(*blocks):   # [(begin, count)] per source of one expert
+        return torch.tensor([[(b << 32) | n for b, n in blocks]], dtype=torch.int64)
+
+    exp = rng((0, 2), (2, 0), (2, 3))                 # oracle: source 0 rows 0-1, source 2 rows 2-4
+    (rows,) = oracle.low_latency_row_map(rng((3, 2), (9, 0), (0, 3)), exp)   # source 2 first
+    assert rows.tolist() == [2, 3, 4, 0, 1]
+    assert oracle.low_latency_row_map(exp, exp)[0].tolist() == [0, 1, 2, 3, 4]
+    for bad in (rng((0, 2), (2, 1), (3, 3)),          # a block size differs
+                rng((0, 2), (2, 0), (1, 3)),          # overlap (and a row past the end left out)
+                rng((0, 2), (2, 0), (3, 3))):         # past the end
+        with pytest.raises(AssertionError):
+            oracle.low_latency_row_map(bad, exp)
+
+
 def test_low_latency_fp8_payload_is_the_cast():
     x, idx, _, _ = _world(2, 8, 2, 512, 4, tokens=[5, 3])
     g = oracle.low_latency_dispatch(1, 8, 5, x, idx, use_fp8=True, round_scale=True, use_ue8m0=True)

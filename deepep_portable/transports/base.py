@@ -28,7 +28,8 @@ class Capabilities:
     backend's device.cuh returns its record, tests/test_transports.py checks they agree).
 
     peer_load_store: every peer's window is reachable by loads and stores (NVLink, same GPU);
-    remote_atomics: network atomics usable (no protocol here needs them); ordered_delivery: writes on
+    remote_atomics: fetch_add reaches peers behind a network (the LL dispatch reserves its rows with it;
+    P2P peers always have it); ordered_delivery: writes on
     one (channel, peer) arrive in order (never relied on); max_channels: channels set up;
     graph_safe: every op may be captured in a CUDA graph; network: what carries non-P2P traffic."""
 
@@ -131,18 +132,18 @@ def scale_shape(num_local: int, slots: int, hidden: int, use_ue8m0: bool) -> Tup
 
 
 def allocate_low_latency_outputs(num_local: int, num_ranks: int, num_max_tokens: int, hidden: int,
-                                 use_fp8: bool, use_ue8m0: bool, device: torch.device):
+                                 use_fp8: bool, use_ue8m0: bool, device: torch.device, with_recv_x: bool = True):
     """DeepEP's low-latency dispatch outputs, on the current stream, for every backend alike:
-    (recv_x [E_local, R*T, H] fp8 or bf16, scales (column-major view) or None, recv_count [E_local],
-    src_info [E_local, R*T], layout_range [E_local, R])."""
+    (recv_x [E_local, R*T, H] fp8 or bf16 (None without with_recv_x: the kernels' recv_x is a view of
+    their buffer), scales (column-major view) or None, recv_count [E_local], src_info [E_local, R*T],
+    layout_range [E_local, R])."""
     slots = num_ranks * num_max_tokens
     scales = None
+    dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+    recv_x = torch.empty(num_local, slots, hidden, dtype=dtype, device=device) if with_recv_x else None
     if use_fp8:
-        recv_x = torch.empty(num_local, slots, hidden, dtype=torch.float8_e4m3fn, device=device)
         scales = torch.empty(scale_shape(num_local, slots, hidden, use_ue8m0),
                              dtype=torch.int32 if use_ue8m0 else torch.float32, device=device).transpose(1, 2)
-    else:
-        recv_x = torch.empty(num_local, slots, hidden, dtype=torch.bfloat16, device=device)
     recv_count = torch.empty(num_local, dtype=torch.int32, device=device)
     src_info = torch.empty(num_local, slots, dtype=torch.int32, device=device)
     layout_range = torch.empty(num_local, num_ranks, dtype=torch.int64, device=device)

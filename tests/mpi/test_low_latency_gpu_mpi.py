@@ -8,12 +8,17 @@ environment turned the kernels off) and skips, on every rank alike, without CUDA
 is unusable, or when the Buffer's backend holds no LowLatencyEngine.
 
 Checked bit for bit (dispatch payload, FP8 data and scales, UE8M0 words, counts, src_info, layout_range,
-stats, and the combine result: the kernel avoids FMA, so LL combine is exact too):
+stats, and the combine result: the kernel avoids FMA, so LL combine is exact too). The kernels place each
+(expert, source) block where its reservation landed (DeepEP does the same), so rows are compared through
+oracle.low_latency_row_map: every block the oracle's size, the blocks tiling [0, recv_count) exactly. recv_x
+is a view of the Buffer that the peers write during the send phase: it is poisoned before the call
+(Buffer.next_dispatch_recv_x), the other outputs also after it in hook mode.
 - BF16, FP8, FP8+round_scale, FP8+UE8M0 at hidden 2048/4096/7168/7680, 128 tokens x top-8 x 256 experts;
   small token counts, a rank with zero tokens, -1 experts; each case three consecutive calls pairs on the
   same Buffer (double buffer, stale halves), with hook / zero_copy / out= rotating over the rounds.
 - Hook mode: the op returns with nothing left running (a rank that is 1 s late does not hold up
-  torch.cuda.synchronize() on the others), and the outputs are written by hook() (poisoned before it).
+  torch.cuda.synchronize() on the others), and counts, scales, src_info and layout_range are written by
+  hook() (poisoned before it).
 - CUDA graph capture of dispatch + combine (no hook), replayed with new contents.
 - Two micro-batches in flight (dispatch, dispatch, hook, hook, combine, combine), hooks out of order refused.
 - Timeout (last): rank 1 skips a call; the others raise CommTimeoutError naming the op, their rank and
@@ -114,6 +119,22 @@ def ll_env(pg):
 
 
 # ---- one dispatch + combine pair vs the oracle ----------------------------------------------------------
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """FP8 as bytes (CPU indexing of float8 tensors is not everywhere)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _row_map(ck: GpuChecker, layout_range, exp_layout_range, what: str):
+    """Per local expert: the oracle row of each received row (None, reported, when the layout is wrong)."""
+    return ck.run(f"{what} layout_range", lambda: oracle.low_latency_row_map(layout_range, exp_layout_range))
+
+
+def _poison_next_recv_x(buf, hidden: int, experts: int, fp8: bool) -> None:
+    """Fill the recv_x the next dispatch returns (peers write it during their send phase)."""
+    _engine_of(buf).next_dispatch_recv_x(T, hidden, experts, fp8).view(torch.uint8).fill_(0xFF)
+
+
+
 def make_x(gen, num_tokens: int, hidden: int) -> torch.Tensor:
     x = torch.randn(num_tokens, hidden, generator=gen)
     if num_tokens >= 2:   # the FP8 amax clamp: an all-zero token and a block of tiny values
@@ -152,8 +173,10 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
     d_x, d_idx, d_w = x.to(device), idx.to(device), w.to(device)
     recv_stats = torch.zeros(local, dtype=torch.int32, device=device)
     wait_stats = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+    with ck.guard(f"{tag} poison recv_x"):
+        _poison_next_recv_x(buf, hidden, experts, fp8)
     torch.cuda.synchronize()
-    dist.barrier(group=pg)
+    dist.barrier(group=pg)   # nobody writes my recv_x before it is poisoned
 
     def do_dispatch():
         if late_rank is not None and rank == late_rank:
@@ -175,8 +198,7 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
             ck.true(held < 0.5, f"{tag} synchronize() took {held:.2f} s before hook(): a kernel waits for the "
                     f"late rank, so the receive phase was not deferred to the hook")
         with ck.guard(f"{tag} poison before hook"):
-            recv = res[0][0] if fp8 else res[0]
-            recv.view(torch.uint8).fill_(0xFF)
+            # not recv_x: the peers' send phases write it (poisoned before the call)
             if fp8:
                 res[0][1].fill_(-1 if ue8m0 else float("nan"))
             res[1].fill_(-1)
@@ -188,6 +210,7 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
         ck.run(f"{tag} dispatch hook()", res[4])
     recv, recv_count, handle = res[0], res[1], res[2]
     recv_x, recv_s = recv if fp8 else (recv, None)
+    rows = _row_map(ck, handle.layout_range, exp.layout_range, tag)
     with ck.guard(f"{tag} dispatch outputs"):
         ck.true(recv_x.shape == (local, slots, hidden), f"{tag} recv_x shape {list(recv_x.shape)}")
         ck.true(recv_x.dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16), f"{tag} recv_x {recv_x.dtype}")
@@ -197,18 +220,20 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
                     f"{tag} scales {list(recv_s.shape)} strides {recv_s.stride()} (want column-major)")
             ck.true(recv_s.dtype == (torch.int32 if ue8m0 else torch.float32), f"{tag} scales {recv_s.dtype}")
         ck.bits(recv_count, exp.recv_count, f"{tag} recv_count")
-        ck.bits(handle.layout_range, exp.layout_range, f"{tag} layout_range")
         ck.true(tuple(handle)[2:] == (T, hidden, experts), f"{tag} handle tail {tuple(handle)[2:]}")
-        h_x, h_src = recv_x.cpu(), handle.src_info.cpu()
+        h_x, h_src = _raw(recv_x.cpu()), handle.src_info.cpu()
         h_s = recv_s.cpu() if fp8 else None
-        for e in range(local):
-            n = counts[e]
-            ck.bits(h_x[e, :n], exp.recv_x[e, :n], f"{tag} recv_x[expert {e}]")
-            ck.bits(h_src[e, :n], exp.src_info[e, :n], f"{tag} src_info[expert {e}]")
+        for e in range(local if rows is not None else 0):
+            n, r = counts[e], rows[e]
+            ck.bits(h_x[e, :n], _raw(exp.recv_x)[e, r], f"{tag} recv_x[expert {e}]")
+            ck.bits(h_src[e, :n], exp.src_info[e, r], f"{tag} src_info[expert {e}]")
             if fp8:
-                ck.bits(h_s[e, :n], exp.recv_x_scales[e, :n], f"{tag} recv_x_scales[expert {e}]")
+                ck.bits(h_s[e, :n], exp.recv_x_scales[e, r], f"{tag} recv_x_scales[expert {e}]")
         ck.bits(recv_stats, exp.recv_count, f"{tag} cumulative_local_expert_recv_stats")
         ck.true(bool((wait_stats > 0).all()), f"{tag} dispatch_wait_recv_cost_stats {wait_stats.tolist()}")
+
+    if rows is None:   # reported above: feed the combine in the oracle's order
+        rows = [torch.arange(n) for n in counts]
 
     def do_combine():
         if zero_copy:
@@ -219,8 +244,8 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
             y = torch.empty(local, slots, hidden, dtype=torch.bfloat16, device=device)
         y.view(torch.uint8).fill_(0xFF)            # invalid slots hold NaN: they must not be read
         d_valid, off = valid.to(device), 0
-        for e, c in enumerate(counts):
-            y[e, :c] = d_valid[off:off + c]
+        for e, c in enumerate(counts):   # expert outputs in the order the rows were received
+            y[e, :c] = d_valid[off + rows[e].to(device)]
             off += c
         out = torch.full((num_tokens, hidden), float("nan"), dtype=torch.bfloat16, device=device) if use_out else None
         combined, _, c_hook = buf.low_latency_combine(y, d_idx, d_w, handle, zero_copy=zero_copy,
@@ -305,7 +330,7 @@ def test_ll_cuda_graph(pg, device, request, base_seed):
         recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(st["x"], st["idx"], T, experts, use_fp8=False)
         y = recv_x * 2
         combined, _, _ = buf.low_latency_combine(y, st["idx"], st["w"], handle)
-        return dict(recv_x=recv_x, recv_count=recv_count, combined=combined)
+        return dict(recv_x=recv_x, recv_count=recv_count, layout_range=handle.layout_range, combined=combined)
 
     def check(outs: Optional[dict], h: dict, what: str) -> None:
         x_all, idx_all = allgather(h["x"], pg), allgather(h["idx"], pg)
@@ -322,9 +347,10 @@ def test_ll_cuda_graph(pg, device, request, base_seed):
         exp = exps[rank]
         ck.bits(outs["recv_count"], exp.recv_count, f"[{what}] recv_count")
         got = ck.host(outs["recv_x"], f"[{what}] recv_x")
-        if got is not None:
+        rows = _row_map(ck, outs["layout_range"], exp.layout_range, f"[{what}]")
+        if got is not None and rows is not None:
             for e, c in enumerate(exp.recv_count.tolist()):
-                ck.bits(got[e, :c], exp.recv_x[e, :c], f"[{what}] recv_x[expert {e}]")
+                ck.bits(got[e, :c], exp.recv_x[e, rows[e]], f"[{what}] recv_x[expert {e}]")
         ck.bits(outs["combined"], exp_out, f"[{what}] combined")
 
     side = torch.cuda.Stream()
@@ -411,10 +437,17 @@ def test_ll_two_micro_batches(pg, device, request, base_seed):
     for mb, (h, o) in enumerate(zip(batches, outs)):
         ck.bits(o[1], h["exp"].recv_count, f"[micro-batch {mb}] recv_count")
         got = ck.host(o[0], f"[micro-batch {mb}] recv_x")
-        if got is not None:
+        h["rows"] = _row_map(ck, o[2].layout_range, h["exp"].layout_range, f"[micro-batch {mb}]")
+        if got is not None and h["rows"] is not None:
             for e, c in enumerate(h["exp"].recv_count.tolist()):
-                ck.bits(got[e, :c], h["exp"].recv_x[e, :c], f"[micro-batch {mb}] recv_x[expert {e}]")
+                ck.bits(got[e, :c], h["exp"].recv_x[e, h["rows"][e]], f"[micro-batch {mb}] recv_x[expert {e}]")
     if ck.agree(not ck.errors):
+        for h in batches:   # the expert outputs in the order each rank received the rows
+            y = h["y"].clone()
+            for e, r in enumerate(h["rows"]):
+                y[e, :r.numel()] = h["y"][e, r]
+            h["y"] = y
+
         def combines():
             res = [buf.low_latency_combine(h["y"].to(device), h["idx"].to(device), h["w"].to(device), o[2],
                                            return_recv_hook=True) for h, o in zip(batches, outs)]

@@ -32,6 +32,11 @@ struct NvlinkTransport {
         warp_copy_bytes(peer_ptr(dst_off, peer), src, bytes, lane);
     }
 
+    DEEPEP_DEVICE void put2_warp(int /*ch*/, int peer, int64_t off0, int64_t n0, int64_t off1, const void* src,
+                                 int64_t n1, int lane) const {
+        warp_copy_split(peer_ptr(off0, peer), n0, peer_ptr(off1, peer), src, n1, lane);
+    }
+
     DEEPEP_DEVICE void put_signal_warp(int ch, int peer, int64_t dst_off, const void* src, int64_t bytes,
                                        int64_t sig_off, uint64_t v, int lane) const {
         put_warp(ch, peer, dst_off, src, bytes, lane);
@@ -52,6 +57,11 @@ struct NvlinkTransport {
 
     DEEPEP_DEVICE uint64_t get_value(int /*ch*/, int peer, int64_t off) const {
         return *peer_ptr<const volatile uint64_t>(off, peer);
+    }
+
+    // System scope: the word's other writers are other processes' threads, on this GPU or across NVLink.
+    DEEPEP_DEVICE uint64_t fetch_add(int /*ch*/, int peer, int64_t off, uint64_t v) const {
+        return atomicAdd_system(peer_ptr<unsigned long long>(off, peer), static_cast<unsigned long long>(v));
     }
 
     DEEPEP_DEVICE bool wait_ge(int64_t sig_off, uint64_t v, uint64_t deadline_ns, const ErrorSink& sink,

@@ -58,7 +58,7 @@
 // Scopes: put_warp / put_signal_warp call NVSHMEM's *_warp routines, which every lane of a
 // converged warp must call with the same arguments; signal / put_value / wait_ge / flush are
 // single-thread routines (nvshmem_fence, nvshmemx_signal_op, nvshmem_uint64_p, nvshmem_uint64_g,
-// nvshmem_uint64_test, nvshmem_quiet); peer_ptr (nvshmem_ptr) any thread.
+// nvshmem_uint64_atomic_fetch_add, nvshmem_uint64_test, nvshmem_quiet); peer_ptr (nvshmem_ptr) any thread.
 #pragma once
 
 #include <cstdint>
@@ -83,7 +83,7 @@ struct NvshmemTransport {
 
     // peer_load_store is only known at run time (nvshmem_ptr per peer: NVLink / same GPU -> non-null,
     // network -> null), so it is declared false here; kernels must test peer_ptr's result.
-    // remote_atomics: NVSHMEM has AMOs, but no primitive above exposes them yet.
+    // remote_atomics: fetch_add is an NVSHMEM AMO for peers behind a network.
     // network: whichever NVSHMEM picked (P2P, IBGDA, IBRC, UCX, libfabric): kOther.
     static constexpr Capabilities capabilities() {
         return Capabilities{false, true, false, 1, true, Network::kOther};
@@ -119,6 +119,20 @@ struct NvshmemTransport {
             warp_copy_bytes(dst, src, bytes, lane);
         else
             nvshmemx_putmem_nbi_warp(local_ptr(dst_off), src, static_cast<size_t>(bytes), peer);
+        __syncwarp();
+    }
+
+    // Whole warp: one source, two destinations (see the contract). Load/store peers: one round of loads;
+    // others: two NVSHMEM puts.
+    DEEPEP_DEVICE void put2_warp(int /*ch*/, int peer, int64_t off0, int64_t n0, int64_t off1, const void* src,
+                                 int64_t n1, int lane) const {
+        void* dst0 = direct_ptr(off0, peer);
+        if (dst0 != nullptr) {
+            warp_copy_split(dst0, n0, direct_ptr(off1, peer), src, n1, lane);
+        } else {
+            nvshmemx_putmem_nbi_warp(local_ptr(off0), src, static_cast<size_t>(n0), peer);
+            nvshmemx_putmem_nbi_warp(local_ptr(off1), static_cast<const char*>(src) + n0, static_cast<size_t>(n1), peer);
+        }
         __syncwarp();
     }
 
@@ -163,6 +177,15 @@ struct NvshmemTransport {
         if (const volatile uint64_t* src = direct_ptr<const volatile uint64_t>(off, peer))
             return *src;
         return nvshmem_uint64_g(local_ptr<const uint64_t>(off), peer);
+    }
+
+    // One thread. Atomic add returning the old value: a system-scope atomic for load/store peers, the
+    // NVSHMEM fetching AMO otherwise (blocking). A later signal() orders it: the fence before the signal
+    // covers AMOs ("memory stores, blocking and non-blocking puts, AMOs", Memory Ordering).
+    DEEPEP_DEVICE uint64_t fetch_add(int /*ch*/, int peer, int64_t off, uint64_t v) const {
+        if (unsigned long long* dst = direct_ptr<unsigned long long>(off, peer))
+            return atomicAdd_system(dst, static_cast<unsigned long long>(v));
+        return nvshmem_uint64_atomic_fetch_add(local_ptr<uint64_t>(off), v, peer);
     }
 
     // One thread. Acquire-poll (nvshmem_uint64_test + acquire fence, see the header comment) of MY

@@ -14,6 +14,9 @@
 // |-----------------------------------------|------------|----------------------------------------------------------|
 // | peer_ptr(off, peer)                     | any thread | load/store pointer into peer's window, or nullptr        |
 // | put_warp(ch, peer, dst_off, src, bytes) | whole warp | non-blocking write; no order, no visibility promise      |
+// | put2_warp(ch, peer, off0, n0, off1,     | whole warp | put_warp of src[0, n0) to off0 and src[n0, n0 + n1) to   |
+// |           src, n1)                      |            | off1: one message split over two places (one round of    |
+// |                                         |            | loads for a load/store peer)                             |
 // | put_signal_warp(..., sig_off, v)        | whole warp | once the peer reads v at sig_off, this put's data is     |
 // |                                         |            | visible there                                            |
 // | signal(ch, peer, sig_off, v)            | one thread | strong: once visible, every earlier op of this thread    |
@@ -21,14 +24,19 @@
 // | put_value(ch, peer, dst_off, u64)       | one thread | small inline write, no order promise                     |
 // | get_value(ch, peer, off)                | one thread | blocking read of a u64 in peer's window: a value the     |
 // |                                         |            | word held at some point during the call (no ordering)    |
+// | fetch_add(ch, peer, off, v)             | one thread | blocking atomic add to a u64 in peer's window, returns   |
+// |                                         |            | the old value; atomic only against other fetch_adds of   |
+// |                                         |            | the word; a later signal() orders it like a put          |
 // | wait_ge(sig_off, v, deadline, sink, p)  | one thread | acquire-poll of MY window until >= v; false + an error   |
 // |                                         |            | record naming peer p once the deadline passes             |
 // | flush(ch)                               | one thread | earlier ops of this thread are locally complete (their   |
 // |                                         |            | sources reusable); no remote promise                     |
 //
 // Signals are single-writer 64-bit sequence numbers set (not added): a signal slot has exactly one
-// writing rank, values only grow, and writing the same value twice is harmless, so no protocol
-// needs network atomics (optional capability). Never rely on two puts arriving in order.
+// writing rank, values only grow, and writing the same value twice is harmless, so no signal needs
+// network atomics. fetch_add is the one atomic of the contract: the LL dispatch reserves its rows in
+// the receiver's output with it (a load/store atomic for P2P peers, a network AMO otherwise, which the
+// capability record's remote_atomics states). Never rely on two puts arriving in order.
 //
 // Each backend states in its device.cuh how it keeps "a signal never overtakes its data".
 #pragma once
@@ -47,7 +55,7 @@ enum class Network : int { kNone = 0, kInfiniBand = 1, kRoCE = 2, kOther = 3 };
 
 struct Capabilities {
     bool peer_load_store;    // peer_ptr() is non-null for every peer of the node
-    bool remote_atomics;     // network atomics usable (not needed by any protocol here)
+    bool remote_atomics;     // fetch_add reaches peers behind a network (P2P peers: always)
     bool ordered_delivery;   // puts on one (channel, peer) arrive in order (never relied on)
     int max_channels;        // channels the host set up (>= 1)
     bool graph_safe;         // every primitive may be captured in a CUDA graph
@@ -73,6 +81,30 @@ DEEPEP_DEVICE void warp_copy_bytes(void* __restrict__ dst, const void* __restric
         for (int u = 0; u < kUnroll; ++u)
             if (i + 32 * u < n)
                 d[i + 32 * u] = v[u];
+    }
+}
+
+// Copy `n0 + n1` bytes from one contiguous source to two places with a whole warp: src[0, n0) to dst0,
+// src[n0, n0 + n1) to dst1 (both multiples of 16, 16-byte aligned). One round of loads, like
+// warp_copy_bytes: a message whose head and body live apart costs one memory round trip, not two.
+template <int kUnroll = 16>
+DEEPEP_DEVICE void warp_copy_split(void* __restrict__ dst0, int64_t n0, void* __restrict__ dst1,
+                                   const void* __restrict__ src, int64_t n1, int lane) {
+    // 32-bit word indices (a message is far below 2^31 words): fewer registers in the unrolled round.
+    const int w0 = static_cast<int>(n0 / 16), n = static_cast<int>((n0 + n1) / 16);
+    const int4* s = static_cast<const int4*>(src);
+    int4* d0 = static_cast<int4*>(dst0);
+    int4* d1 = static_cast<int4*>(dst1) - w0;   // so word i >= w0 goes to d1 + i (never dereferenced below w0)
+    for (int i = lane; i < n; i += 32 * kUnroll) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (i + 32 * u < n)
+                v[u] = s[i + 32 * u];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (i + 32 * u < n)
+                (i + 32 * u < w0 ? d0 : d1)[i + 32 * u] = v[u];
     }
 }
 

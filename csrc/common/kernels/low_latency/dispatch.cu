@@ -2,20 +2,24 @@
 //
 // Three phases, written once as device functions and put together by three kernels:
 //   stage:   one warp per token (or per part of a token: a decode batch has fewer tokens than warps)
-//            builds its message once in my send stage (header: source token; payload: the bf16 row,
-//            or the FP8 cast of it and its float32 scales), however many experts selected it (a token
-//            goes to up to top-k experts: casting per expert would repeat the work).
+//            builds its message once in my send stage, however many experts selected it (a token goes
+//            to up to top-k experts: casting per expert would repeat the work). A message is a side
+//            message (int32 source token; with FP8 the token's float32 scales) followed by the payload
+//            (the bf16 row, or its FP8 cast).
 //   send:    one warp per global expert g (experts strided over every warp of the grid). The warp
-//            scans my tokens in order (32 at a time, __ballot_sync on "token lists g"), so the k-th
-//            token of mine that selected g goes to slot k of (g's local expert, me) at g's rank:
-//            deterministic, packed, in source-token order. It copies each staged message straight
-//            into the receiver's buffer, then SETs the (local expert, me) signal to
-//            (seq << 32) | count, also when count is 0. It never waits for a peer (the stage
-//            barrier before it waits for the rank's own blocks only).
-//   receive: one warp per (local expert e, source s) pair. Its lanes wait for the signals of sources
-//            0..s of expert e (the rows of s start after those of sources < s), then the warp copies
-//            s's messages out of my buffer into recv_x / scales (column-major) / src_info and writes
-//            layout_range[e][s]; the pair with s = R-1 writes recv_count[e] and the stats.
+//            counts my tokens that selected g and reserves that many rows of g's recv_x at g's rank
+//            (fetch_add on the rank's reservation word of g: no waiting for any peer). It then scans
+//            my tokens in order (32 at a time, __ballot_sync on "token lists g"), so the k-th token of
+//            mine that selected g lands in row begin + k of recv_x and in side slot k of (g, me): the
+//            payload goes straight into the output the receiver returns, the side message apart. Then
+//            it writes begin into my range word at g's rank and SETs the (local expert, me) signal to
+//            (seq << 32) | count, also when count is 0. It never waits for a peer (the stage barrier
+//            before it waits for the rank's own blocks only).
+//   receive: one warp per (local expert e, source s) pair. Lane 0 waits for s's signal (the pair with
+//            s = R-1: every source's, for recv_count), reads s's range word, writes layout_range[e][s],
+//            and the warp unpacks s's side messages: source token into src_info, scales into the
+//            column-major scales output. The payload is already in place: the receive moves ~2 % of the
+//            bytes, so a pair finishes soon after its source's data is in.
 // Stage and send are separated by a barrier over my grid (stage_barrier), not by a kernel boundary:
 // one launch and no gap between them. Kernels:
 //   ll_dispatch_send: stage + send (the send phase of a call with return_recv_hook=True);
@@ -24,6 +28,11 @@
 //                     its receive pairs once its warps' sends are out, while peers are still sending.
 // Grids spin (stage barrier, receive waits), so every block of every rank sharing the GPU must be
 // resident at once: the host caps the grid accordingly (Window.grid).
+//
+// Row order: a source's rows of an expert are contiguous and in its token order (the combine relies
+// on it); the sources' blocks follow each other in the order their reservations arrived (as in
+// DeepEP), which layout_range states. Only payload moves twice less: on the one-GPU emulation, where
+// the send and a receive-side copy would both be HBM traffic, that halves the dispatch's bytes.
 //
 // Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, DEEPEP_TRANSPORT_*.
 // Run-time: ranks, experts, T, FP8 flags.
@@ -46,9 +55,9 @@ constexpr int kHidden = HIDDEN;
 constexpr int kNumTopk = NUM_TOPK;
 constexpr int kNumScales = kHidden / kFp8Block;
 constexpr int kRowInt4 = kHidden * 2 / 16;      // bf16 row in 16-byte words
-constexpr int kFp8RowInt4 = kHidden / 16;       // fp8 row in 16-byte words
-constexpr int kScalesPerLane = (kNumScales + 31) / 32;       // float32 scales each lane moves
-constexpr int kWordsPerLane = kNumScales >= 4 ? (kNumScales / 4 + 31) / 32 : 1;  // UE8M0 words (4 scales) per lane
+// Side message bytes: the int32 source token in a 16-byte head, then (FP8) the float32 scales.
+constexpr int kSideFp8 = kMsgHeader + (kNumScales * 4 + 15) / 16 * 16;
+constexpr int kSideBf16 = kMsgHeader;
 static_assert(kHidden % kFp8Block == 0, "LL hidden must be a multiple of 128");
 static_assert(kNumTopk >= 1 && kNumTopk <= 128, "bad top-k");
 }  // namespace
@@ -65,7 +74,7 @@ struct LLDispatchParams {
     int64_t ctrl_stage_arrive;        // u32 in my control area: blocks past the stage phase of this call
     int64_t ctrl_staged;              // u64 in my control area: the last call whose stage phase is complete
     // receive
-    int4* recv_x;                     // [E_local, R*T, HIDDEN] bf16 or fp8
+    int64_t expect_half;              // the half whose recv_x the host handed out (checked on the device)
     void* recv_scales;                // fp32 [E_local][S][R*T] or int32 [E_local][S/4][R*T] (column-major views)
     int* src_info;                    // [E_local, R*T]
     int64_t* layout_range;            // [E_local, R]
@@ -127,9 +136,13 @@ DEEPEP_DEVICE void cast_row_fp8(const int4* __restrict__ row, char* __restrict__
     }
 }
 
-// Bytes of a message that carry data (header + payload [+ scales]), a multiple of 16.
-DEEPEP_DEVICE int64_t message_used_bytes(bool use_fp8) {
-    return kMsgHeader + (use_fp8 ? align_up<int64_t>(kHidden + kNumScales * 4, 16) : kRowInt4 * 16);
+// A message's two parts (multiples of 16): the side message, and the payload (one recv_x row).
+DEEPEP_DEVICE int64_t side_bytes(bool use_fp8) {
+    return use_fp8 ? kSideFp8 : kSideBf16;
+}
+
+DEEPEP_DEVICE int64_t row_bytes(bool use_fp8) {
+    return use_fp8 ? kHidden : kRowInt4 * 16;
 }
 
 }  // namespace
@@ -158,10 +171,10 @@ DEEPEP_DEVICE void stage_tokens(const LLDispatchParams& p) {
         if (lane == 0 && part == 0)
             *reinterpret_cast<int*>(msg) = static_cast<int>(t);
         if (p.use_fp8)
-            cast_row_fp8(row, msg + kMsgHeader, reinterpret_cast<float*>(msg + kMsgHeader + kHidden), p.round_scale != 0,
+            cast_row_fp8(row, msg + kSideFp8, reinterpret_cast<float*>(msg + kMsgHeader), p.round_scale != 0,
                          lane, b_begin, b_end);
         else   // a 128-channel block is 16 words of bf16
-            transport::warp_copy_bytes(msg + kMsgHeader + b_begin * 256, row + b_begin * 16, (b_end - b_begin) * 256, lane);
+            transport::warp_copy_bytes(msg + kSideBf16 + b_begin * 256, row + b_begin * 16, (b_end - b_begin) * 256, lane);
     }
 }
 
@@ -199,29 +212,51 @@ DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr,
     const int num_experts = static_cast<int>(c.num_experts);
     const int num_local = num_experts / static_cast<int>(c.num_ranks);
     const int me = static_cast<int>(c.rank);
-    const int64_t used_bytes = message_used_bytes(p.use_fp8 != 0);
+    const int64_t slots = c.num_ranks * c.num_max_tokens;
+    const int64_t side = side_bytes(p.use_fp8 != 0), row = row_bytes(p.use_fp8 != 0);
 
     for (int g = warp; g < num_experts; g += num_warps) {
         const int dst = g / num_local, local = g % num_local;
         const uint64_t recvd = lane == 0 ? peer_recvd(tr, c, dst) : 0;   // checked below, before the signal
+        // How many of my tokens selected g.
         uint32_t count = 0;
-        for (int64_t t0 = 0; ok && t0 < p.num_tokens; t0 += 32) {
+        for (int64_t t0 = 0; t0 < p.num_tokens; t0 += 32)
+            count += __popc(__ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g)));
+        if (!ok)
+            count = 0;
+        // Reserve my block of g's rows at dst. The word was zeroed by dst's receive of the half's
+        // previous dispatch; a block past the end means it was not (see protocol.cuh): report, write nothing.
+        uint64_t begin = 0;
+        if (lane == 0 && count > 0) {
+            begin = tr.fetch_add(0, dst, dispatch_reserve_off(c, half, local), count);
+            if (begin + count > static_cast<uint64_t>(slots)) {
+                report_error(sink_of(c, kOpDispatch), kErrorOverwrite, dst, static_cast<int>(seq));
+                begin = 0;
+                count = 0;
+            }
+        }
+        begin = __shfl_sync(0xffffffffu, begin, 0);
+        count = __shfl_sync(0xffffffffu, count, 0);
+        uint32_t j = 0;
+        for (int64_t t0 = 0; j < count && t0 < p.num_tokens; t0 += 32) {
             uint32_t mask = __ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g));
             while (mask != 0) {
-                const int j = __ffs(mask) - 1;
+                const int64_t token = t0 + __ffs(mask) - 1;
                 mask &= mask - 1;
-                const int64_t token = t0 + j;
-                tr.put_warp(0, dst, dispatch_msg_off(c, half, local, me, count),
-                            own<const char>(c, p.send_stage_offset + token * c.msg_bytes), used_bytes, lane);
-                ++count;
+                tr.put2_warp(0, dst, dispatch_side_off(c, half, local, me, j, side), side,
+                             dispatch_row_off(c, half, local, static_cast<int64_t>(begin) + j, row),
+                             own<const char>(c, p.send_stage_offset + token * c.msg_bytes), row, lane);
+                ++j;
             }
         }
         // Every lane's stores are ordered before lane 0's release (fence + warp barrier), as
-        // put_signal_warp does: the receiver that reads the count sees the messages.
+        // put_signal_warp does: the receiver that reads the count sees the rows, side messages and range.
         __threadfence_system();
         __syncwarp();
         if (lane == 0) {
             check_overwrite(c, kOpDispatch, recvd, call, dst);
+            if (count > 0)
+                tr.put_value(0, dst, dispatch_range_off(c, half, local, me), begin);
             tr.signal(0, dst, dispatch_signal_off(c, half, local, me), signal_value(seq, count));
         }
     }
@@ -229,6 +264,52 @@ DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr,
     // warp's puts before the phase ends (one quiet per warp; a no-op for load/store peers).
     if (lane == 0)
         tr.flush(0);
+}
+
+// The side messages of one (local expert e, source) block, rows [begin, begin + count) of e, into
+// src_info and the scales output: a whole warp, loads of up to 4 words per lane issued together (a
+// block of <= 8 FP8 side messages at hidden 7168 is one round trip; 8 words per lane made the
+// one-launch kernel spill). kWords: 16-byte words per side message
+// (1: bf16, the head only).
+template <int kWords>
+DEEPEP_DEVICE void unpack_side(const LLDispatchParams& p, const int4* side, int e, int64_t begin, int64_t count,
+                               int lane) {
+    constexpr int kUnroll = 4;
+    const int64_t slots = p.c.num_ranks * p.c.num_max_tokens;
+    const int n = static_cast<int>(count) * kWords;   // count <= T: 32-bit indices
+    for (int i0 = lane; i0 < n; i0 += 32 * kUnroll) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (i0 + 32 * u < n)
+                v[u] = side[i0 + 32 * u];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + 32 * u;
+            if (i >= n)
+                break;
+            const int64_t row = begin + i / kWords;
+            const int w = i % kWords;
+            if (w == 0) {
+                p.src_info[e * slots + row] = v[u].x;
+            } else if (p.use_ue8m0) {
+                // One int32 per 4 scales (word w holds scales 4(w-1)..4(w-1)+3): their exponent bytes.
+                const uint32_t word = ((static_cast<uint32_t>(v[u].x) >> 23) & 0xffu) |
+                                      (((static_cast<uint32_t>(v[u].y) >> 23) & 0xffu) << 8) |
+                                      (((static_cast<uint32_t>(v[u].z) >> 23) & 0xffu) << 16) |
+                                      (((static_cast<uint32_t>(v[u].w) >> 23) & 0xffu) << 24);
+                static_cast<int*>(p.recv_scales)[(static_cast<int64_t>(e) * (kNumScales / 4) + (w - 1)) * slots + row] =
+                    static_cast<int>(word);
+            } else {
+                float* out = static_cast<float*>(p.recv_scales) + (static_cast<int64_t>(e) * kNumScales + 4 * (w - 1)) * slots + row;
+                const int vals[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    if (4 * (w - 1) + k < kNumScales)
+                        out[k * slots] = __int_as_float(vals[k]);
+            }
+        }
+    }
 }
 
 // Receive phase of call `seq` (see the top of the file).
@@ -243,95 +324,66 @@ DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& 
     const int num_ranks = static_cast<int>(c.num_ranks);
     const int num_local = static_cast<int>(c.num_experts) / num_ranks;
     const int64_t slots = static_cast<int64_t>(num_ranks) * c.num_max_tokens;
+    const int64_t side = side_bytes(p.use_fp8 != 0);
+    if (p.expect_half != half && blockIdx.x == 0 && threadIdx.x == 0)
+        // The host handed out recv_x of the other half (e.g. a CUDA graph holding an odd number of LL
+        // calls): the rows are not where the returned tensor is. Report it.
+        report_error(sink, kErrorOverrun, -1, half);
 
     for (int pair = warp; pair < num_local * num_ranks; pair += num_warps) {
         const int e = pair / num_ranks, s = pair % num_ranks;
-        int64_t before = 0, mine = 0;
+        const bool last = s == num_ranks - 1;   // also waits for every other source: recv_count[e]
+        int64_t total = 0, mine = 0;
         bool ok = true;
-        for (int s2 = lane; s2 <= s; s2 += 32) {
+        for (int s2 = lane; s2 < num_ranks; s2 += 32) {
+            if (s2 != s && !last)
+                continue;
             const long long t_start = clock64();
             const int64_t n = wait_signal(tr, c, dispatch_signal_off(c, half, e, s2), seq, deadline, sink, s2);
             if (n < 0) {
                 ok = false;
                 continue;
             }
-            if (s2 < s)
-                before += n;
-            else
+            total += n;
+            if (s2 == s) {
                 mine = n;
-            if (s2 == s && p.wait_stats != nullptr)
-                atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + s),
-                          static_cast<unsigned long long>(clock64() - t_start));
+                if (p.wait_stats != nullptr)
+                    atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + s),
+                              static_cast<unsigned long long>(clock64() - t_start));
+            }
         }
 #pragma unroll
         for (int off = 16; off >= 1; off /= 2) {
-            before += __shfl_xor_sync(0xffffffffu, before, off);
+            total += __shfl_xor_sync(0xffffffffu, total, off);
             mine += __shfl_xor_sync(0xffffffffu, mine, off);
         }
         if (!__all_sync(0xffffffffu, ok))
             continue;   // reported; skip the copies
-        // The lanes acquired the signals; order every lane's reads of the messages after them.
+        // The lanes acquired the signals; order every lane's reads (range word, side messages) after them.
         __threadfence_system();
         __syncwarp();
-        if (lane == 0) {
-            p.layout_range[e * num_ranks + s] = (before << 32) | mine;
-            if (s == num_ranks - 1) {
-                const int total = static_cast<int>(before + mine);
-                p.recv_count[e] = total;
-                if (p.cumulative_recv_stats != nullptr)
-                    p.cumulative_recv_stats[e] += total;
-            }
-        }
-        for (int64_t j = 0; j < mine; ++j) {
-            const char* msg = own<const char>(c, dispatch_msg_off(c, half, e, s, j));
-            const int64_t row = before + j;
-            // Every load of the message (header, scales, payload) is issued before the first store,
-            // so a message costs one memory round trip per lane, not three.
-            const int src_token = *reinterpret_cast<const int*>(msg);
-            if (p.use_fp8) {
-                const float* scales = reinterpret_cast<const float*>(msg + kMsgHeader + kHidden);
-                float scale[kScalesPerLane];   // float32 scales: lane l holds scale l + 32u
-                float4 quad[kWordsPerLane];    // UE8M0: lane l holds scales 4w..4w+3 of word w = l + 32u
-                if (p.use_ue8m0) {
-#pragma unroll
-                    for (int u = 0; u < kWordsPerLane; ++u)
-                        if (lane + 32 * u < kNumScales / 4)
-                            quad[u] = reinterpret_cast<const float4*>(scales)[lane + 32 * u];
-                } else {
-#pragma unroll
-                    for (int u = 0; u < kScalesPerLane; ++u)
-                        if (lane + 32 * u < kNumScales)
-                            scale[u] = scales[lane + 32 * u];
-                }
-                transport::warp_copy_bytes(reinterpret_cast<char*>(p.recv_x) + (e * slots + row) * kHidden,
-                                           msg + kMsgHeader, kFp8RowInt4 * 16, lane);
-                if (p.use_ue8m0) {
-                    // One int32 per 4 scales: their exponent bytes, scale 4w + b in byte b.
-                    int* out = static_cast<int*>(p.recv_scales) + static_cast<int64_t>(e) * (kNumScales / 4) * slots;
-#pragma unroll
-                    for (int u = 0; u < kWordsPerLane; ++u) {
-                        if (lane + 32 * u >= kNumScales / 4)
-                            continue;
-                        const float v[4] = {quad[u].x, quad[u].y, quad[u].z, quad[u].w};
-                        uint32_t word = 0;
-#pragma unroll
-                        for (int b = 0; b < 4; ++b)
-                            word |= ((__float_as_uint(v[b]) >> 23) & 0xffu) << (8 * b);
-                        out[(lane + 32 * u) * slots + row] = static_cast<int>(word);
-                    }
-                } else {
-                    float* out = static_cast<float*>(p.recv_scales) + static_cast<int64_t>(e) * kNumScales * slots;
-#pragma unroll
-                    for (int u = 0; u < kScalesPerLane; ++u)
-                        if (lane + 32 * u < kNumScales)
-                            out[(lane + 32 * u) * slots + row] = scale[u];
-                }
-            } else {
-                transport::warp_copy_bytes(p.recv_x + (e * slots + row) * kRowInt4, msg + kMsgHeader, kRowInt4 * 16, lane);
-            }
+        const int64_t begin = mine > 0 ? static_cast<int64_t>(*own<volatile uint64_t>(c, dispatch_range_off(c, half, e, s))) : 0;
+        if (begin + mine > slots) {   // cannot happen when the sender checked its reservation; never write past
             if (lane == 0)
-                p.src_info[e * slots + row] = src_token;
+                report_error(sink, kErrorOverwrite, s, static_cast<int>(seq));
+            continue;
         }
+        if (lane == 0) {
+            p.layout_range[e * num_ranks + s] = (begin << 32) | mine;
+            if (last) {
+                p.recv_count[e] = static_cast<int>(total);
+                if (p.cumulative_recv_stats != nullptr)
+                    p.cumulative_recv_stats[e] += static_cast<int>(total);
+                // Every source's reservation of this call is in (their signals came after it): re-arm the
+                // word for the half's next dispatch (ordered before it by end_call's release of RECVD).
+                *own<volatile uint64_t>(c, dispatch_reserve_off(c, half, e)) = 0;
+            }
+        }
+        const int4* sides = own<const int4>(c, dispatch_side_off(c, half, e, s, 0, side));
+        if (p.use_fp8)
+            unpack_side<kSideFp8 / 16>(p, sides, e, begin, mine, lane);
+        else
+            unpack_side<kSideBf16 / 16>(p, sides, e, begin, mine, lane);
     }
 }
 

@@ -6,12 +6,18 @@
 //            finished), two block-arrival words, the error claim word, LAST (see below), and the
 //            dispatch's grid-barrier words STAGE_ARRIVE (u32) and STAGED (u64) (layout.py LL_CTRL_*).
 //   signals of a half: dispatch [E_local][R] u64 (slot (e, s) written only by source rank s),
-//                      combine  [E] u64 (slot g written only by the rank that owns expert g).
-//   data of a half: dispatch receive slots [E_local][R][T] messages, the combine send area
-//                   [E_local][R*T][H] bf16 (the zero-copy buffer; written only by this rank), then
-//                   the combine receive slots [E][T][H] bf16.
-//   send stage: [T] dispatch messages built by the dispatch's stage phase (written only by this rank;
-//               read by its send phase after a barrier over the grid; the send quiets before it ends).
+//                      combine  [E] u64 (slot g written only by the rank that owns expert g),
+//                      dispatch ranges [E_local][R] u64 (the first row of s's block of e, written by s),
+//                      dispatch reservations [E_local] u64 (rows of e taken so far this call: fetch_add
+//                      by every source, zeroed by this rank's receive once every source's block is in).
+//   data of a half: the dispatch output recv_x [E_local][R*T] rows (H bytes FP8 or 2H bf16 each, the
+//                   tensor the op returns: peers write it directly), the dispatch side messages
+//                   [E_local][R][T] (per token: int32 source token, then its float32 scales), the combine
+//                   send area [E_local][R*T][H] bf16 (the zero-copy buffer; written only by this rank),
+//                   then the combine receive slots [E][T][H] bf16.
+//   send stage: [T] dispatch messages built by the dispatch's stage phase (side message, then the
+//               payload; written only by this rank, read by its send phase after a barrier over the grid;
+//               the send quiets before it ends).
 //
 // Calls: every LL op (dispatch or combine) is one call, numbered 1, 2, ... on every rank in the same
 // order. A call has two phases: SEND (never waits for a peer) and RECEIVE (waits for the peers'
@@ -35,6 +41,13 @@
 //    reads the destination's RECVD before writing; RECVD < prev means the peer has not finished
 //    receiving prev, whose bytes are about to be overwritten -> kErrorOverwrite on the sender;
 //  * receiver: a signal already carrying a later call -> kErrorOverrun.
+// The same chain orders the dispatch's reservation word: my receive of prev zeroes it (after every
+// source's block of prev is in, before RECVD = prev is released), and a sender of m adds to it only
+// after that. A sender whose reservation would end past R*T rows (the word was not zeroed: the rule
+// above was broken) reports kErrorOverwrite and writes nothing. recv_x itself is what the dispatch
+// returns: it stays valid until the next dispatch on the same half (DeepEP's rule: at most two LL
+// results alive at a time), and the host checks the half it handed out against the device's (a CUDA
+// graph holding an odd number of LL calls would flip them).
 // The host keeps receives in call order (hooks in call order, exactly once, no hook-less op while a
 // hook is pending), so RECVD + 1 is always the call of the receive kernel being launched. Every wait
 // is bounded and reports (op, rank, peer) to the ErrorSink; a kernel whose wait failed skips its
@@ -83,7 +96,7 @@ constexpr int kErrorOverwrite = 4;     // a send found its destination still rec
 constexpr int kKindDispatch = 0;       // index of ctrl_last[kind][half]
 constexpr int kKindCombine = 1;
 constexpr int kFp8Block = 128;         // channels per FP8 scale
-constexpr int kMsgHeader = 16;         // bytes before the payload of a dispatch message (int32 source token)
+constexpr int kMsgHeader = 16;         // head of a dispatch side message (int32 source token), before its scales
 
 // Fields shared by every LL params struct (all 64-bit; mirrored in deepep_portable/low_latency.py).
 struct Common {
@@ -98,13 +111,14 @@ struct Common {
     int64_t dispatch_signal_offset;  // half 0; half 1 is + signal_half_stride
     int64_t combine_signal_offset;
     int64_t signal_half_stride;
-    int64_t dispatch_recv_offset;    // half 0; half 1 is + data_half_stride
+    int64_t dispatch_recv_offset;    // recv_x rows of half 0; half 1 is + data_half_stride
+    int64_t dispatch_side_offset;    // side messages of half 0
     int64_t combine_send_offset;     // half 0 (the zero-copy buffer; only this rank writes it)
     int64_t combine_recv_offset;
     int64_t data_half_stride;
     int64_t num_experts;
     int64_t num_max_tokens;          // T
-    int64_t msg_bytes;               // one dispatch message
+    int64_t msg_bytes;               // one message of the send stage
     unsigned int* error_claim;
     int* error_host;
     int64_t timeout_ns;
@@ -234,13 +248,30 @@ DEEPEP_DEVICE int64_t combine_signal_off(const Common& c, int half, int expert) 
     return c.combine_signal_offset + half * c.signal_half_stride + 8 * static_cast<int64_t>(expert);
 }
 
-// Message of token slot `slot` from `src` to `local_expert`, in the receiver's buffer. Pair-major
-// ([E_local][R][T]): the messages one warp writes (one pair) stay on one page. (Slot-major, which
-// packs a call's messages onto fewer pages overall, measured 2x slower on the H200 emulation: every
-// warp then touches a page per message.)
-DEEPEP_DEVICE int64_t dispatch_msg_off(const Common& c, int half, int local_expert, int src, int64_t slot) {
+// Where s's block of local expert e starts in recv_x (its first row), and the reservation word its
+// sources fetch_add their block sizes to: both after the combine signals of the half.
+DEEPEP_DEVICE int64_t dispatch_range_off(const Common& c, int half, int local_expert, int src) {
+    return c.dispatch_signal_offset + half * c.signal_half_stride +
+           8 * (2 * c.num_experts + static_cast<int64_t>(local_expert) * c.num_ranks + src);
+}
+
+DEEPEP_DEVICE int64_t dispatch_reserve_off(const Common& c, int half, int local_expert) {
+    return c.dispatch_signal_offset + half * c.signal_half_stride + 8 * (3 * c.num_experts + local_expert);
+}
+
+// Row `row` of local expert e in the receiver's recv_x (`row_bytes`: H for FP8, 2H for bf16). A
+// source's block is contiguous and in its token order; blocks follow each other in reservation order.
+DEEPEP_DEVICE int64_t dispatch_row_off(const Common& c, int half, int local_expert, int64_t row, int64_t row_bytes) {
     return c.dispatch_recv_offset + half * c.data_half_stride +
-           ((static_cast<int64_t>(local_expert) * c.num_ranks + src) * c.num_max_tokens + slot) * c.msg_bytes;
+           (static_cast<int64_t>(local_expert) * c.num_ranks * c.num_max_tokens + row) * row_bytes;
+}
+
+// Side message of the `slot`-th token `src` sends to `local_expert` (`side_bytes` each). Pair-major
+// ([E_local][R][T]): a pair's side messages are contiguous, so its receive loads them in one round.
+DEEPEP_DEVICE int64_t dispatch_side_off(const Common& c, int half, int local_expert, int src, int64_t slot,
+                                        int64_t side_bytes) {
+    return c.dispatch_side_offset + half * c.data_half_stride +
+           ((static_cast<int64_t>(local_expert) * c.num_ranks + src) * c.num_max_tokens + slot) * side_bytes;
 }
 
 // Combine row `slot` of a global expert in the source rank's buffer (row j = the j-th of that rank's
