@@ -25,6 +25,10 @@ combine, combine is fine. Violations are detected on the device, never silent: t
 kErrorOverwrite when its destination has not finished receiving the half's previous call, the
 receiver kErrorOverrun when a signal already carries a later call; the Buffer is unusable after.
 
+The dispatch's output recv_x is, over nvshmem, a view of the half's dispatch area that the peers
+write directly (they reserve rows with fetch_add); over nvlink a fresh tensor the receive packs the
+rows into (atomics on CUDA IPC mappings measured slow). Either way the halves' parity decides it.
+
 `get_next_low_latency_combine_buffer` hands out the combine send area of the half the next call
 will use, by host-side parity of the calls made through this engine; that equals the device
 counter's parity as long as every CUDA graph holds an even number of LL calls (dispatch + combine).
@@ -65,7 +69,7 @@ _COMMON = ["peer_bases", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_s
            "error_claim", "error_host", "timeout_ns", "trace"]
 LLDispatchParams = _struct("LLDispatchParams", [
     *_COMMON, "x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "ctrl_stage_arrive",
-    "ctrl_staged", "expect_half", "recv_scales", "src_info",
+    "ctrl_staged", "recv_x", "expect_half", "recv_scales", "src_info",
     "layout_range", "recv_count", "cumulative_recv_stats", "wait_stats", "use_ue8m0"])
 LLCombineParams = _struct("LLCombineParams", [
     *_COMMON, "x", "src_info", "layout_range", "expect_half", "topk_idx", "topk_weights", "out", "num_tokens",
@@ -94,6 +98,11 @@ class LowLatencyEngine:
             raise ValueError(f"the low-latency kernels have no {transport!r} build; known: {sorted(TRANSPORT_DEFINES)}")
         self.ctx = ctx
         self.transport = transport
+        # The dispatch's placement (low_latency/dispatch.cu, by the transport's kCheapFetchAdd): with
+        # nvshmem the senders reserve rows and write recv_x in this buffer (the op returns a view of
+        # it); with nvlink (atomics on CUDA IPC mappings are slow) the receive packs the rows into a
+        # fresh tensor.
+        self.recv_x_in_buffer = transport == "nvshmem"
         self.base: Optional[int] = None
         self.broken: Optional[str] = None
         self._calls = 0                 # LL calls launched through this engine (host mirror of the device counter)
@@ -349,19 +358,21 @@ class LowLatencyEngine:
         # recv_x is the half's output area in the window (the peers write it); the small outputs are
         # allocated on the current stream (Buffer made the right one current), like the reference's
         half = self.next_half()
-        recv_x = self._recv_x_view(template.dispatch_recv_offset + half * template.data_half_stride, T, hidden, E,
-                                   args.use_fp8)
-        _, scales, recv_count, src_info, layout_range = allocate_low_latency_outputs(
-            num_local, R, T, hidden, args.use_fp8, args.use_ue8m0, dev, with_recv_x=False)
+        recv_x, scales, recv_count, src_info, layout_range = allocate_low_latency_outputs(
+            num_local, R, T, hidden, args.use_fp8, args.use_ue8m0, dev, with_recv_x=not self.recv_x_in_buffer)
+        if self.recv_x_in_buffer:
+            recv_x = self._recv_x_view(template.dispatch_recv_offset + half * template.data_half_stride, T, hidden,
+                                       E, args.use_fp8)
 
         p = LLDispatchParams.from_buffer_copy(template)
         p.x, p.topk_idx, p.num_tokens = x.data_ptr(), idx.data_ptr(), num_tokens
         p.use_fp8, p.round_scale, p.use_ue8m0 = int(args.use_fp8), int(args.round_scale), int(args.use_ue8m0)
+        p.recv_x = 0 if self.recv_x_in_buffer else recv_x.data_ptr()
         p.expect_half, p.recv_scales, p.src_info = half, _ptr(scales), src_info.data_ptr()
         p.layout_range, p.recv_count = layout_range.data_ptr(), recv_count.data_ptr()
         p.cumulative_recv_stats = _ptr(args.cumulative_local_expert_recv_stats)
         p.wait_stats = _ptr(args.dispatch_wait_recv_cost_stats)
-        keep = (scales, recv_count, src_info, layout_range, args.cumulative_local_expert_recv_stats,
+        keep = (recv_x, scales, recv_count, src_info, layout_range, args.cumulative_local_expert_recv_stats,
                 args.dispatch_wait_recv_cost_stats)
         hook = self._two_phase("low_latency_dispatch", send, recv, p, args.return_recv_hook, keep, fused)
         handle = LowLatencyHandle(src_info, layout_range, T, hidden, E)
@@ -414,10 +425,13 @@ class LowLatencyEngine:
         return flat.view(torch.float8_e4m3fn if use_fp8 else torch.bfloat16).view(shape)
 
     def next_dispatch_recv_x(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
-                             use_fp8: bool) -> torch.Tensor:
-        """The recv_x the next LL call returns if it is a dispatch of that shape (the tests poison it
-        before the call: the peers write it during the send phase, before any hook)."""
+                             use_fp8: bool) -> Optional[torch.Tensor]:
+        """The recv_x the next LL call returns if it is a dispatch of that shape, when it lies in this
+        buffer (None otherwise: a fresh tensor). The tests poison it before the call: the peers write it
+        during their send phase, before any hook."""
         self._require()
+        if not self.recv_x_in_buffer:
+            return None
         lay = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         return self._recv_x_view(lay.dispatch_recv_offset(self.next_half()), num_max_dispatch_tokens_per_rank, hidden,
                                  num_experts, use_fp8)

@@ -11,8 +11,9 @@ Checked bit for bit (dispatch payload, FP8 data and scales, UE8M0 words, counts,
 stats, and the combine result: the kernel avoids FMA, so LL combine is exact too). The kernels place each
 (expert, source) block where its reservation landed (DeepEP does the same), so rows are compared through
 oracle.low_latency_row_map: every block the oracle's size, the blocks tiling [0, recv_count) exactly. recv_x
-is a view of the Buffer that the peers write during the send phase: it is poisoned before the call
-(Buffer.next_dispatch_recv_x), the other outputs also after it in hook mode.
+over NVSHMEM is a view of the Buffer that the peers write during the send phase: it is poisoned before
+the call (LowLatencyEngine.next_dispatch_recv_x); in hook mode every other output is poisoned after the
+call, before hook().
 - BF16, FP8, FP8+round_scale, FP8+UE8M0 at hidden 2048/4096/7168/7680, 128 tokens x top-8 x 256 experts;
   small token counts, a rank with zero tokens, -1 experts; each case three consecutive calls pairs on the
   same Buffer (double buffer, stale halves), with hook / zero_copy / out= rotating over the rounds.
@@ -129,9 +130,14 @@ def _row_map(ck: GpuChecker, layout_range, exp_layout_range, what: str):
     return ck.run(f"{what} layout_range", lambda: oracle.low_latency_row_map(layout_range, exp_layout_range))
 
 
-def _poison_next_recv_x(buf, hidden: int, experts: int, fp8: bool) -> None:
-    """Fill the recv_x the next dispatch returns (peers write it during their send phase)."""
-    _engine_of(buf).next_dispatch_recv_x(T, hidden, experts, fp8).view(torch.uint8).fill_(0xFF)
+def _poison_next_recv_x(buf, hidden: int, experts: int, fp8: bool) -> bool:
+    """Fill the recv_x the next dispatch returns when it lies in the Buffer (the nvshmem build: peers
+    write it during their send phase). False when it will be a fresh tensor (nvlink)."""
+    view = _engine_of(buf).next_dispatch_recv_x(T, hidden, experts, fp8)
+    if view is None:
+        return False
+    view.view(torch.uint8).fill_(0xFF)
+    return True
 
 
 
@@ -173,8 +179,7 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
     d_x, d_idx, d_w = x.to(device), idx.to(device), w.to(device)
     recv_stats = torch.zeros(local, dtype=torch.int32, device=device)
     wait_stats = torch.zeros(num_ranks, dtype=torch.int64, device=device)
-    with ck.guard(f"{tag} poison recv_x"):
-        _poison_next_recv_x(buf, hidden, experts, fp8)
+    in_buffer = ck.run(f"{tag} poison recv_x", lambda: _poison_next_recv_x(buf, hidden, experts, fp8))
     torch.cuda.synchronize()
     dist.barrier(group=pg)   # nobody writes my recv_x before it is poisoned
 
@@ -198,7 +203,8 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
             ck.true(held < 0.5, f"{tag} synchronize() took {held:.2f} s before hook(): a kernel waits for the "
                     f"late rank, so the receive phase was not deferred to the hook")
         with ck.guard(f"{tag} poison before hook"):
-            # not recv_x: the peers' send phases write it (poisoned before the call)
+            if not in_buffer:   # in the Buffer, the peers' send phases write it (poisoned before the call)
+                (res[0][0] if fp8 else res[0]).view(torch.uint8).fill_(0xFF)
             if fp8:
                 res[0][1].fill_(-1 if ue8m0 else float("nan"))
             res[1].fill_(-1)

@@ -23,6 +23,12 @@ struct NvlinkTransport {
         return Capabilities{true, false, true, 1, true, Network::kNone};
     }
 
+    // fetch_add works but is slow here: on the H200 emulation (8 processes, one GPU, MPS) an atomic on
+    // a legacy CUDA IPC mapping, system or device scope, made the LL dispatch's send phase 84-128 us
+    // instead of 38 (NVSHMEM's VMM mappings of the same GPU: fast). Kernels that would use it once per
+    // (expert, sender) take their other path (see the LL dispatch).
+    static constexpr bool kCheapFetchAdd = false;
+
     template <typename U = void>
     DEEPEP_DEVICE U* peer_ptr(int64_t off, int peer) const {
         return reinterpret_cast<U*>(bases[peer] + static_cast<uint64_t>(off));

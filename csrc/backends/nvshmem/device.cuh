@@ -89,6 +89,10 @@ struct NvshmemTransport {
         return Capabilities{false, true, false, 1, true, Network::kOther};
     }
 
+    // fetch_add is cheap enough to use once per (expert, sender): a system-scope atomic on NVSHMEM's
+    // VMM mapping for P2P peers (measured on the H200 emulation), one network AMO otherwise.
+    static constexpr bool kCheapFetchAdd = true;
+
     template <typename U = void>
     DEEPEP_DEVICE U* local_ptr(int64_t off) const {
         return reinterpret_cast<U*>(base + static_cast<uint64_t>(off));

@@ -36,7 +36,9 @@
 // writing rank, values only grow, and writing the same value twice is harmless, so no signal needs
 // network atomics. fetch_add is the one atomic of the contract: the LL dispatch reserves its rows in
 // the receiver's output with it (a load/store atomic for P2P peers, a network AMO otherwise, which the
-// capability record's remote_atomics states). Never rely on two puts arriving in order.
+// capability record's remote_atomics states), when the transport's kCheapFetchAdd says it is cheap (a
+// compile-time constant of each transport type; the LL dispatch has a path without it). Never rely
+// on two puts arriving in order.
 //
 // Each backend states in its device.cuh how it keeps "a signal never overtakes its data".
 #pragma once

@@ -7,19 +7,24 @@
 //            message (int32 source token; with FP8 the token's float32 scales) followed by the payload
 //            (the bf16 row, or its FP8 cast).
 //   send:    one warp per global expert g (experts strided over every warp of the grid). The warp
-//            counts my tokens that selected g and reserves that many rows of g's recv_x at g's rank
-//            (fetch_add on the rank's reservation word of g: no waiting for any peer). It then scans
-//            my tokens in order (32 at a time, __ballot_sync on "token lists g"), so the k-th token of
-//            mine that selected g lands in row begin + k of recv_x and in side slot k of (g, me): the
-//            payload goes straight into the output the receiver returns, the side message apart. Then
-//            it writes begin into my range word at g's rank and SETs the (local expert, me) signal to
-//            (seq << 32) | count, also when count is 0. It never waits for a peer (the stage barrier
-//            before it waits for the rank's own blocks only).
-//   receive: one warp per (local expert e, source s) pair. Lane 0 waits for s's signal (the pair with
-//            s = R-1: every source's, for recv_count), reads s's range word, writes layout_range[e][s],
-//            and the warp unpacks s's side messages: source token into src_info, scales into the
-//            column-major scales output. The payload is already in place: the receive moves ~2 % of the
-//            bytes, so a pair finishes soon after its source's data is in.
+//            scans my tokens in order (32 at a time, __ballot_sync on "token lists g"), so the k-th
+//            token of mine that selected g is my k-th message for g, sent into g's rank's buffer; then
+//            it SETs the (local expert, me) signal there to (seq << 32) | count, also when count is 0.
+//            It never waits for a peer (the stage barrier before it waits for the rank's own blocks only).
+//   receive: one warp per (local expert e, source s) pair: waits for s's signal, writes
+//            layout_range[e][s] and the pair's rows of the outputs; the pair with s = R-1 also waits
+//            for every other source and writes recv_count[e] and the stats.
+// Where the payload lands, by the transport's kCheapFetchAdd (Placement below):
+//   kReserveRows (fetch_add is cheap: nvshmem): the send warp first reserves `count` rows of g's
+//            recv_x at g's rank (fetch_add on the rank's reservation word of g) and writes each payload
+//            straight into its row of recv_x (the tensor the op returns is a view of it), the side
+//            message into side slot k of (g, me), then its block's first row into my range word. The
+//            receive only unpacks side messages (source token, scales): ~2 % of the bytes. Blocks sit in
+//            the order the reservations arrived (as in DeepEP); layout_range says where.
+//   kPackOnReceive (nvlink: atomics on legacy CUDA IPC mappings are slow): the whole message goes
+//            to slot k of (g, me), and the receive of (e, s) copies the payloads into recv_x (a fresh
+//            tensor) after the rows of sources 0..s-1 (it waits for their signals too): source order,
+//            but every payload is copied twice, which on the one-GPU emulation is twice the HBM traffic.
 // Stage and send are separated by a barrier over my grid (stage_barrier), not by a kernel boundary:
 // one launch and no gap between them. Kernels:
 //   ll_dispatch_send: stage + send (the send phase of a call with return_recv_hook=True);
@@ -28,11 +33,7 @@
 //                     its receive pairs once its warps' sends are out, while peers are still sending.
 // Grids spin (stage barrier, receive waits), so every block of every rank sharing the GPU must be
 // resident at once: the host caps the grid accordingly (Window.grid).
-//
-// Row order: a source's rows of an expert are contiguous and in its token order (the combine relies
-// on it); the sources' blocks follow each other in the order their reservations arrived (as in
-// DeepEP), which layout_range states. Only payload moves twice less: on the one-GPU emulation, where
-// the send and a receive-side copy would both be HBM traffic, that halves the dispatch's bytes.
+// Either way a source's rows of an expert are contiguous and in its token order (the combine relies on it).
 //
 // Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, DEEPEP_TRANSPORT_*.
 // Run-time: ranks, experts, T, FP8 flags.
@@ -58,6 +59,8 @@ constexpr int kRowInt4 = kHidden * 2 / 16;      // bf16 row in 16-byte words
 // Side message bytes: the int32 source token in a 16-byte head, then (FP8) the float32 scales.
 constexpr int kSideFp8 = kMsgHeader + (kNumScales * 4 + 15) / 16 * 16;
 constexpr int kSideBf16 = kMsgHeader;
+enum class Placement { kReserveRows, kPackOnReceive };
+constexpr Placement kPlacement = Transport::kCheapFetchAdd ? Placement::kReserveRows : Placement::kPackOnReceive;
 static_assert(kHidden % kFp8Block == 0, "LL hidden must be a multiple of 128");
 static_assert(kNumTopk >= 1 && kNumTopk <= 128, "bad top-k");
 }  // namespace
@@ -74,7 +77,8 @@ struct LLDispatchParams {
     int64_t ctrl_stage_arrive;        // u32 in my control area: blocks past the stage phase of this call
     int64_t ctrl_staged;              // u64 in my control area: the last call whose stage phase is complete
     // receive
-    int64_t expect_half;              // the half whose recv_x the host handed out (checked on the device)
+    int4* recv_x;                     // kPackOnReceive: [E_local, R*T, HIDDEN] bf16 or fp8 (kReserveRows: in the buffer)
+    int64_t expect_half;              // kReserveRows: the half whose recv_x the host handed out (checked on the device)
     void* recv_scales;                // fp32 [E_local][S][R*T] or int32 [E_local][S/4][R*T] (column-major views)
     int* src_info;                    // [E_local, R*T]
     int64_t* layout_range;            // [E_local, R]
@@ -215,47 +219,53 @@ DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr,
     const int64_t slots = c.num_ranks * c.num_max_tokens;
     const int64_t side = side_bytes(p.use_fp8 != 0), row = row_bytes(p.use_fp8 != 0);
 
+    constexpr bool kReserve = kPlacement == Placement::kReserveRows;
     for (int g = warp; g < num_experts; g += num_warps) {
         const int dst = g / num_local, local = g % num_local;
         const uint64_t recvd = lane == 0 ? peer_recvd(tr, c, dst) : 0;   // checked below, before the signal
-        // How many of my tokens selected g.
         uint32_t count = 0;
-        for (int64_t t0 = 0; t0 < p.num_tokens; t0 += 32)
-            count += __popc(__ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g)));
-        if (!ok)
-            count = 0;
-        // Reserve my block of g's rows at dst. The word was zeroed by dst's receive of the half's
-        // previous dispatch; a block past the end means it was not (see protocol.cuh): report, write nothing.
         uint64_t begin = 0;
-        if (lane == 0 && count > 0) {
-            begin = tr.fetch_add(0, dst, dispatch_reserve_off(c, half, local), count);
-            if (begin + count > static_cast<uint64_t>(slots)) {
-                report_error(sink_of(c, kOpDispatch), kErrorOverwrite, dst, static_cast<int>(seq));
-                begin = 0;
-                count = 0;
+        if constexpr (kReserve) {
+            // How many of my tokens selected g; reserve that many of g's rows at dst. The word was
+            // zeroed by dst's receive of the half's previous dispatch; a block past the end means it was
+            // not (see protocol.cuh): report, write nothing.
+            for (int64_t t0 = 0; ok && t0 < p.num_tokens; t0 += 32)
+                count += __popc(__ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g)));
+            if (lane == 0 && count > 0) {
+                begin = tr.fetch_add(0, dst, dispatch_reserve_off(c, half, local), count);
+                if (begin + count > static_cast<uint64_t>(slots)) {
+                    report_error(sink_of(c, kOpDispatch), kErrorOverwrite, dst, static_cast<int>(seq));
+                    begin = 0;
+                    count = 0;
+                }
             }
+            begin = __shfl_sync(0xffffffffu, begin, 0);
+            count = __shfl_sync(0xffffffffu, count, 0);
         }
-        begin = __shfl_sync(0xffffffffu, begin, 0);
-        count = __shfl_sync(0xffffffffu, count, 0);
         uint32_t j = 0;
-        for (int64_t t0 = 0; j < count && t0 < p.num_tokens; t0 += 32) {
+        for (int64_t t0 = 0; ok && t0 < p.num_tokens && (!kReserve || j < count); t0 += 32) {
             uint32_t mask = __ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g));
             while (mask != 0) {
                 const int64_t token = t0 + __ffs(mask) - 1;
                 mask &= mask - 1;
-                tr.put2_warp(0, dst, dispatch_side_off(c, half, local, me, j, side), side,
-                             dispatch_row_off(c, half, local, static_cast<int64_t>(begin) + j, row),
-                             own<const char>(c, p.send_stage_offset + token * c.msg_bytes), row, lane);
+                const char* msg = own<const char>(c, p.send_stage_offset + token * c.msg_bytes);
+                if constexpr (kReserve)
+                    tr.put2_warp(0, dst, dispatch_side_off(c, half, local, me, j, side), side,
+                                 dispatch_row_off(c, half, local, static_cast<int64_t>(begin) + j, row), msg, row, lane);
+                else
+                    tr.put_warp(0, dst, dispatch_slot_off(c, half, local, me, j), msg, side + row, lane);
                 ++j;
             }
         }
+        if constexpr (!kReserve)
+            count = j;
         // Every lane's stores are ordered before lane 0's release (fence + warp barrier), as
         // put_signal_warp does: the receiver that reads the count sees the rows, side messages and range.
         __threadfence_system();
         __syncwarp();
         if (lane == 0) {
             check_overwrite(c, kOpDispatch, recvd, call, dst);
-            if (count > 0)
+            if (kReserve && count > 0)
                 tr.put_value(0, dst, dispatch_range_off(c, half, local, me), begin);
             tr.signal(0, dst, dispatch_signal_off(c, half, local, me), signal_value(seq, count));
         }
@@ -269,11 +279,11 @@ DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr,
 // The side messages of one (local expert e, source) block, rows [begin, begin + count) of e, into
 // src_info and the scales output: a whole warp, loads of up to 4 words per lane issued together (a
 // block of <= 8 FP8 side messages at hidden 7168 is one round trip; 8 words per lane made the
-// one-launch kernel spill). kWords: 16-byte words per side message
-// (1: bf16, the head only).
+// one-launch kernel spill). kWords: 16-byte words per side message (1: bf16, the head only);
+// `stride`: words from one side message to the next (kWords when packed, a whole message in slots).
 template <int kWords>
-DEEPEP_DEVICE void unpack_side(const LLDispatchParams& p, const int4* side, int e, int64_t begin, int64_t count,
-                               int lane) {
+DEEPEP_DEVICE void unpack_side(const LLDispatchParams& p, const int4* side, int stride, int e, int64_t begin,
+                               int64_t count, int lane) {
     constexpr int kUnroll = 4;
     const int64_t slots = p.c.num_ranks * p.c.num_max_tokens;
     const int n = static_cast<int>(count) * kWords;   // count <= T: 32-bit indices
@@ -282,7 +292,7 @@ DEEPEP_DEVICE void unpack_side(const LLDispatchParams& p, const int4* side, int 
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
             if (i0 + 32 * u < n)
-                v[u] = side[i0 + 32 * u];
+                v[u] = side[(i0 + 32 * u) / kWords * stride + (i0 + 32 * u) % kWords];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             const int i = i0 + 32 * u;
@@ -325,7 +335,8 @@ DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& 
     const int num_local = static_cast<int>(c.num_experts) / num_ranks;
     const int64_t slots = static_cast<int64_t>(num_ranks) * c.num_max_tokens;
     const int64_t side = side_bytes(p.use_fp8 != 0);
-    if (p.expect_half != half && blockIdx.x == 0 && threadIdx.x == 0)
+    constexpr bool kReserve = kPlacement == Placement::kReserveRows;
+    if (kReserve && p.expect_half != half && blockIdx.x == 0 && threadIdx.x == 0)
         // The host handed out recv_x of the other half (e.g. a CUDA graph holding an odd number of LL
         // calls): the rows are not where the returned tensor is. Report it.
         report_error(sink, kErrorOverrun, -1, half);
@@ -333,10 +344,12 @@ DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& 
     for (int pair = warp; pair < num_local * num_ranks; pair += num_warps) {
         const int e = pair / num_ranks, s = pair % num_ranks;
         const bool last = s == num_ranks - 1;   // also waits for every other source: recv_count[e]
-        int64_t total = 0, mine = 0;
+        // Signals to wait for: s's; every source's for the last pair (recv_count); with kPackOnReceive
+        // also those of sources < s, whose rows come first.
+        int64_t before = 0, mine = 0, after = 0;
         bool ok = true;
         for (int s2 = lane; s2 < num_ranks; s2 += 32) {
-            if (s2 != s && !last)
+            if (s2 != s && !last && (kReserve || s2 > s))
                 continue;
             const long long t_start = clock64();
             const int64_t n = wait_signal(tr, c, dispatch_signal_off(c, half, e, s2), seq, deadline, sink, s2);
@@ -344,8 +357,11 @@ DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& 
                 ok = false;
                 continue;
             }
-            total += n;
-            if (s2 == s) {
+            if (s2 < s)
+                before += n;
+            else if (s2 > s)
+                after += n;
+            else {
                 mine = n;
                 if (p.wait_stats != nullptr)
                     atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + s),
@@ -354,15 +370,18 @@ DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& 
         }
 #pragma unroll
         for (int off = 16; off >= 1; off /= 2) {
-            total += __shfl_xor_sync(0xffffffffu, total, off);
+            before += __shfl_xor_sync(0xffffffffu, before, off);
             mine += __shfl_xor_sync(0xffffffffu, mine, off);
+            after += __shfl_xor_sync(0xffffffffu, after, off);
         }
         if (!__all_sync(0xffffffffu, ok))
             continue;   // reported; skip the copies
-        // The lanes acquired the signals; order every lane's reads (range word, side messages) after them.
+        // The lanes acquired the signals; order every lane's reads (range word, messages) after them.
         __threadfence_system();
         __syncwarp();
-        const int64_t begin = mine > 0 ? static_cast<int64_t>(*own<volatile uint64_t>(c, dispatch_range_off(c, half, e, s))) : 0;
+        int64_t begin = before;
+        if constexpr (kReserve)
+            begin = mine > 0 ? static_cast<int64_t>(*own<volatile uint64_t>(c, dispatch_range_off(c, half, e, s))) : 0;
         if (begin + mine > slots) {   // cannot happen when the sender checked its reservation; never write past
             if (lane == 0)
                 report_error(sink, kErrorOverwrite, s, static_cast<int>(seq));
@@ -371,19 +390,33 @@ DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& 
         if (lane == 0) {
             p.layout_range[e * num_ranks + s] = (begin << 32) | mine;
             if (last) {
-                p.recv_count[e] = static_cast<int>(total);
+                const int total = static_cast<int>(before + mine + after);
+                p.recv_count[e] = total;
                 if (p.cumulative_recv_stats != nullptr)
-                    p.cumulative_recv_stats[e] += static_cast<int>(total);
+                    p.cumulative_recv_stats[e] += total;
                 // Every source's reservation of this call is in (their signals came after it): re-arm the
                 // word for the half's next dispatch (ordered before it by end_call's release of RECVD).
-                *own<volatile uint64_t>(c, dispatch_reserve_off(c, half, e)) = 0;
+                if (kReserve)
+                    *own<volatile uint64_t>(c, dispatch_reserve_off(c, half, e)) = 0;
             }
         }
-        const int4* sides = own<const int4>(c, dispatch_side_off(c, half, e, s, 0, side));
+        const int64_t row = row_bytes(p.use_fp8 != 0);
+        const int4* sides;
+        int stride;
+        if constexpr (kReserve) {
+            sides = own<const int4>(c, dispatch_side_off(c, half, e, s, 0, side));
+            stride = static_cast<int>(side / 16);
+        } else {
+            sides = own<const int4>(c, dispatch_slot_off(c, half, e, s, 0));
+            stride = static_cast<int>(c.msg_bytes / 16);
+            for (int64_t j = 0; j < mine; ++j)   // the payloads, one message per round trip
+                transport::warp_copy_bytes(reinterpret_cast<char*>(p.recv_x) + (e * slots + begin + j) * row,
+                                           reinterpret_cast<const char*>(sides + j * stride) + side, row, lane);
+        }
         if (p.use_fp8)
-            unpack_side<kSideFp8 / 16>(p, sides, e, begin, mine, lane);
+            unpack_side<kSideFp8 / 16>(p, sides, stride, e, begin, mine, lane);
         else
-            unpack_side<kSideBf16 / 16>(p, sides, e, begin, mine, lane);
+            unpack_side<kSideBf16 / 16>(p, sides, stride, e, begin, mine, lane);
     }
 }
 

@@ -10,11 +10,13 @@
 //                      dispatch ranges [E_local][R] u64 (the first row of s's block of e, written by s),
 //                      dispatch reservations [E_local] u64 (rows of e taken so far this call: fetch_add
 //                      by every source, zeroed by this rank's receive once every source's block is in).
-//   data of a half: the dispatch output recv_x [E_local][R*T] rows (H bytes FP8 or 2H bf16 each, the
-//                   tensor the op returns: peers write it directly), the dispatch side messages
-//                   [E_local][R][T] (per token: int32 source token, then its float32 scales), the combine
-//                   send area [E_local][R*T][H] bf16 (the zero-copy buffer; written only by this rank),
-//                   then the combine receive slots [E][T][H] bf16.
+//   data of a half: the dispatch area, the combine send area [E_local][R*T][H] bf16 (the zero-copy
+//                   buffer; written only by this rank), then the combine receive slots [E][T][H] bf16.
+//                   The dispatch area holds, by the dispatch's placement (low_latency/dispatch.cu):
+//                   kReserveRows: recv_x [E_local][R*T] rows (H bytes FP8 or 2H bf16 each, the tensor the
+//                   op returns: peers write it directly), then the side messages [E_local][R][T] (per
+//                   token: int32 source token, then its float32 scales); kPackOnReceive: whole messages
+//                   [E_local][R][T] (side message + payload) from its start (they fit in the same bytes).
 //   send stage: [T] dispatch messages built by the dispatch's stage phase (side message, then the
 //               payload; written only by this rank, read by its send phase after a barrier over the grid;
 //               the send quiets before it ends).
@@ -264,6 +266,15 @@ DEEPEP_DEVICE int64_t dispatch_reserve_off(const Common& c, int half, int local_
 DEEPEP_DEVICE int64_t dispatch_row_off(const Common& c, int half, int local_expert, int64_t row, int64_t row_bytes) {
     return c.dispatch_recv_offset + half * c.data_half_stride +
            (static_cast<int64_t>(local_expert) * c.num_ranks * c.num_max_tokens + row) * row_bytes;
+}
+
+// kPackOnReceive: the whole message of the `slot`-th token `src` sends to `local_expert`. Pair-major
+// ([E_local][R][T]): the messages one warp writes (one pair) stay on one page. (Slot-major, which
+// packs a call's messages onto fewer pages overall, measured 2x slower on the H200 emulation: every
+// warp then touches a page per message.)
+DEEPEP_DEVICE int64_t dispatch_slot_off(const Common& c, int half, int local_expert, int src, int64_t slot) {
+    return c.dispatch_recv_offset + half * c.data_half_stride +
+           ((static_cast<int64_t>(local_expert) * c.num_ranks + src) * c.num_max_tokens + slot) * c.msg_bytes;
 }
 
 // Side message of the `slot`-th token `src` sends to `local_expert` (`side_bytes` each). Pair-major
