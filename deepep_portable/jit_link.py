@@ -277,13 +277,14 @@ struct SelftestParams {
     uint64_t timeout_ns;     // every wait gives up this long after the kernel starts
     uint64_t claim;          // ErrorSink.claim (device, zeroed)
     uint64_t host;           // ErrorSink.host (mapped pinned int[6])
-    uint64_t out;            // int64[4] results (device)
+    uint64_t out;            // int64[5] results (device)
     int32_t skip_signal_to;  // a PE this PE must not send to (-1: none)
     int32_t probe_timeout;   // 1: also wait on the never-written slot (expects a timeout)
 };
 
 extern "C" __global__ void nvshmem_selftest(const __grid_constant__ SelftestParams p) {
     constexpr int64_t kData = DATA_BYTES;
+    constexpr int64_t kSig = 2 * kData;   // window: [put_signal data | put2 data | u64 slots]
     const int lane = threadIdx.x % 32;
     const int next = (p.t.rank + 1) % p.t.num_ranks;
     const int prev = (p.t.rank + p.t.num_ranks - 1) % p.t.num_ranks;
@@ -293,17 +294,20 @@ extern "C" __global__ void nvshmem_selftest(const __grid_constant__ SelftestPara
     const ErrorSink sink{reinterpret_cast<unsigned int*>(p.claim), reinterpret_cast<int*>(p.host), 1, p.t.rank};
     if (next != p.skip_signal_to) {
         p.t.put_warp(0, next, 0, src, kData, lane);
-        p.t.put_signal_warp(0, next, 0, src, kData, kData + 0, p.seq, lane);
+        // one source, two places: the halves of src land swapped in the second data zone
+        p.t.put2_warp(0, next, kData + kData / 2, kData / 2, kData, src, kData / 2, lane);
+        p.t.put_signal_warp(0, next, 0, src, kData, kSig + 0, p.seq, lane);
         if (lane == 0) {
-            p.t.signal(0, next, kData + 8, p.seq + 1);
-            p.t.put_value(0, next, kData + 16, p.seq + 2);
+            out[4] = static_cast<int64_t>(p.t.fetch_add(0, next, kSig + 32, 5));
+            p.t.signal(0, next, kSig + 8, p.seq + 1);
+            p.t.put_value(0, next, kSig + 16, p.seq + 2);
             p.t.flush(0);
         }
     }
     if (lane == 0) {
-        out[0] = p.t.wait_ge(kData + 0, p.seq, deadline, sink, prev) ? 1 : 0;
-        out[1] = out[0] ? (p.t.wait_ge(kData + 8, p.seq + 1, deadline, sink, prev) ? 1 : 0) : 0;
-        out[2] = p.probe_timeout ? (p.t.wait_ge(kData + 24, 1, deadline, sink, prev) ? 1 : 0) : -1;
+        out[0] = p.t.wait_ge(kSig + 0, p.seq, deadline, sink, prev) ? 1 : 0;
+        out[1] = out[0] ? (p.t.wait_ge(kSig + 8, p.seq + 1, deadline, sink, prev) ? 1 : 0) : 0;
+        out[2] = p.probe_timeout ? (p.t.wait_ge(kSig + 24, 1, deadline, sink, prev) ? 1 : 0) : -1;
         out[3] = p.t.peer_ptr<void>(0, next) != nullptr ? 1 : 0;
     }
 }

@@ -5,8 +5,9 @@
 NVSHMEM is initialised by unique id over the test's gloo group (deepep_portable.nvshmem_runtime),
 a symmetric window is allocated, and the device-linked self-test kernel (jit_link.SELFTEST_SOURCE,
 every NvshmemTransport primitive) runs twice:
-  round 1: every PE put_signal_warps a pattern to the next PE and waits for the previous PE's
-           signal; the data, both signals and the put_value word must be there;
+  round 1: every PE put_signal_warps a pattern to the next PE (and put2_warps it, halves swapped, to
+           a second zone; fetch_adds 5 to a word there) and waits for the previous PE's signal; the
+           data, both signals, the put_value word and the fetch_add word must be there;
   round 2: PE 0 sends nothing to PE 1: PE 1's wait_ge must return false and its ErrorSink must
            record a timeout naming PE 0; every other PE succeeds.
 Skipped without CUDA, NVSHMEM, nvcc, or with fewer than 2 ranks. NVSHMEM is initialised once per
@@ -25,8 +26,9 @@ import torch
 from deepep_portable import jit, jit_link, nvshmem_runtime as nr
 from deepep_portable.comm import Comm
 
-DATA = 4096          # bytes put per PE (the window's data zone)
-WINDOW = DATA + 64   # + signal slots (see jit_link.SELFTEST_SOURCE)
+DATA = 4096              # bytes put per PE (each of the window's two data zones)
+WINDOW = 2 * DATA + 64   # + u64 slots (see jit_link.SELFTEST_SOURCE)
+SIG = 2 * DATA
 
 
 def _skip_reason(size: int):
@@ -101,7 +103,7 @@ def test_nvshmem_put_signal_ring_and_timeout(mpi_comm, pg, device):
         results["peer_ptr_self"] = rt.ptr(window, rank) == window
 
         claim = torch.zeros(1, dtype=torch.int32, device=device)
-        out = torch.zeros(4, dtype=torch.int64, device=device)
+        out = torch.zeros(5, dtype=torch.int64, device=device)
         host = torch.zeros(6, dtype=torch.int32).pin_memory()  # UVA: the device can write it
 
         def run(seq: int, skip_to: int, timeout_s: float):
@@ -117,13 +119,16 @@ def test_nvshmem_put_signal_ring_and_timeout(mpi_comm, pg, device):
             rt.barrier_all()  # every PE's kernel (and its nvshmem_quiet) is done
             got = ctypes.create_string_buffer(WINDOW)
             assert cu.cuMemcpyDtoH_v2(got, window, WINDOW) == 0
-            sig = [int.from_bytes(got.raw[DATA + 8 * k:DATA + 8 * k + 8], "little") for k in range(4)]
-            return got.raw[:DATA], sig, out.cpu().tolist(), host.tolist()
+            sig = [int.from_bytes(got.raw[SIG + 8 * k:SIG + 8 * k + 8], "little") for k in range(5)]
+            return got.raw[:2 * DATA], sig, out.cpu().tolist(), host.tolist()
 
         prev = (rank - 1) % size
         data, sig, o, h = run(seq=1, skip_to=-1, timeout_s=30.0)
-        results["r1_data"] = data == _pattern(prev)
-        results["r1_signals"] = sig == [1, 2, 3, 0]
+        half = DATA // 2
+        results["r1_data"] = data[:DATA] == _pattern(prev)
+        results["r1_put2"] = data[DATA:] == _pattern(prev)[half:] + _pattern(prev)[:half]
+        results["r1_signals"] = sig == [1, 2, 3, 0, 5]   # the last: the word prev fetch_added 5 to
+        results["r1_fetch_add"] = o[4] == 0
         results["r1_waits"] = o[:3] == [1, 1, -1]
         results["r1_no_error"] = h[0] == 0
         results["peer_ptr_next"] = o[3]  # 1 on one node (P2P), informative only
@@ -132,9 +137,11 @@ def test_nvshmem_put_signal_ring_and_timeout(mpi_comm, pg, device):
         if rank == 1:
             results["r2_timed_out"] = o[0] == 0 and o[1] == 0
             results["r2_error_record"] = (h[0], h[1], h[2], h[3]) == (1, 1, 1, 0)  # timeout, op, rank, peer
-            results["r2_no_signal"] = sig[0] == 1
+            results["r2_no_signal"] = sig[0] == 1 and sig[4] == 5
         else:
-            results["r2_waits"] = o[:2] == [1, 1] and h[0] == 0 and sig[:3] == [10, 11, 12]
+            results["r2_waits"] = o[:2] == [1, 1] and h[0] == 0 and sig == [10, 11, 12, 0, 10]
+        if rank != 0:   # PE 0 sends nothing in round 2
+            results["r2_fetch_add"] = o[4] == 5
     except Exception as e:  # noqa: BLE001 - report after the collective teardown
         results["exception"] = f"{type(e).__name__}: {e}"
     finally:
