@@ -1,14 +1,20 @@
-"""One CUDA-IPC-shared window per rank, mapped by every peer: what the intranode and the
-low-latency engines of the `nvlink` transport both stand on.
+"""One window per rank, mapped by every peer: what the intranode and the low-latency engines of the
+`nvlink` transport both stand on.
 
-`IpcWindow` allocates the window, zeroes its control part, exchanges IPC handles over the
-Buffer's group, checks that the group can share memory (one node, the same size everywhere),
-maps every peer, and owns the mapped host words through which kernels report errors
-(see csrc/common/kernels/signal.cuh: ErrorSink).
+`IpcWindow` allocates the window, zeroes its control part, exchanges handles over the Buffer's group,
+checks that the group can share memory (one node, the same size everywhere), maps every peer, and
+owns the mapped host words through which kernels report errors (see
+csrc/common/kernels/signal.cuh: ErrorSink). Two kinds of memory:
+  * legacy CUDA IPC (cuMemAlloc + cuIpcGetMemHandle, handles sent over the group): the intranode engine;
+  * shareable VMM memory (`shareable=True`: cuMemCreate, exported as a POSIX file descriptor that the
+    peers receive over a Unix socket, `exchange_fds`): the low-latency engine, whose dispatch makes
+    a fetch_add per (expert, sender) into peers' windows. Atomics on a legacy IPC mapping measured
+    slow on the H200 (8 processes under MPS), on VMM mappings not (NVSHMEM shares its heap that way).
 """
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from typing import List, Optional, Tuple
 
@@ -19,6 +25,7 @@ from .comm import node_identity
 from .transports.base import BufferContext
 
 ERROR_WORDS = 8   # [code, op, rank, peer, channel, detail, -, -] (ErrorSink's host record)
+_WINDOWS = itertools.count()   # windows this process created: with its pid, names an fd exchange
 
 
 class CommTimeoutError(RuntimeError):
@@ -55,6 +62,49 @@ class MappedWords:
             self.host = 0
 
 
+def exchange_fds(comm, rank: int, num_ranks: int, fd: int, tag: str, timeout_s: float) -> List[Optional[int]]:
+    """Collective over `comm` (ranks of one node): give every peer a duplicate of my file descriptor
+    `fd` and return theirs (None at my own index; the caller closes what it received). Over Unix
+    sockets in the abstract namespace (no file to clean up), named by `tag`, which must be the same on
+    every rank and unique per exchange. Every rank listens, then connects to every peer (a connect
+    completes in the listener's backlog, so nobody waits for an accept), then accepts and answers each
+    connection with its descriptor (SCM_RIGHTS), then reads the peers' answers: no cycle of waits.
+    Every socket operation times out after `timeout_s` (a peer that never came raises, not hangs)."""
+    import socket
+
+    def address(r: int) -> str:
+        return f"\0deepep_portable.fds.{tag}.{r}"
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.settimeout(timeout_s)
+    clients = {}
+    try:
+        server.bind(address(rank))
+        server.listen(max(1, num_ranks))
+        comm.barrier()   # everyone listens before anyone connects
+        for r in range(num_ranks):
+            if r != rank:
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.settimeout(timeout_s)
+                clients[r] = c
+                c.connect(address(r))
+        for _ in range(num_ranks - 1):
+            conn, _ = server.accept()
+            with conn:
+                socket.send_fds(conn, [b"x"], [fd])
+        out: List[Optional[int]] = [None] * num_ranks
+        for r, c in clients.items():
+            _, fds, _, _ = socket.recv_fds(c, 1, 1)
+            if len(fds) != 1:
+                raise RuntimeError(f"rank {rank}: no file descriptor from rank {r} over its Unix socket")
+            out[r] = fds[0]
+        return out
+    finally:
+        for c in clients.values():
+            c.close()
+        server.close()
+
+
 def device_uuid(device: int) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
@@ -89,38 +139,59 @@ class Window:
 
 
 class IpcWindow(Window):
-    def __init__(self, ctx: BufferContext, nbytes: int, zero_bytes: int, size_name: str) -> None:
-        """Collective over ctx.comm. `size_name` names the Buffer argument in errors."""
+    def __init__(self, ctx: BufferContext, nbytes: int, zero_bytes: int, size_name: str,
+                 shareable: bool = False) -> None:
+        """Collective over ctx.comm. `size_name` names the Buffer argument in errors. `shareable`: VMM
+        memory shared by file descriptor (see the module docstring) instead of legacy CUDA IPC."""
         from . import _C
 
         self.ctx = ctx
         self.dev = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
-        self.base = _C.mem_alloc(self.dev, nbytes)
-        _C.memset_d8_async(self.dev, self.base, 0, zero_bytes, 0)
-        _C.stream_synchronize(self.dev, 0)
-        me = dict(host=node_identity(), pid=os.getpid(), nbytes=nbytes, uuid=device_uuid(self.dev),
-                  handle=_C.ipc_get_mem_handle(self.dev, self.base))
-        peers = ctx.comm.allgather_object(me)
-        hosts = {p["host"] for p in peers}
-        if len(hosts) != 1:
-            self._free_own()
-            raise RuntimeError(f"kernels over CUDA IPC (every normal-mode op, and low-latency ops of the nvlink "
-                               f"transport) need every rank on one node; ranks are on {sorted(hosts)} "
-                               f"(normal mode across nodes is not implemented yet)")
-        sizes = {p["nbytes"] for p in peers}
-        if len(sizes) != 1:
-            self._free_own()
-            raise ValueError(f"every rank must create its Buffer with the same {size_name}; got {sorted(sizes)}")
-        self._cap_blocks(me["uuid"], [p["uuid"] for p in peers])
-        self._opened: List[int] = []
-        bases = []
-        for r, p in enumerate(peers):
-            if r == ctx.rank:
-                bases.append(self.base)
-            else:
-                b = _C.ipc_open_mem_handle(self.dev, p["handle"])
-                self._opened.append(b)
-                bases.append(b)
+        self.shareable = shareable
+        fd = -1
+        if shareable:
+            self.base, self.size, fd = _C.vmm_alloc_shareable(self.dev, nbytes)
+        else:
+            self.base, self.size = _C.mem_alloc(self.dev, nbytes), nbytes
+        try:
+            _C.memset_d8_async(self.dev, self.base, 0, zero_bytes, 0)
+            _C.stream_synchronize(self.dev, 0)
+            me = dict(host=node_identity(), pid=os.getpid(), seq=next(_WINDOWS), nbytes=nbytes, uuid=device_uuid(self.dev),
+                      handle=None if shareable else _C.ipc_get_mem_handle(self.dev, self.base))
+            peers = ctx.comm.allgather_object(me)
+            hosts = {p["host"] for p in peers}
+            if len(hosts) != 1:
+                self._free_own()
+                raise RuntimeError(f"kernels over CUDA IPC (every normal-mode op, and low-latency ops of the nvlink "
+                                   f"transport) need every rank on one node; ranks are on {sorted(hosts)} "
+                                   f"(normal mode across nodes is not implemented yet)")
+            sizes = {p["nbytes"] for p in peers}
+            if len(sizes) != 1:
+                self._free_own()
+                raise ValueError(f"every rank must create its Buffer with the same {size_name}; got {sorted(sizes)}")
+            self._cap_blocks(me["uuid"], [p["uuid"] for p in peers])
+            self._opened: List[int] = []
+            bases = []
+            if shareable:   # a tag unique per exchange and equal on every rank: rank 0's pid and window count
+                fds = exchange_fds(ctx.comm, ctx.rank, len(peers), fd, f"{peers[0]['pid']}.{peers[0]['seq']}",
+                                   ctx.timeout_s) if len(peers) > 1 else [None]
+            for r, p in enumerate(peers):
+                if r == ctx.rank:
+                    bases.append(self.base)
+                elif shareable:
+                    try:
+                        b = _C.vmm_import(self.dev, fds[r], self.size)
+                    finally:
+                        os.close(fds[r])
+                    self._opened.append(b)
+                    bases.append(b)
+                else:
+                    b = _C.ipc_open_mem_handle(self.dev, p["handle"])
+                    self._opened.append(b)
+                    bases.append(b)
+        finally:
+            if fd >= 0:
+                os.close(fd)
         self.bases = bases
         self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=ctx.device)
         self.errors = MappedWords(self.dev, ERROR_WORDS)
@@ -130,7 +201,10 @@ class IpcWindow(Window):
     def _free_own(self) -> None:
         from . import _C
 
-        _C.mem_free(self.dev, self.base)
+        if self.shareable:
+            _C.vmm_free(self.dev, self.base, self.size)
+        else:
+            _C.mem_free(self.dev, self.base)
         self.base = None
 
     def close(self) -> None:
@@ -144,7 +218,9 @@ class IpcWindow(Window):
             self.ctx.comm.barrier()
         finally:
             for b in self._opened:
-                _C.ipc_close_mem_handle(self.dev, b)
-            _C.mem_free(self.dev, self.base)
+                if self.shareable:
+                    _C.vmm_free(self.dev, b, self.size)
+                else:
+                    _C.ipc_close_mem_handle(self.dev, b)
+            self._free_own()
             self.errors.free()
-            self.base = None

@@ -76,8 +76,18 @@ LLCombineParams = _struct("LLCombineParams", [
     "wait_stats", "slot_table"])
 
 
-def kernel_defines(hidden: int, num_topk: int, transport: str = "nvlink") -> dict:
-    return {TRANSPORT_DEFINES[transport]: 1, "HIDDEN": hidden, "NUM_TOPK": num_topk}
+def kernel_defines(hidden: int, num_topk: int, transport: str = "nvlink", vmm: bool = True) -> dict:
+    """vmm (nvlink only): the windows are shareable VMM memory, where the dispatch's fetch_add is cheap."""
+    defines = {TRANSPORT_DEFINES[transport]: 1, "HIDDEN": hidden, "NUM_TOPK": num_topk}
+    if transport == "nvlink" and vmm:
+        defines["DEEPEP_WINDOW_VMM"] = 1
+    return defines
+
+
+def _vmm_window_wanted() -> bool:
+    """DEEPEP_PORTABLE_LL_VMM=0: the nvlink transport's LL window as legacy CUDA IPC memory (the dispatch
+    then packs rows on receive: no fetch_add); default: shareable VMM memory."""
+    return os.environ.get("DEEPEP_PORTABLE_LL_VMM", "1") != "0"
 
 
 class _DeviceView:
@@ -98,11 +108,13 @@ class LowLatencyEngine:
             raise ValueError(f"the low-latency kernels have no {transport!r} build; known: {sorted(TRANSPORT_DEFINES)}")
         self.ctx = ctx
         self.transport = transport
-        # The dispatch's placement (low_latency/dispatch.cu, by the transport's kCheapFetchAdd): with
-        # nvshmem the senders reserve rows and write recv_x in this buffer (the op returns a view of
-        # it); with nvlink (atomics on CUDA IPC mappings are slow) the receive packs the rows into a
+        # The dispatch's placement (low_latency/dispatch.cu, by the transport's kCheapFetchAdd): where
+        # the window's mapping takes atomics at full speed (NVSHMEM's heap; nvlink's shareable VMM
+        # window) the senders reserve rows and write recv_x in this buffer (the op returns a view of
+        # it); on a legacy CUDA IPC window (DEEPEP_PORTABLE_LL_VMM=0) the receive packs the rows into a
         # fresh tensor.
-        self.recv_x_in_buffer = transport == "nvshmem"
+        self.vmm = transport == "nvlink" and _vmm_window_wanted()
+        self.recv_x_in_buffer = transport == "nvshmem" or self.vmm
         self.base: Optional[int] = None
         self.broken: Optional[str] = None
         self._calls = 0                 # LL calls launched through this engine (host mirror of the device counter)
@@ -127,7 +139,7 @@ class LowLatencyEngine:
 
             self.window = NvshmemWindow(ctx, ctx.num_rdma_bytes, ctx.options.get("nvshmem"))
         else:
-            self.window = IpcWindow(ctx, ctx.num_rdma_bytes, ctx.num_rdma_bytes, "num_rdma_bytes")
+            self.window = IpcWindow(ctx, ctx.num_rdma_bytes, ctx.num_rdma_bytes, "num_rdma_bytes", shareable=self.vmm)
         self.dev, self.base, self.peer_bases = self.window.dev, self.window.base, self.window.peer_bases
         self.errors = self.window.errors
         self._kernel_cache = KernelCache(self.dev)
@@ -250,7 +262,8 @@ class LowLatencyEngine:
         return plan
 
     def _kernel(self, source: str, name: str, hidden: int, num_topk: int):
-        defines = kernel_defines(hidden, num_topk, self.transport)
+        # Only the dispatch depends on the window's kind (the combine's cache entry stays shared).
+        defines = kernel_defines(hidden, num_topk, self.transport, vmm=self.vmm and source == DISPATCH_SOURCE)
         if self.transport == "nvshmem":
             return self.window.kernel(source, name, defines)
         return self._kernel_cache.get(source, name, defines)
@@ -480,9 +493,11 @@ class LowLatencyEngine:
 
 # Kernel families (what `python -m deepep_portable precompile` and CI compile; precompile_nvshmem
 # device-links the same variants for the nvshmem transport).
-_VARIANTS = [kernel_defines(hidden, 8) for hidden in (7168, 4096, 2048, 7680)]
-jit.register_family("low_latency_dispatch", DISPATCH_SOURCE, list(_DISPATCH_KERNELS), variants=_VARIANTS)
-jit.register_family("low_latency_combine", COMBINE_SOURCE, list(_COMBINE_KERNELS), variants=_VARIANTS)
+_HIDDENS = (7168, 4096, 2048, 7680)
+jit.register_family("low_latency_dispatch", DISPATCH_SOURCE, list(_DISPATCH_KERNELS),
+                    variants=[kernel_defines(hidden, 8) for hidden in _HIDDENS])
+jit.register_family("low_latency_combine", COMBINE_SOURCE, list(_COMBINE_KERNELS),
+                    variants=[kernel_defines(hidden, 8, vmm=False) for hidden in _HIDDENS])
 
 
 def precompile_nvshmem(archs=("sm_90",), jobs: Optional[int] = None):
@@ -493,7 +508,7 @@ def precompile_nvshmem(archs=("sm_90",), jobs: Optional[int] = None):
     from . import jit_link
 
     nvlink, nvshmem = TRANSPORT_DEFINES["nvlink"], TRANSPORT_DEFINES["nvshmem"]
-    tasks = [(fam.source, {nvshmem if k == nvlink else k: v for k, v in variant}, arch)
+    tasks = [(fam.source, {nvshmem if k == nvlink else k: v for k, v in variant if k != "DEEPEP_WINDOW_VMM"}, arch)
              for fam in (jit.families()[n] for n in ("low_latency_dispatch", "low_latency_combine"))
              for variant in fam.variants for arch in archs]
 

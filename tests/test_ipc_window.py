@@ -112,3 +112,66 @@ def test_refuses_mixed_groups_and_frees_its_window(fake, bad, match):
     with pytest.raises((RuntimeError, ValueError), match=match):
         ipc.IpcWindow(ctx_for(comm, 0, 2), 4096, 256, "num_nvl_bytes")
     assert len(fake.freed) == 1 and not fake.opened
+
+
+class _ThreadComm:
+    """Ranks as threads: barrier() is a threading.Barrier (exchange_fds needs nothing else)."""
+
+    def __init__(self, size: int) -> None:
+        import threading
+
+        self._barrier = threading.Barrier(size, timeout=20)
+
+    def barrier(self) -> None:
+        self._barrier.wait()
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_exchange_fds_gives_every_rank_every_peers_descriptor(size):
+    """Each rank's descriptor (a memfd holding its rank) reaches every peer over the Unix sockets."""
+    import os
+    import threading
+
+    comm, results, errors = _ThreadComm(size), [None] * size, []
+
+    def rank_main(rank: int) -> None:
+        fd = os.memfd_create(f"rank{rank}")
+        try:
+            os.write(fd, f"rank {rank}".encode())
+            got = ipc.exchange_fds(comm, rank, size, fd, f"test.{os.getpid()}.{size}", timeout_s=20.0)
+            results[rank] = [None if g is None else os.pread(g, 16, 0).decode() for g in got]
+            for g in got:
+                if g is not None:
+                    os.close(g)
+        except Exception as e:   # noqa: BLE001 - asserted below
+            errors.append(f"rank {rank}: {e!r}")
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for rank, got in enumerate(results):
+        assert got == [None if r == rank else f"rank {r}" for r in range(size)]
+
+
+def test_exchange_fds_times_out_when_a_peer_never_comes():
+    """Rank 1 never shows up (a barrier of one): rank 0's connect fails within the timeout, no hang."""
+    import os
+    import time
+
+    class Alone:
+        def barrier(self) -> None:
+            pass
+
+    fd = os.memfd_create("alone")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(OSError):
+            ipc.exchange_fds(Alone(), 0, 2, fd, f"alone.{os.getpid()}", timeout_s=1.0)
+    finally:
+        os.close(fd)
+    assert time.monotonic() - t0 < 10

@@ -77,6 +77,18 @@ def test_param_struct_field_order_matches_source(source, cstruct, struct):
 def test_kernels_compile(source, hidden, topk):
     for arch in ("sm_90", "sm_80"):
         assert jit.compile(source, ll.kernel_defines(hidden, topk), arch)
+    if source == ll.DISPATCH_SOURCE:   # the other placement: legacy IPC windows pack on receive
+        assert jit.compile(source, ll.kernel_defines(hidden, topk, vmm=False), "sm_90")
+
+
+@needs_nvcc
+def test_dispatch_placement_follows_the_window(tmp_path):
+    """Shareable (VMM) windows: the send reserves rows with a system-scope 64-bit add on the peer's word;
+    legacy CUDA IPC windows: none (the receive packs the rows)."""
+    vmm = _ptx(tmp_path, ll.DISPATCH_SOURCE, "sm_90", ll.kernel_defines(2048, 8))
+    legacy = _ptx(tmp_path, ll.DISPATCH_SOURCE, "sm_90", ll.kernel_defines(2048, 8, vmm=False))
+    assert "atom.sys.add.u64" in _kernel_body(vmm, "ll_dispatch_send")
+    assert "atom.sys.add.u64" not in _kernel_body(legacy, "ll_dispatch_send")
 
 
 def _kernel_body(ptx: str, kernel: str) -> str:

@@ -1,5 +1,5 @@
-// The `nvlink` transport's device side: every peer's window is mapped here (CUDA IPC), so every
-// primitive is a load or store.
+// The `nvlink` transport's device side: every peer's window is mapped here (CUDA IPC, or shareable
+// VMM memory passed by file descriptor), so every primitive is a load, a store or an atomic.
 //
 // "A signal never overtakes its data": put_signal_warp's lanes store the data, each lane fences at
 // system scope, the warp synchronizes, then one lane stores the signal with a system-scope release;
@@ -23,11 +23,16 @@ struct NvlinkTransport {
         return Capabilities{true, false, true, 1, true, Network::kNone};
     }
 
-    // fetch_add works but is slow here: on the H200 emulation (8 processes, one GPU, MPS) an atomic on
-    // a legacy CUDA IPC mapping, system or device scope, made the LL dispatch's send phase 84-128 us
-    // instead of 38 (NVSHMEM's VMM mappings of the same GPU: fast). Kernels that would use it once per
-    // (expert, sender) take their other path (see the LL dispatch).
+    // Whether fetch_add is cheap depends on how the windows are mapped (the host says, -D): on the
+    // H200 emulation (8 processes, one GPU, MPS) an atomic on a legacy CUDA IPC mapping, system or
+    // device scope, made the LL dispatch's send phase 84-128 us instead of 38-54 us without it, while
+    // shareable VMM mappings (DEEPEP_WINDOW_VMM, as NVSHMEM's heap) take it at full speed. Kernels
+    // that would use it once per (expert, sender) take their other path when it is not cheap.
+#if defined(DEEPEP_WINDOW_VMM)
+    static constexpr bool kCheapFetchAdd = true;
+#else
     static constexpr bool kCheapFetchAdd = false;
+#endif
 
     template <typename U = void>
     DEEPEP_DEVICE U* peer_ptr(int64_t off, int peer) const {

@@ -188,4 +188,14 @@ PYBIND11_MODULE(_C, m) {
     }, py::arg("device"), py::arg("handle"),
        "cuIpcOpenMemHandle(LAZY_ENABLE_PEER_ACCESS) -> base pointer of the mapped peer allocation.");
     m.def("ipc_close_mem_handle", &ipc_close_mem_handle, py::arg("device"), py::arg("ptr"));
+
+    // Shareable (VMM) device memory: vmm_alloc_shareable(dev, bytes) -> (ptr, size, fd); a peer
+    // process maps it with vmm_import(its_dev, fd_it_received, size) -> ptr; vmm_free(dev, ptr, size)
+    // unmaps either. The fd is the caller's to pass over a Unix socket and close.
+    m.def("vmm_alloc_shareable", [](int device, std::size_t bytes) {
+        const ShareableAlloc a = vmm_alloc_shareable(device, bytes);
+        return py::make_tuple(a.ptr, a.size, a.fd);
+    }, py::arg("device"), py::arg("bytes"));
+    m.def("vmm_import", &vmm_import, py::arg("device"), py::arg("fd"), py::arg("size"));
+    m.def("vmm_free", &vmm_free, py::arg("device"), py::arg("ptr"), py::arg("size"));
 }

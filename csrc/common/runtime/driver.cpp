@@ -236,4 +236,100 @@ void ipc_close_mem_handle(int device, std::uintptr_t ptr) {
     DEEPEP_CU_CHECK(cuIpcCloseMemHandle, static_cast<CUdeviceptr>(ptr));
 }
 
+namespace {
+
+CUmemAllocationProp shareable_prop(int device) {
+    CUmemAllocationProp prop;
+    std::memset(&prop, 0, sizeof(prop));
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = static_cast<int>(device_handle(device));
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    return prop;
+}
+
+std::size_t granularity(const CUmemAllocationProp& prop) {
+    std::size_t g = 0;
+    DEEPEP_CU_CHECK(cuMemGetAllocationGranularity, &g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+    return g;
+}
+
+// Reserve an address range, map `handle` there and give `device` read-write access; on failure
+// undo what was done and rethrow. The handle is released by the caller (the mapping keeps the
+// memory alive until it is unmapped).
+std::uintptr_t map_handle(int device, CUmemGenericAllocationHandle handle, std::size_t size, std::size_t align) {
+    CUdeviceptr ptr = 0;
+    DEEPEP_CU_CHECK(cuMemAddressReserve, &ptr, size, align, 0, 0);
+    CUresult r = driver().cuMemMap(ptr, size, 0, handle, 0);
+    if (r != CUDA_SUCCESS) {
+        driver().cuMemAddressFree(ptr, size);
+        check(r, "cuMemMap");
+    }
+    CUmemAccessDesc access;
+    std::memset(&access, 0, sizeof(access));
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = static_cast<int>(device_handle(device));
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    r = driver().cuMemSetAccess(ptr, size, &access, 1);
+    if (r != CUDA_SUCCESS) {
+        driver().cuMemUnmap(ptr, size);
+        driver().cuMemAddressFree(ptr, size);
+        check(r, "cuMemSetAccess");
+    }
+    return static_cast<std::uintptr_t>(ptr);
+}
+
+}  // namespace
+
+ShareableAlloc vmm_alloc_shareable(int device, std::size_t bytes) {
+    ContextGuard guard(device);
+    const CUmemAllocationProp prop = shareable_prop(device);
+    const std::size_t g = granularity(prop);
+    const std::size_t size = (bytes + g - 1) / g * g;
+    CUmemGenericAllocationHandle handle = 0;
+    DEEPEP_CU_CHECK(cuMemCreate, &handle, size, &prop, 0);
+    std::uintptr_t ptr = 0;
+    int fd = -1;
+    try {
+        ptr = map_handle(device, handle, size, g);
+        check(driver().cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+              "cuMemExportToShareableHandle");
+    } catch (...) {
+        if (ptr != 0) {
+            driver().cuMemUnmap(static_cast<CUdeviceptr>(ptr), size);
+            driver().cuMemAddressFree(static_cast<CUdeviceptr>(ptr), size);
+        }
+        driver().cuMemRelease(handle);
+        throw;
+    }
+    driver().cuMemRelease(handle);
+    return ShareableAlloc{ptr, size, fd};
+}
+
+std::uintptr_t vmm_import(int device, int fd, std::size_t size) {
+    ContextGuard guard(device);
+    const std::size_t g = granularity(shareable_prop(device));
+    if (size % g != 0)
+        throw std::invalid_argument("vmm_import: size " + std::to_string(size) + " is not a multiple of the "
+                                    "allocation granularity " + std::to_string(g));
+    CUmemGenericAllocationHandle handle = 0;
+    DEEPEP_CU_CHECK(cuMemImportFromShareableHandle, &handle,
+                    reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    std::uintptr_t ptr = 0;
+    try {
+        ptr = map_handle(device, handle, size, g);
+    } catch (...) {
+        driver().cuMemRelease(handle);
+        throw;
+    }
+    driver().cuMemRelease(handle);
+    return ptr;
+}
+
+void vmm_free(int device, std::uintptr_t ptr, std::size_t size) {
+    ContextGuard guard(device);
+    DEEPEP_CU_CHECK(cuMemUnmap, static_cast<CUdeviceptr>(ptr), size);
+    DEEPEP_CU_CHECK(cuMemAddressFree, static_cast<CUdeviceptr>(ptr), size);
+}
+
 }  // namespace deepep_portable

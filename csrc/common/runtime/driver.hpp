@@ -51,6 +51,16 @@ namespace deepep_portable {
     X(cuIpcGetMemHandle)                               \
     X(cuIpcOpenMemHandle)                              \
     X(cuIpcCloseMemHandle)                             \
+    X(cuMemGetAllocationGranularity)                   \
+    X(cuMemCreate)                                     \
+    X(cuMemRelease)                                    \
+    X(cuMemAddressReserve)                             \
+    X(cuMemAddressFree)                                \
+    X(cuMemMap)                                        \
+    X(cuMemUnmap)                                      \
+    X(cuMemSetAccess)                                  \
+    X(cuMemExportToShareableHandle)                    \
+    X(cuMemImportFromShareableHandle)                  \
     X(cuStreamQuery)                                   \
     X(cuStreamSynchronize)
 
@@ -127,5 +137,20 @@ std::string ipc_get_mem_handle(int device, std::uintptr_t ptr);
 // Maps a peer's allocation (LAZY_ENABLE_PEER_ACCESS); returns the base of the mapping.
 std::uintptr_t ipc_open_mem_handle(int device, const std::string& handle);
 void ipc_close_mem_handle(int device, std::uintptr_t ptr);
+
+// ---- shareable device memory (virtual memory management) ------------------------------------
+// An allocation other processes map from a POSIX file descriptor (passed over a Unix socket), as
+// NVSHMEM's heap is shared on one node. Unlike a legacy CUDA IPC mapping, a peer's atomics on it
+// are as fast as on local memory (measured: the LL dispatch's fetch_add, docs/PERFORMANCE.md).
+struct ShareableAlloc {
+    std::uintptr_t ptr;   // mapped read-write for the device
+    std::size_t size;     // bytes, rounded up to the allocation granularity
+    int fd;               // exported POSIX file descriptor (the caller closes it once shared)
+};
+ShareableAlloc vmm_alloc_shareable(int device, std::size_t bytes);
+// Maps a peer's allocation of `size` bytes from the descriptor it exported (not closed here).
+std::uintptr_t vmm_import(int device, int fd, std::size_t size);
+// Unmaps (and, for the last mapping, frees) an allocation made or imported above.
+void vmm_free(int device, std::uintptr_t ptr, std::size_t size);
 
 }  // namespace deepep_portable
