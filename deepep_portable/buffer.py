@@ -323,10 +323,11 @@ class Buffer:
         Returns (recv_x, recv_count, handle, event, hook) as DeepEP; recv_x is (fp8, scales) with use_fp8.
         Rows [0, recv_count[e]) of expert e hold one block per source rank, contiguous and in that rank's
         token order; handle.layout_range[e][s] = begin << 32 | count says where each block starts. The
-        blocks' order is the source order (nvlink, reference) or the order the sources reserved their
-        rows (nvshmem, as in DeepEP). Over nvshmem recv_x is a view of this Buffer's memory (the peers
-        write it directly): as DeepEP warns, at most two LL results are valid at a time; the next
-        dispatch on the same buffer half (normally the next dispatch when dispatches and combines
+        blocks' order is the order the sources reserved their rows (the LL kernels, as in DeepEP) or the
+        source order (reference transport; nvlink with DEEPEP_PORTABLE_LL_VMM=0). With the LL kernels
+        recv_x is a view of this Buffer's memory (the peers write it directly; not with
+        DEEPEP_PORTABLE_LL_VMM=0): as DeepEP warns, at most two LL results are valid at a time; the
+        next dispatch on the same buffer half (normally the next dispatch when dispatches and combines
         alternate) overwrites it. Copy it to keep it longer."""
         backend = self._live()
         check.tensor("x", x, torch.bfloat16, (None, None), self.device)

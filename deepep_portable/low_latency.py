@@ -3,7 +3,8 @@
 `LowLatencyEngine` owns one LL buffer per rank (`num_rdma_bytes`; geometry in
 layout.LowLatencyLayout, protocol in csrc/common/kernels/low_latency/protocol.cuh), the table of the
 peers' base addresses and the mapped host words the kernels report errors through. The buffer is a
-window: CUDA IPC (ipc.IpcWindow, transport "nvlink": kernels built with DEEPEP_TRANSPORT_NVLINK) or
+window: shareable VMM memory or CUDA IPC (ipc.IpcWindow, transport "nvlink": kernels built with
+DEEPEP_TRANSPORT_NVLINK) or
 NVSHMEM's symmetric heap (nvshmem_window.NvshmemWindow, transport "nvshmem": kernels built with
 DEEPEP_TRANSPORT_NVSHMEM and device-linked). The kernels are the same source either way.
 
@@ -25,9 +26,11 @@ combine, combine is fine. Violations are detected on the device, never silent: t
 kErrorOverwrite when its destination has not finished receiving the half's previous call, the
 receiver kErrorOverrun when a signal already carries a later call; the Buffer is unusable after.
 
-The dispatch's output recv_x is, over nvshmem, a view of the half's dispatch area that the peers
-write directly (they reserve rows with fetch_add); over nvlink a fresh tensor the receive packs the
-rows into (atomics on CUDA IPC mappings measured slow). Either way the halves' parity decides it.
+The dispatch's output recv_x is a view of the half's dispatch area that the peers write directly
+(they reserve rows with fetch_add), when the window takes atomics at full speed: NVSHMEM's heap, and
+the nvlink transport's window, which is shareable VMM memory by default (ipc.IpcWindow(shareable=True)).
+With DEEPEP_PORTABLE_LL_VMM=0 the nvlink window is legacy CUDA IPC memory, where atomics measured
+slow, and the receive packs the rows into a fresh tensor instead.
 
 `get_next_low_latency_combine_buffer` hands out the combine send area of the half the next call
 will use, by host-side parity of the calls made through this engine; that equals the device

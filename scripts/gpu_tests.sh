@@ -5,7 +5,8 @@
 # Logs go to $OUT (or .gpu_out); a summary table is printed last.
 #   usage: bash scripts/gpu_tests.sh [ranks=4] [steps="build doctor single mpi bench"]
 #   other steps: precompile (every kernel family for sm_90, all cores), mpi2 (the MPI suite at 2 ranks), ll (the low-latency GPU tests at N ranks),
-#   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs),
+#   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs), lllegacy (the same over
+#   nvlink with a legacy CUDA IPC window: DEEPEP_PORTABLE_LL_VMM=0, the pack-on-receive dispatch),
 #   nvshmem (the NVSHMEM self-test at 2 PEs), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
 #   benchll (bench --mode low_latency), hostcosts (scripts/host_costs.py: host cost of the steps before
 #   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT).
@@ -47,6 +48,7 @@ for s in $STEPS; do
     mpi)    start_mps; step mpi $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi; stop_mps ;;
     mpi2)   start_mps; step mpi2 $MPIRUN -n 2 $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi; stop_mps ;;
     ll)     start_mps; step ll $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
+    lllegacy) start_mps; DEEPEP_PORTABLE_LL_VMM=0 step lllegacy $MPIRUN -x DEEPEP_PORTABLE_LL_VMM -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
     llnvshmem) start_mps; DEEPEP_TEST_LL_TRANSPORT=nvshmem step llnvshmem $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
     nvshmem) start_mps; step nvshmem $MPIRUN -n 2 $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_nvshmem_gpu_mpi.py; stop_mps ;;
     profile) start_mps

@@ -11,9 +11,10 @@ Checked bit for bit (dispatch payload, FP8 data and scales, UE8M0 words, counts,
 stats, and the combine result: the kernel avoids FMA, so LL combine is exact too). The kernels place each
 (expert, source) block where its reservation landed (DeepEP does the same), so rows are compared through
 oracle.low_latency_row_map: every block the oracle's size, the blocks tiling [0, recv_count) exactly. recv_x
-over NVSHMEM is a view of the Buffer that the peers write during the send phase: it is poisoned before
-the call (LowLatencyEngine.next_dispatch_recv_x); in hook mode every other output is poisoned after the
-call, before hook().
+is a view of the Buffer that the peers write during the send phase (both transports; not with
+DEEPEP_PORTABLE_LL_VMM=0, step lllegacy): it is poisoned before the call
+(LowLatencyEngine.next_dispatch_recv_x); in hook mode every other output is poisoned after the call,
+before hook().
 - BF16, FP8, FP8+round_scale, FP8+UE8M0 at hidden 2048/4096/7168/7680, 128 tokens x top-8 x 256 experts;
   small token counts, a rank with zero tokens, -1 experts; each case three consecutive calls pairs on the
   same Buffer (double buffer, stale halves), with hook / zero_copy / out= rotating over the rounds.
