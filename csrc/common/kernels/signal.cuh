@@ -5,7 +5,8 @@
 //    and every write it observed (cumulativity: e.g. a previous kernel's writes, complete at the
 //    kernel boundary), is visible to a thread that reads v with an acquire.
 //  * wait_ge(addr, v, ...): system-scope acquire loads until *addr >= v or the deadline passes.
-//    Setting the same value twice is harmless (SET, not ADD), so no protocol needs remote atomics.
+//    Setting the same value twice is harmless (SET, not ADD), so no signal needs remote atomics (the
+//    LL dispatch's row reservation is the one fetch_add, transport.cuh).
 //  * A timed-out wait records (op, rank, peer, channel) once per buffer and returns false; the
 //    caller skips the rest of its work instead of hanging or trapping (a trap would kill the
 //    CUDA context of every rank sharing it). The host turns the record into an exception.
