@@ -14,7 +14,6 @@ csrc/common/kernels/signal.cuh: ErrorSink). Two kinds of memory:
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 from typing import List, Optional, Tuple
 
@@ -25,7 +24,6 @@ from .comm import node_identity
 from .transports.base import BufferContext
 
 ERROR_WORDS = 8   # [code, op, rank, peer, channel, detail, -, -] (ErrorSink's host record)
-_WINDOWS = itertools.count()   # windows this process created: with its pid, names an fd exchange
 
 
 class CommTimeoutError(RuntimeError):
@@ -64,13 +62,18 @@ class MappedWords:
 
 def exchange_fds(comm, rank: int, num_ranks: int, fd: int, tag: str, timeout_s: float) -> List[Optional[int]]:
     """Collective over `comm` (ranks of one node): give every peer a duplicate of my file descriptor
-    `fd` and return theirs (None at my own index; the caller closes what it received). Over Unix
-    sockets in the abstract namespace (no file to clean up), named by `tag`, which must be the same on
-    every rank and unique per exchange. Every rank listens, then connects to every peer (a connect
-    completes in the listener's backlog, so nobody waits for an accept), then accepts and answers each
-    connection with its descriptor (SCM_RIGHTS), then reads the peers' answers: no cycle of waits.
-    Every socket operation times out after `timeout_s` (a peer that never came raises, not hangs)."""
+    `fd` and return theirs (None at my own index; the caller closes what it received).
+
+    Over Unix sockets in the abstract namespace (no file to clean up) named by `tag`, which must be the
+    same on every rank and unpredictable (the caller puts a random nonce in it): a client first sends
+    the tag and its rank, and a server answers only a client that knows the tag and runs as the same
+    user (SO_PEERCRED), so another process on the node gets no descriptor. Every rank listens (a bind
+    that failed anywhere makes every rank raise), then connects to every peer (a connect completes in
+    the listener's backlog: nobody waits for an accept) and sends its hello, then accepts and answers
+    its peers (SCM_RIGHTS), then reads the peers' answers: no cycle of waits. Every socket operation
+    times out after `timeout_s` (a peer that never comes raises, it does not hang)."""
     import socket
+    import struct
 
     def address(r: int) -> str:
         return f"\0deepep_portable.fds.{tag}.{r}"
@@ -78,27 +81,48 @@ def exchange_fds(comm, rank: int, num_ranks: int, fd: int, tag: str, timeout_s: 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.settimeout(timeout_s)
     clients = {}
+    out: List[Optional[int]] = [None] * num_ranks
     try:
-        server.bind(address(rank))
-        server.listen(max(1, num_ranks))
-        comm.barrier()   # everyone listens before anyone connects
+        try:
+            server.bind(address(rank))
+            server.listen(max(1, num_ranks))
+            problem = None
+        except OSError as e:
+            problem = f"rank {rank}: cannot listen on its Unix socket: {e}"
+        problems = [p for p in comm.allgather_object(problem) if p]   # also: everyone listens now
+        if problems:
+            raise RuntimeError("file descriptor exchange: " + "; ".join(problems))
         for r in range(num_ranks):
             if r != rank:
                 c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 c.settimeout(timeout_s)
                 clients[r] = c
                 c.connect(address(r))
-        for _ in range(num_ranks - 1):
+                c.sendall(f"{tag}:{rank}\n".encode())
+        answered = set()
+        while len(answered) < num_ranks - 1:
             conn, _ = server.accept()
             with conn:
+                conn.settimeout(timeout_s)
+                pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   struct.calcsize("3i")))
+                hello = conn.recv(len(tag) + 16).decode(errors="replace").strip()
+                peer_tag, _, peer = hello.rpartition(":")
+                if uid != os.getuid() or peer_tag != tag or not peer.isdigit() or int(peer) in answered:
+                    continue   # not one of my peers: no descriptor for it
+                answered.add(int(peer))
                 socket.send_fds(conn, [b"x"], [fd])
-        out: List[Optional[int]] = [None] * num_ranks
         for r, c in clients.items():
             _, fds, _, _ = socket.recv_fds(c, 1, 1)
             if len(fds) != 1:
                 raise RuntimeError(f"rank {rank}: no file descriptor from rank {r} over its Unix socket")
             out[r] = fds[0]
         return out
+    except BaseException:
+        for got in out:
+            if got is not None:
+                os.close(got)
+        raise
     finally:
         for c in clients.values():
             c.close()
@@ -156,8 +180,9 @@ class IpcWindow(Window):
         try:
             _C.memset_d8_async(self.dev, self.base, 0, zero_bytes, 0)
             _C.stream_synchronize(self.dev, 0)
-            me = dict(host=node_identity(), pid=os.getpid(), seq=next(_WINDOWS), nbytes=nbytes, uuid=device_uuid(self.dev),
-                      handle=None if shareable else _C.ipc_get_mem_handle(self.dev, self.base))
+            handle = None if shareable else _C.ipc_get_mem_handle(self.dev, self.base)
+            me = dict(host=node_identity(), pid=os.getpid(), nonce=os.urandom(16).hex(), nbytes=nbytes,
+                      shareable=shareable, uuid=device_uuid(self.dev), handle=handle)
             peers = ctx.comm.allgather_object(me)
             hosts = {p["host"] for p in peers}
             if len(hosts) != 1:
@@ -169,26 +194,21 @@ class IpcWindow(Window):
             if len(sizes) != 1:
                 self._free_own()
                 raise ValueError(f"every rank must create its Buffer with the same {size_name}; got {sorted(sizes)}")
+            kinds = {p["shareable"] for p in peers}
+            if len(kinds) != 1:
+                self._free_own()
+                raise ValueError("ranks disagree on the window's memory (DEEPEP_PORTABLE_LL_VMM must be the same "
+                                 "on every rank)")
             self._cap_blocks(me["uuid"], [p["uuid"] for p in peers])
             self._opened: List[int] = []
-            bases = []
-            if shareable:   # a tag unique per exchange and equal on every rank: rank 0's pid and window count
-                fds = exchange_fds(ctx.comm, ctx.rank, len(peers), fd, f"{peers[0]['pid']}.{peers[0]['seq']}",
-                                   ctx.timeout_s) if len(peers) > 1 else [None]
-            for r, p in enumerate(peers):
-                if r == ctx.rank:
-                    bases.append(self.base)
-                elif shareable:
-                    try:
-                        b = _C.vmm_import(self.dev, fds[r], self.size)
-                    finally:
-                        os.close(fds[r])
-                    self._opened.append(b)
-                    bases.append(b)
-                else:
-                    b = _C.ipc_open_mem_handle(self.dev, p["handle"])
-                    self._opened.append(b)
-                    bases.append(b)
+            bases = [self.base if r == ctx.rank else 0 for r in range(len(peers))]
+            if shareable:
+                self._map_shared(peers, fd, bases)
+            else:
+                for r, p in enumerate(peers):
+                    if r != ctx.rank:
+                        bases[r] = _C.ipc_open_mem_handle(self.dev, p["handle"])
+                        self._opened.append(bases[r])
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -197,6 +217,37 @@ class IpcWindow(Window):
         self.errors = MappedWords(self.dev, ERROR_WORDS)
         _synchronize(self.dev)
         ctx.comm.barrier()   # every peer mapped everyone's zeroed window before any kernel runs
+
+    def _map_shared(self, peers: list, fd: int, bases: List[int]) -> None:
+        """Receive every peer's descriptor and map its window (fills `bases`). Collective, and so are its
+        failures: every rank learns whether all succeeded, and on failure frees what it mapped and its
+        own window and raises with every rank's reason (no rank is left waiting in a later collective)."""
+        from . import _C
+
+        ctx, problem = self.ctx, None
+        fds: List[Optional[int]] = [None] * len(peers)
+        try:
+            # The tag: rank 0's random nonce (the same on every rank, unguessable by other processes).
+            if len(peers) > 1:
+                fds = exchange_fds(ctx.comm, ctx.rank, len(peers), fd, peers[0]["nonce"], ctx.timeout_s)
+            for r in range(len(peers)):
+                if r != ctx.rank:
+                    bases[r] = _C.vmm_import(self.dev, fds[r], self.size)
+                    self._opened.append(bases[r])
+        except Exception as e:   # noqa: BLE001 - reported on every rank below
+            problem = f"rank {ctx.rank}: {type(e).__name__}: {e}"
+        finally:
+            for got in fds:
+                if got is not None:
+                    os.close(got)
+        problems = [p for p in ctx.comm.allgather_object(problem) if p]
+        if problems:
+            for b in self._opened:
+                _C.vmm_free(self.dev, b, self.size)
+            self._opened = []
+            self._free_own()
+            raise RuntimeError("sharing the window as VMM memory by file descriptor failed: " + "; ".join(problems)
+                               + " (DEEPEP_PORTABLE_LL_VMM=0 on every rank uses legacy CUDA IPC instead)")
 
     def _free_own(self) -> None:
         from . import _C

@@ -77,7 +77,8 @@ def fake(monkeypatch):
 
 
 def peer(host, nbytes, uuid, ptr):
-    return dict(host=host, pid=1, nbytes=nbytes, uuid=uuid, handle=b"H" + ptr.to_bytes(8, "little") + bytes(55))
+    return dict(host=host, pid=1, nonce="n", nbytes=nbytes, shareable=False, uuid=uuid,
+                handle=b"H" + ptr.to_bytes(8, "little") + bytes(55))
 
 
 def ctx_for(comm, rank, ranks):
@@ -115,15 +116,23 @@ def test_refuses_mixed_groups_and_frees_its_window(fake, bad, match):
 
 
 class _ThreadComm:
-    """Ranks as threads: barrier() is a threading.Barrier (exchange_fds needs nothing else)."""
+    """Ranks as threads (each registers its rank): allgather_object over a shared list and a barrier."""
 
     def __init__(self, size: int) -> None:
         import threading
 
         self._barrier = threading.Barrier(size, timeout=20)
+        self._slots: list = [None] * size
+        self.rank_of: dict = {}
 
-    def barrier(self) -> None:
+    def allgather_object(self, obj):
+        import threading
+
+        self._slots[self.rank_of[threading.get_ident()]] = obj
         self._barrier.wait()
+        out = list(self._slots)
+        self._barrier.wait()
+        return out
 
 
 @pytest.mark.parametrize("size", [1, 2, 5])
@@ -135,6 +144,7 @@ def test_exchange_fds_gives_every_rank_every_peers_descriptor(size):
     comm, results, errors = _ThreadComm(size), [None] * size, []
 
     def rank_main(rank: int) -> None:
+        comm.rank_of[threading.get_ident()] = rank
         fd = os.memfd_create(f"rank{rank}")
         try:
             os.write(fd, f"rank {rank}".encode())
@@ -158,20 +168,77 @@ def test_exchange_fds_gives_every_rank_every_peers_descriptor(size):
         assert got == [None if r == rank else f"rank {r}" for r in range(size)]
 
 
-def test_exchange_fds_times_out_when_a_peer_never_comes():
-    """Rank 1 never shows up (a barrier of one): rank 0's connect fails within the timeout, no hang."""
+def test_exchange_fds_times_out_when_a_peer_never_answers():
+    """Rank 1 listens but never accepts nor connects: rank 0 raises within the timeout, it does not hang."""
     import os
+    import socket
     import time
 
-    class Alone:
-        def barrier(self) -> None:
-            pass
+    tag = f"silent.{os.getpid()}"
 
+    class Pair:
+        def allgather_object(self, obj):
+            return [obj, None]
+
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind(f"\0deepep_portable.fds.{tag}.1")
+    silent.listen(4)
     fd = os.memfd_create("alone")
     t0 = time.monotonic()
     try:
-        with pytest.raises(OSError):
-            ipc.exchange_fds(Alone(), 0, 2, fd, f"alone.{os.getpid()}", timeout_s=1.0)
+        with pytest.raises(OSError):   # socket.timeout (TimeoutError) in rank 0's accept
+            ipc.exchange_fds(Pair(), 0, 2, fd, tag, timeout_s=1.0)
     finally:
         os.close(fd)
-    assert time.monotonic() - t0 < 10
+        silent.close()
+    assert 0.5 < time.monotonic() - t0 < 10
+
+
+def test_exchange_fds_answers_only_clients_that_know_the_tag():
+    """A stranger that connects with the wrong tag gets no descriptor, and rank 0 still serves its peer."""
+    import os
+    import socket
+    import threading
+
+    tag = f"guard.{os.getpid()}"
+    comm, results, errors = _ThreadComm(2), [None, None], []
+
+    def stranger() -> None:   # connects to rank 0 first, with a wrong tag
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.settimeout(10)
+        for _ in range(200):
+            try:
+                c.connect(f"\0deepep_portable.fds.{tag}.0")
+                break
+            except OSError:
+                threading.Event().wait(0.01)
+        c.sendall(b"wrong:1\n")
+        _, fds, _, _ = socket.recv_fds(c, 1, 1)
+        results.append(("stranger", fds))
+        c.close()
+
+    def rank_main(rank: int) -> None:
+        comm.rank_of[threading.get_ident()] = rank
+        fd = os.memfd_create(f"rank{rank}")
+        try:
+            os.write(fd, f"rank {rank}".encode())
+            if rank == 1:   # let the stranger in first
+                threading.Event().wait(0.3)
+            got = ipc.exchange_fds(comm, rank, 2, fd, tag, timeout_s=10.0)
+            results[rank] = [None if g is None else os.pread(g, 16, 0).decode() for g in got]
+            for g in got:
+                if g is not None:
+                    os.close(g)
+        except Exception as e:   # noqa: BLE001 - asserted below
+            errors.append(f"rank {rank}: {e!r}")
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)] + [threading.Thread(target=stranger)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert results[0] == [None, "rank 1"] and results[1] == ["rank 0", None]
+    assert ("stranger", []) in results[2:]

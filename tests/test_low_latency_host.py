@@ -175,6 +175,9 @@ def test_layout_regions(tokens, hidden, ranks, experts):
     assert (last_msg + 1) * lay.side_bytes <= lay.dispatch_side_bytes
     # recv_x [E_local, R*T, H] as bf16 (the larger) fills the dispatch output area
     assert lay.num_local_experts * ranks * tokens * hidden * 2 == lay.dispatch_recv_bytes
+    # pack on receive: whole messages [E_local][R][T] from the dispatch area's start, within its bytes
+    assert experts * tokens * lay.message_bytes <= \
+        lay.dispatch_side_offset(0) + lay.dispatch_side_bytes - lay.dispatch_recv_offset(0)
     # the zero-copy view [E_local, R*T, H] bf16 and the combine rows [E, T, H] bf16
     assert lay.num_local_experts * ranks * tokens * hidden * 2 == lay.combine_send_bytes
     assert experts * tokens * hidden * 2 == lay.combine_recv_bytes

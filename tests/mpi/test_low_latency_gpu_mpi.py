@@ -132,8 +132,8 @@ def _row_map(ck: GpuChecker, layout_range, exp_layout_range, what: str):
 
 
 def _poison_next_recv_x(buf, hidden: int, experts: int, fp8: bool) -> bool:
-    """Fill the recv_x the next dispatch returns when it lies in the Buffer (the nvshmem build: peers
-    write it during their send phase). False when it will be a fresh tensor (nvlink)."""
+    """Fill the recv_x the next dispatch returns when it lies in the Buffer (rows reserved: peers write
+    it during their send phase). False when it will be a fresh tensor (DEEPEP_PORTABLE_LL_VMM=0)."""
     view = _engine_of(buf).next_dispatch_recv_x(T, hidden, experts, fp8)
     if view is None:
         return False
@@ -227,6 +227,8 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
                     f"{tag} scales {list(recv_s.shape)} strides {recv_s.stride()} (want column-major)")
             ck.true(recv_s.dtype == (torch.int32 if ue8m0 else torch.float32), f"{tag} scales {recv_s.dtype}")
         ck.bits(recv_count, exp.recv_count, f"{tag} recv_count")
+        if in_buffer is False:   # pack on receive: exactly the oracle's source order
+            ck.bits(handle.layout_range, exp.layout_range, f"{tag} layout_range (source order)")
         ck.true(tuple(handle)[2:] == (T, hidden, experts), f"{tag} handle tail {tuple(handle)[2:]}")
         h_x, h_src = _raw(recv_x.cpu()), handle.src_info.cpu()
         h_s = recv_s.cpu() if fp8 else None

@@ -183,13 +183,25 @@ struct NvshmemTransport {
         return nvshmem_uint64_g(local_ptr<const uint64_t>(off), peer);
     }
 
-    // One thread. Atomic add returning the old value: a system-scope atomic for load/store peers, the
-    // NVSHMEM fetching AMO otherwise (blocking). A later signal() orders it: the fence before the signal
-    // covers AMOs ("memory stores, blocking and non-blocking puts, AMOs", Memory Ordering).
+    // One thread. Atomic add returning the old value. fetch_adds on one word must all go through ONE
+    // mechanism: a GPU atomic and a NIC's AMO on the same address are not atomic with respect to each
+    // other. So the load/store path (a system-scope atomic on the peer's mapping) is taken only when
+    // every peer is load/store; as soon as one peer is behind a network, every fetch_add is NVSHMEM's
+    // fetching AMO (atomic with respect to the other AMOs on that object: the library's promise).
+    // A later signal() orders it: the fence before the signal covers AMOs (Memory Ordering).
     DEEPEP_DEVICE uint64_t fetch_add(int /*ch*/, int peer, int64_t off, uint64_t v) const {
-        if (unsigned long long* dst = direct_ptr<unsigned long long>(off, peer))
-            return atomicAdd_system(dst, static_cast<unsigned long long>(v));
+        if (every_peer_load_store())
+            return atomicAdd_system(direct_ptr<unsigned long long>(off, peer), static_cast<unsigned long long>(v));
         return nvshmem_uint64_atomic_fetch_add(local_ptr<uint64_t>(off), v, peer);
+    }
+
+    DEEPEP_DEVICE bool every_peer_load_store() const {
+        if (peer_bases == nullptr)
+            return false;
+        for (int r = 0; r < num_ranks; ++r)
+            if (peer_bases[r] == 0)
+                return false;
+        return true;
     }
 
     // One thread. Acquire-poll (nvshmem_uint64_test + acquire fence, see the header comment) of MY
@@ -214,10 +226,7 @@ struct NvshmemTransport {
     // completes them remotely, which the contract does not promise. Skipped when every peer takes the
     // load/store path (stores are complete once issued): a quiet may involve NVSHMEM's proxy thread.
     DEEPEP_DEVICE void flush(int /*ch*/) const {
-        bool library_path = peer_bases == nullptr;
-        for (int r = 0; r < num_ranks && !library_path; ++r)
-            library_path = peer_bases[r] == 0;
-        if (library_path)
+        if (!every_peer_load_store())
             nvshmem_quiet();
     }
 };
