@@ -139,6 +139,18 @@ class _ThreadComm:
 def test_exchange_fds_gives_every_rank_every_peers_descriptor(size):
     """Each rank's descriptor (a memfd holding its rank) reaches every peer over the Unix sockets."""
     import os
+
+    results, errors = _exchange_as_threads(size, f"test.{os.getpid()}.{size}")
+    assert not errors, errors
+    for rank, got in enumerate(results):
+        assert got == [None if r == rank else f"rank {r}" for r in range(size)]
+
+
+def _exchange_as_threads(size: int, tag: str, delay_rank: int = -1, extra=()):
+    """Run exchange_fds on `size` thread ranks, each offering a memfd that holds "rank N"; returns
+    (what each rank read from the descriptors it received, errors). `delay_rank` starts 0.3 s late;
+    `extra`: more threads to run beside them."""
+    import os
     import threading
 
     comm, results, errors = _ThreadComm(size), [None] * size, []
@@ -148,24 +160,25 @@ def test_exchange_fds_gives_every_rank_every_peers_descriptor(size):
         fd = os.memfd_create(f"rank{rank}")
         try:
             os.write(fd, f"rank {rank}".encode())
-            got = ipc.exchange_fds(comm, rank, size, fd, f"test.{os.getpid()}.{size}", timeout_s=20.0)
+            if rank == delay_rank:
+                threading.Event().wait(0.3)
+            got = ipc.exchange_fds(comm, rank, size, fd, tag, timeout_s=20.0)
             results[rank] = [None if g is None else os.pread(g, 16, 0).decode() for g in got]
             for g in got:
                 if g is not None:
                     os.close(g)
-        except Exception as e:   # noqa: BLE001 - asserted below
+        except Exception as e:   # noqa: BLE001 - asserted by the caller
             errors.append(f"rank {rank}: {e!r}")
         finally:
             os.close(fd)
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    threads += [threading.Thread(target=f) for f in extra]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert not errors, errors
-    for rank, got in enumerate(results):
-        assert got == [None if r == rank else f"rank {r}" for r in range(size)]
+    return results, errors
 
 
 def test_exchange_fds_times_out_when_a_peer_never_answers():
@@ -201,9 +214,9 @@ def test_exchange_fds_answers_only_clients_that_know_the_tag():
     import threading
 
     tag = f"guard.{os.getpid()}"
-    comm, results, errors = _ThreadComm(2), [None, None], []
+    strangers: list = []
 
-    def stranger() -> None:   # connects to rank 0 first, with a wrong tag
+    def stranger() -> None:   # connects to rank 0 before rank 1 does, with a wrong tag
         c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         c.settimeout(10)
         for _ in range(200):
@@ -214,31 +227,10 @@ def test_exchange_fds_answers_only_clients_that_know_the_tag():
                 threading.Event().wait(0.01)
         c.sendall(b"wrong:1\n")
         _, fds, _, _ = socket.recv_fds(c, 1, 1)
-        results.append(("stranger", fds))
+        strangers.append(fds)
         c.close()
 
-    def rank_main(rank: int) -> None:
-        comm.rank_of[threading.get_ident()] = rank
-        fd = os.memfd_create(f"rank{rank}")
-        try:
-            os.write(fd, f"rank {rank}".encode())
-            if rank == 1:   # let the stranger in first
-                threading.Event().wait(0.3)
-            got = ipc.exchange_fds(comm, rank, 2, fd, tag, timeout_s=10.0)
-            results[rank] = [None if g is None else os.pread(g, 16, 0).decode() for g in got]
-            for g in got:
-                if g is not None:
-                    os.close(g)
-        except Exception as e:   # noqa: BLE001 - asserted below
-            errors.append(f"rank {rank}: {e!r}")
-        finally:
-            os.close(fd)
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)] + [threading.Thread(target=stranger)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results, errors = _exchange_as_threads(2, tag, delay_rank=1, extra=(stranger,))
     assert not errors, errors
-    assert results[0] == [None, "rank 1"] and results[1] == ["rank 0", None]
-    assert ("stranger", []) in results[2:]
+    assert results == [[None, "rank 1"], ["rank 0", None]]
+    assert strangers == [[]]
