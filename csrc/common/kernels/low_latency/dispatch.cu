@@ -15,17 +15,18 @@
 //            layout_range[e][s] and the pair's rows of the outputs; the pair with s = R-1 also waits
 //            for every other source and writes recv_count[e] and the stats.
 // Where the payload lands, by the transport's kCheapFetchAdd (Placement below):
-//   kReserveRows (fetch_add is cheap: nvshmem, and nvlink on its default VMM window): the send warp first reserves `count` rows of g's
-//            recv_x at g's rank (fetch_add on the rank's reservation word of g) and writes each payload
-//            straight into its row of recv_x (the tensor the op returns is a view of it), the side
-//            message into side slot k of (g, me), then its block's first row into my range word. The
-//            receive only unpacks side messages (source token, scales): ~2 % of the bytes. Blocks sit in
-//            the order the reservations arrived (as in DeepEP); layout_range says where.
+//   kReserveRows (fetch_add is cheap: nvshmem, and nvlink on its default VMM window): the send warp
+//            first reserves `count` rows of g's recv_x at g's rank (fetch_add on the rank's reservation
+//            word of g) and writes each payload straight into its row of recv_x (the tensor the op
+//            returns is a view of it), the side message into side slot k of (g, me), then its block's
+//            first row into my range word. The receive only unpacks side messages (source token,
+//            scales): ~2 % of the bytes. Blocks sit in the order the reservations arrived (as in
+//            DeepEP); layout_range says where.
 //   kPackOnReceive (nvlink on a legacy CUDA IPC window, DEEPEP_PORTABLE_LL_VMM=0, where atomics are
-//            slow): the whole message goes
-//            to slot k of (g, me), and the receive of (e, s) copies the payloads into recv_x (a fresh
-//            tensor) after the rows of sources 0..s-1 (it waits for their signals too): source order,
-//            but every payload is copied twice, which on the one-GPU emulation is twice the HBM traffic.
+//            slow): the whole message goes to slot k of (g, me), and the receive of (e, s) copies the
+//            payloads into recv_x (a fresh tensor) after the rows of sources 0..s-1 (it waits for their
+//            signals too): source order, but every payload is copied twice, which on the one-GPU
+//            emulation is twice the HBM traffic.
 // Stage and send are separated by a barrier over my grid (stage_barrier), not by a kernel boundary:
 // one launch and no gap between them. Kernels:
 //   ll_dispatch_send: stage + send (the send phase of a call with return_recv_hook=True);
