@@ -377,8 +377,8 @@ class LowLatencyEngine:
         recv_x, scales, recv_count, src_info, layout_range = allocate_low_latency_outputs(
             num_local, R, T, hidden, args.use_fp8, args.use_ue8m0, dev, with_recv_x=not self.recv_x_in_buffer)
         if self.recv_x_in_buffer:
-            recv_x = self._recv_x_view(template.dispatch_recv_offset + half * template.data_half_stride, T, hidden,
-                                       E, args.use_fp8)
+            recv_x = self._rows_view(template.dispatch_recv_offset + half * template.data_half_stride, T, hidden,
+                                     E, args.use_fp8)
 
         p = LLDispatchParams.from_buffer_copy(template)
         p.x, p.topk_idx, p.num_tokens = x.data_ptr(), idx.data_ptr(), num_tokens
@@ -430,11 +430,11 @@ class LowLatencyEngine:
         """The half the next LL call uses (call n, counted from 1, uses half n & 1)."""
         return (self._calls + 1) & 1
 
-    def _recv_x_view(self, offset: int, num_max_tokens: int, hidden: int, num_experts: int,
-                     use_fp8: bool) -> torch.Tensor:
-        """[E_local, R*T, H] FP8 or bf16 view of a dispatch output area at `offset` in my window. A view
-        of this Buffer's memory (no copy, no ownership): the peers' next dispatch on the same half
-        rewrites it, and it must not be used after the Buffer is destroyed."""
+    def _rows_view(self, offset: int, num_max_tokens: int, hidden: int, num_experts: int,
+                   use_fp8: bool) -> torch.Tensor:
+        """[E_local, R*T, H] FP8 or bf16 view of the rows at `offset` in my window (a dispatch output
+        area, or the combine send area). A view of this Buffer's memory (no copy, no ownership): it must
+        not be used after the Buffer is destroyed."""
         shape = (num_experts // self.num_ranks, self.num_ranks * num_max_tokens, hidden)
         numel = shape[0] * shape[1] * shape[2] // (2 if use_fp8 else 1)   # int16 elements (hidden is even)
         flat = torch.as_tensor(_DeviceView(self.base + offset, numel), device=self.ctx.device)
@@ -449,11 +449,8 @@ class LowLatencyEngine:
         if not self.recv_x_in_buffer:
             return None
         lay = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        return self._recv_x_view(lay.dispatch_recv_offset(self.next_half()), num_max_dispatch_tokens_per_rank, hidden,
-                                 num_experts, use_fp8)
-
-    def next_combine_half(self) -> int:
-        return self.next_half()
+        return self._rows_view(lay.dispatch_recv_offset(self.next_half()), num_max_dispatch_tokens_per_rank, hidden,
+                               num_experts, use_fp8)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """bf16 [E_local, R*T, H] view of the combine send area of the next call's half.
@@ -464,11 +461,7 @@ class LowLatencyEngine:
         self._require()
         T, hidden, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         lay = self._layout(T, hidden, E)
-        shape = (E // self.num_ranks, self.num_ranks * T, hidden)
-        numel = shape[0] * shape[1] * shape[2]
-        ptr = self.base + lay.combine_send_offset(self.next_combine_half())
-        flat = torch.as_tensor(_DeviceView(ptr, numel), device=self.ctx.device)
-        return flat.view(torch.bfloat16).view(shape)
+        return self._rows_view(lay.combine_send_offset(self.next_half()), T, hidden, E, use_fp8=False)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: zero the control area (call counters) and both halves' signals on every rank."""
