@@ -12,12 +12,12 @@ Streams: outputs are allocated with torch on the *current* stream; device work i
 from __future__ import annotations
 
 import ctypes
-import functools
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import jit
+from .device import device_index, device_info, forced_arch, sm_count  # noqa: F401
 
 Dim = Union[int, Sequence[int]]
 
@@ -35,21 +35,6 @@ def stream_handle(stream: StreamLike, device: Optional[int] = None) -> int:
     return stream if isinstance(stream, int) else int(stream.cuda_stream)
 
 
-def device_index(t: torch.Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
-
-
-@functools.lru_cache(maxsize=None)
-def device_info(device: int) -> dict:
-    from . import _C
-
-    return dict(_C.device_info(device))
-
-
-def sm_count(device: int) -> int:
-    return int(device_info(device)["sm_count"])
-
-
 def launch(fn, grid: Dim, block: Dim, params: ctypes.Structure, stream: StreamLike = None,
            shared_mem: int = 0, cluster: Optional[Dim] = None, cooperative: bool = False) -> None:
     """Launch `fn` (a `_C.Function`) with the packed `params` struct on `stream`."""
@@ -64,13 +49,6 @@ def zero_async(t: torch.Tensor, stream: StreamLike) -> None:
     if nbytes:
         dev = device_index(t)
         _C.memset_d8_async(dev, t.data_ptr(), 0, nbytes, stream_handle(stream, dev))
-
-
-def forced_arch() -> Optional[str]:
-    """DEEPEP_PORTABLE_FORCE_ARCH (e.g. sm_80 on a Hopper GPU): part of every key that caches kernels."""
-    import os
-
-    return os.environ.get("DEEPEP_PORTABLE_FORCE_ARCH")
 
 
 class KernelCache:

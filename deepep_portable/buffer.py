@@ -356,7 +356,7 @@ class Buffer:
                                       cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
                                       dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
                                       use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                                      return_recv_hook=return_recv_hook)
+                                      return_recv_hook=return_recv_hook, num_sms=Buffer.num_sms)
         result: list = [x, topk_idx]
         with self._op(None, async_finish, False, result):
             res = backend.low_latency_dispatch(args)
@@ -392,7 +392,8 @@ class Buffer:
                          (self.group_size,), self.device)
         args = LowLatencyCombineArgs(x=x, topk_idx=topk_idx, topk_weights=topk_weights, handle=handle,
                                      zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out,
-                                     combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
+                                     combine_wait_recv_cost_stats=combine_wait_recv_cost_stats,
+                                     num_sms=Buffer.num_sms)
         result: list = [x, topk_idx, topk_weights]
         with self._op(None, async_finish, False, result):
             combined_x, hook = backend.low_latency_combine(args)

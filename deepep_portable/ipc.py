@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ._kernels import sm_count
+from .device import device_uuid, sm_count
 from .comm import node_identity
 from .transports.base import BufferContext
 
@@ -127,10 +127,6 @@ def exchange_fds(comm, rank: int, num_ranks: int, fd: int, tag: str, timeout_s: 
         for c in clients.values():
             c.close()
         server.close()
-
-
-def device_uuid(device: int) -> str:
-    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def _synchronize(device: int) -> None:

@@ -271,11 +271,9 @@ class LowLatencyEngine:
             return self.window.kernel(source, name, defines)
         return self._kernel_cache.get(source, name, defines)
 
-    def _grid(self) -> int:
+    def _grid(self, num_sms: int) -> int:
         """The caller's SM budget (Buffer.num_sms), capped so every rank sharing this GPU fits at once."""
-        from .buffer import Buffer
-
-        return self.window.grid(Buffer.num_sms)
+        return self.window.grid(num_sms)
 
     def _check_signal_geometry(self, num_experts: int) -> None:
         """The signal slots' places depend on num_experts only; with another num_experts they would land on
@@ -292,7 +290,7 @@ class LowLatencyEngine:
     def _current_stream(self):
         return torch.cuda.current_stream(self.ctx.device)
 
-    def _two_phase(self, op: str, send, recv, params, return_recv_hook: bool,
+    def _two_phase(self, op: str, send, recv, params, return_recv_hook: bool, num_sms: int,
                    keep: tuple, fused=None) -> Optional[Callable[[], None]]:
         """Launch the send kernel now; the receive kernel now or in the returned hook. `fused`: a
         kernel that runs both phases in one launch, used instead of the two when there is no hook.
@@ -304,7 +302,7 @@ class LowLatencyEngine:
                                f"pending: call them (in call order) before a low-latency op without "
                                f"return_recv_hook=True")
         comm = self.ctx.comm_stream
-        grid = self._grid()
+        grid = self._grid(num_sms)
         # DEEPEP_PORTABLE_PROFILE=1: events around the send and receive phases (calls without hooks)
         marks = None if return_recv_hook else self.profile.start(comm)
         if fused is not None and not return_recv_hook:
@@ -390,7 +388,8 @@ class LowLatencyEngine:
         p.wait_stats = _ptr(args.dispatch_wait_recv_cost_stats)
         keep = (recv_x, scales, recv_count, src_info, layout_range, args.cumulative_local_expert_recv_stats,
                 args.dispatch_wait_recv_cost_stats)
-        hook = self._two_phase("low_latency_dispatch", send, recv, p, args.return_recv_hook, keep, fused)
+        hook = self._two_phase("low_latency_dispatch", send, recv, p, args.return_recv_hook, args.num_sms, keep,
+                               fused)
         handle = LowLatencyHandle(src_info, layout_range, T, hidden, E)
         return LowLatencyDispatchResult(recv_x, scales, recv_count, handle, hook)
 
@@ -423,7 +422,7 @@ class LowLatencyEngine:
             slot_table.record_stream(self.ctx.comm_stream)   # freed here, read on the comm stream later
         p.slot_table = slot_table.data_ptr()
         keep = (x, idx, w, out, handle.src_info, handle.layout_range, args.combine_wait_recv_cost_stats, slot_table)
-        hook = self._two_phase("low_latency_combine", send, recv, p, args.return_recv_hook, keep)
+        hook = self._two_phase("low_latency_combine", send, recv, p, args.return_recv_hook, args.num_sms, keep)
         return out, hook
 
     def next_half(self) -> int:

@@ -312,7 +312,7 @@ def _fake_engine(monkeypatch):
     eng._calls = eng._recvs = eng._epoch = 0
     eng._signal_experts = None
     eng.profile = PhaseProfile(0)
-    eng._grid = lambda: 1
+    eng._grid = lambda num_sms: 1
     stream = _Stream()
     eng._current_stream = lambda: stream
     monkeypatch.setattr(ll, "launch", lambda fn, *a, **k: fn.launch())
@@ -327,25 +327,25 @@ def test_receive_hooks_run_in_call_order_once(monkeypatch):
     eng = _fake_engine(monkeypatch)
     p = ll.LLDispatchParams()
     keep = (torch.zeros(1),)
-    h1 = eng._two_phase("op", _Fn("send1", log), _Fn("recv1", log), p, True, keep)
-    h2 = eng._two_phase("op", _Fn("send2", log), _Fn("recv2", log), p, True, keep)
+    h1 = eng._two_phase("op", _Fn("send1", log), _Fn("recv1", log), p, True, 1, keep)
+    h2 = eng._two_phase("op", _Fn("send2", log), _Fn("recv2", log), p, True, 1, keep)
     with pytest.raises(RuntimeError, match="call order"):
         h2()
     with pytest.raises(RuntimeError, match="pending"):
-        eng._two_phase("op", _Fn("send3", log), _Fn("recv3", log), p, False, keep)
+        eng._two_phase("op", _Fn("send3", log), _Fn("recv3", log), p, False, 1, keep)
     h1()
     with pytest.raises(RuntimeError, match="already called"):
         h1()
     h2()
-    assert eng._two_phase("op", _Fn("send3", log), _Fn("recv3", log), p, False, keep) is None
+    assert eng._two_phase("op", _Fn("send3", log), _Fn("recv3", log), p, False, 1, keep) is None
     assert log == ["send1", "send2", "recv1", "recv2", "send3", "recv3"]
     assert (eng._calls, eng._recvs) == (3, 3)
     # without a hook, a fused kernel replaces the two; with one, the two phases stay apart
-    assert eng._two_phase("op", _Fn("s", log), _Fn("r", log), p, False, keep, _Fn("fused5", log)) is None
-    h6 = eng._two_phase("op", _Fn("send6", log), _Fn("recv6", log), p, True, keep, _Fn("fused6", log))
+    assert eng._two_phase("op", _Fn("s", log), _Fn("r", log), p, False, 1, keep, _Fn("fused5", log)) is None
+    h6 = eng._two_phase("op", _Fn("send6", log), _Fn("recv6", log), p, True, 1, keep, _Fn("fused6", log))
     h6()
     assert log[6:] == ["fused5", "send6", "recv6"] and (eng._calls, eng._recvs) == (5, 5)
-    h4 = eng._two_phase("op", _Fn("send4", log), _Fn("recv4", log), p, True, keep)
+    h4 = eng._two_phase("op", _Fn("send4", log), _Fn("recv4", log), p, True, 1, keep)
     eng._epoch += 1          # what clean_low_latency_buffer does
     eng._calls = eng._recvs = 0
     with pytest.raises(RuntimeError, match="clean_low_latency_buffer"):

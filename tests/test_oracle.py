@@ -273,7 +273,7 @@ def test_reference_low_latency_one_rank(one_rank_ctx, mode, hook):
     x, idx, w, _ = _world(1, E, 3, 512, 7, tokens=[7])
     stats = torch.zeros(E, dtype=torch.int32)
     wait = torch.zeros(1, dtype=torch.int64)
-    res = tr.low_latency_dispatch(LowLatencyDispatchArgs(x[0], idx[0], T, E, stats, wait, fp8, rs, ue, hook))
+    res = tr.low_latency_dispatch(LowLatencyDispatchArgs(x[0], idx[0], T, E, stats, wait, fp8, rs, ue, hook, 20))
     assert (res.hook is not None) == hook
     if hook:
         res.hook()
@@ -291,7 +291,7 @@ def test_reference_low_latency_one_rank(one_rank_ctx, mode, hook):
     buf = tr.get_next_low_latency_combine_buffer(res.handle)
     buf.copy_(torch.randn(buf.shape, generator=_gen(8)).to(torch.bfloat16))
     out = torch.empty(7, 512, dtype=torch.bfloat16)
-    got, h2 = tr.low_latency_combine(LowLatencyCombineArgs(buf, idx[0], w[0], res.handle, True, hook, out, wait))
+    got, h2 = tr.low_latency_combine(LowLatencyCombineArgs(buf, idx[0], w[0], res.handle, True, hook, out, wait, 20))
     if hook:
         h2()
     assert got is out

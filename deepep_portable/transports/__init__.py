@@ -1,26 +1,13 @@
 """Transport registry: which backends exist, whether each can run here, and why not."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Dict, List, Type
 
-from .base import BufferContext, Capabilities, Transport
+from .base import BufferContext, Capabilities, Transport, TransportStatus
 
 # Preference order for transport="auto": the first usable one wins.
 # "nvlink" (intranode CUDA IPC, no library needed) is ours, beside DESIGN.md's four.
 TRANSPORT_NAMES: List[str] = ["nvshmem", "nccl_gin", "ibgda", "nvlink", "reference"]
-
-
-@dataclass
-class TransportStatus:
-    name: str
-    usable: bool
-    reason: str                                   # why not usable, or what it will use
-    details: Dict[str, str] = field(default_factory=dict)   # versions, library paths, devices
-    capabilities: Dict[str, object] = field(default_factory=dict)   # Capabilities.as_dict() of its backend
-
-    def __str__(self) -> str:
-        return f"{self.name}: {'usable' if self.usable else 'unusable'} ({self.reason})"
 
 
 def available_transports() -> Dict[str, TransportStatus]:

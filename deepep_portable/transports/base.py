@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -44,6 +44,20 @@ class Capabilities:
         return dict(peer_load_store=self.peer_load_store, remote_atomics=self.remote_atomics,
                     ordered_delivery=self.ordered_delivery, max_channels=self.max_channels,
                     graph_safe=self.graph_safe, network=self.network)
+
+
+@dataclass
+class TransportStatus:
+    """Whether a transport can run in this process (`available_transports()`), and why not."""
+
+    name: str
+    usable: bool
+    reason: str                                   # why not usable, or what it will use
+    details: Dict[str, str] = field(default_factory=dict)   # versions, library paths, devices
+    capabilities: Dict[str, object] = field(default_factory=dict)   # Capabilities.as_dict() of its backend
+
+    def __str__(self) -> str:
+        return f"{self.name}: {'usable' if self.usable else 'unusable'} ({self.reason})"
 
 
 @dataclass
@@ -101,6 +115,7 @@ class LowLatencyDispatchArgs:
     round_scale: bool
     use_ue8m0: bool
     return_recv_hook: bool
+    num_sms: int                          # the caller's SM budget (Buffer.num_sms)
 
 
 @dataclass
@@ -122,6 +137,7 @@ class LowLatencyCombineArgs:
     return_recv_hook: bool
     out: Optional[torch.Tensor]
     combine_wait_recv_cost_stats: Optional[torch.Tensor]
+    num_sms: int                          # the caller's SM budget (Buffer.num_sms)
 
 
 def scale_shape(num_local: int, slots: int, hidden: int, use_ue8m0: bool) -> Tuple[int, int, int]:

@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
+from .libraries import _run
+
 SYSFS_INFINIBAND = "/sys/class/infiniband"
 
 
@@ -78,8 +80,6 @@ def pyverbs_module():
     sys_py = None
     for cand in ("/usr/bin/python3",):
         if os.path.exists(cand):
-            from .probe import _run   # (probe imports this module: import it late)
-
             rc, out = _run([cand, "-c", "import sys;print('%d.%d'%sys.version_info[:2])"])
             sys_py = out.strip() if rc == 0 else None
     ours = "%d.%d" % sys.version_info[:2]
