@@ -7,7 +7,7 @@ from .buffer import Buffer, topk_idx_t
 from .config import Config
 from .event import EventOverlap
 from .handles import DispatchHandle, LowLatencyHandle
-from .ipc import CommTimeoutError
+from .errors import CommTimeoutError
 from .transports import TransportStatus, available_transports
 
 __version__ = "0.1.0"

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
+
+from .config import Config
+from .handles import DispatchHandle, LowLatencyHandle
+from .layout import CONTROL_BYTES, MAX_TOPK, NormalLayout, low_latency_rdma_size_hint
 
 FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 
@@ -88,3 +92,105 @@ def expert_indices(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
         bad = lo if lo < -1 else hi
         raise ValueError(f"{name} holds expert index {bad}, outside [-1, {num_experts}) (num_experts={num_experts})")
     _last_checked[0], _last_checked[1] = weakref.ref(topk_idx), key
+
+
+# ---- the Buffer's argument checks (ctx: the Buffer's contract.BufferContext) -------------------------
+def hidden(h: int, fp8: bool) -> None:
+    if h <= 0:
+        raise ValueError(f"hidden must be positive, got {h}")
+    if fp8 and h % 128 != 0:
+        raise ValueError(f"FP8 dispatch needs hidden to be a multiple of 128 (one scale per 128 channels), got {h}")
+    if not fp8 and h % 8 != 0:
+        raise ValueError(f"BF16 hidden must be a multiple of 8 elements (16 bytes), got {h}")
+
+
+def topk_width(t: torch.Tensor) -> int:
+    k = t.size(1)
+    if not 1 <= k <= MAX_TOPK:
+        raise ValueError(f"top-k must be in [1, {MAX_TOPK}], got {k}")
+    return k
+
+
+def dispatch_x(x, device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(data, scales): a BF16 tensor, or an FP8 tuple (data, scales)."""
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise TypeError("FP8 x must be a tuple (data, scales)")
+        data, scales = x
+        tensor("x[0]", data, shape=(None, None), device=device, dtypes=FP8_DTYPES)
+        hidden(data.size(1), fp8=True)
+        tensor("x[1] (scales)", scales, shape=(data.size(0), None), device=device,
+               dtypes=(torch.float32, torch.int32))
+        return data, scales
+    tensor("x", x, torch.bfloat16, (None, None), device)
+    hidden(x.size(1), fp8=False)
+    return x, None
+
+
+def config(cfg: Optional[Config], default: Config) -> Config:
+    if cfg is None:
+        return default
+    if not isinstance(cfg, Config):
+        raise TypeError(f"config must be a deepep_portable.Config, got {type(cfg).__name__}")
+    return cfg
+
+
+def unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    if bias is None:
+        return None, None
+    if isinstance(bias, torch.Tensor):
+        return bias, None
+    if isinstance(bias, tuple) and len(bias) == 2:
+        return bias
+    raise TypeError("bias must be None, a tensor, or a tuple of two tensors")
+
+
+def capacity(ctx, op: str, num_tokens: int, layout: NormalLayout) -> None:
+    """The normal-mode buffer (num_nvl_bytes) holds `num_tokens` tokens per rank of this layout."""
+    room = layout.max_tokens_per_rank(ctx.num_nvl_bytes)
+    if room < num_tokens:
+        need = CONTROL_BYTES + 128 + layout.bytes_per_token * num_tokens
+        raise ValueError(f"{op} of {num_tokens} tokens needs a larger buffer: this Buffer has num_nvl_bytes="
+                         f"{ctx.num_nvl_bytes}, room for {room} tokens per rank ({layout.bytes_per_token} bytes per "
+                         f"token); create it with num_nvl_bytes >= {need} "
+                         f"(Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, num_tokens))")
+
+
+def dispatch_capacity(ctx, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_topk: int) -> None:
+    layout = NormalLayout(ctx.num_ranks, x.size(1), x.element_size(), 0 if x_scales is None else x_scales.size(1),
+                          num_topk)
+    capacity(ctx, "dispatch", x.size(0), layout)
+
+
+def dispatch_handle(handle, buffer_uid: int, num_tokens: Optional[int] = None) -> None:
+    """A DispatchHandle of this Buffer (and, for a cached dispatch, of `num_tokens` tokens)."""
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError("handle must be the DispatchHandle returned by this Buffer's dispatch")
+    if handle.buffer_uid != buffer_uid:
+        raise ValueError("handle was produced by another Buffer; pass the handle from this Buffer's dispatch")
+    if num_tokens is not None and handle.num_tokens != num_tokens:
+        raise ValueError(f"x has {num_tokens} tokens, but the handle was made for {handle.num_tokens}")
+
+
+def low_latency(ctx, num_max_dispatch_tokens_per_rank: int, h: int, num_experts_: int) -> None:
+    """A low-latency call of this shape fits this Buffer (low_latency_mode, num_rdma_bytes)."""
+    if not ctx.low_latency_mode:
+        raise ValueError("low-latency ops need a Buffer created with low_latency_mode=True")
+    positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+    num_experts(num_experts_, ctx.num_ranks)
+    if h % 128 != 0:
+        raise ValueError(f"low-latency hidden must be a multiple of 128, got {h}")
+    need = low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, h, ctx.num_ranks, num_experts_)
+    if ctx.num_rdma_bytes < need:
+        raise ValueError(f"num_rdma_bytes={ctx.num_rdma_bytes} is too small for {num_max_dispatch_tokens_per_rank} "
+                         f"tokens x hidden {h} x {num_experts_} experts: need >= {need} "
+                         f"(Buffer.get_low_latency_rdma_size_hint)")
+
+
+def low_latency_handle(handle) -> LowLatencyHandle:
+    """The handle of low_latency_dispatch (a plain 5-tuple of DeepEP's order is accepted too)."""
+    if isinstance(handle, tuple) and not isinstance(handle, LowLatencyHandle) and len(handle) == 5:
+        handle = LowLatencyHandle(*handle)
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError("handle must be the handle returned by low_latency_dispatch")
+    return handle

@@ -19,9 +19,11 @@ from .comm import Comm, node_identity
 from .config import Config
 from .event import EventOverlap
 from .handles import DispatchHandle, LowLatencyHandle
-from .layout import CONTROL_BYTES, MAX_TOPK, NormalLayout, low_latency_rdma_size_hint
-from .transports import BufferContext, backend_class, resolve
-from .transports.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
+from .contract import (BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, LowLatencyCombineArgs,
+                       LowLatencyDispatchArgs, Transport)
+from .engines.dispatch_layout import dispatch_layout
+from .layout import NormalLayout, low_latency_rdma_size_hint
+from .transports import backend_class, resolve
 
 topk_idx_t = torch.int64
 _uids = itertools.count(1)
@@ -98,7 +100,13 @@ class Buffer:
         whether every peer turned out to be reachable by load/store)."""
         return self._live().runtime_capabilities().as_dict()
 
-    def _live(self):
+    @property
+    def backend(self) -> Transport:
+        """The transport backend serving this Buffer (contract.Transport), for the project's tools and
+        tests (bench reads its engines' grid, profiles and traces); ops never need it."""
+        return self._live()
+
+    def _live(self) -> Transport:
         if self._backend is None:
             raise RuntimeError("this Buffer was destroyed")
         return self._backend
@@ -141,16 +149,6 @@ class Buffer:
 
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
         return self._comm_stream
-
-    @staticmethod
-    def _unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        if bias is None:
-            return None, None
-        if isinstance(bias, torch.Tensor):
-            return bias, None
-        if isinstance(bias, tuple) and len(bias) == 2:
-            return bias
-        raise TypeError("bias must be None, a tensor, or a tuple of two tensors")
 
     # ---- stream ordering ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -199,11 +197,11 @@ class Buffer:
         self._live()
         check.tensor("topk_idx", topk_idx, topk_idx_t, (None, None), self.device)
         check.num_experts(num_experts, self.group_size)
-        _check_topk_width(topk_idx)
+        check.topk_width(topk_idx)
         check.expert_indices("topk_idx", topk_idx, num_experts)
         result: list = [topk_idx]
         with self._op(previous_event, async_finish, allocate_on_comm_stream, result):
-            per_rank, per_expert, in_rank = _dispatch_layout(topk_idx, num_experts, self.group_size, self._comm_stream)
+            per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size, self._comm_stream)
             result += [per_rank, per_expert, in_rank]
         return per_rank, None, per_expert, in_rank, result[0]
 
@@ -223,22 +221,23 @@ class Buffer:
         as DeepEP. With `handle` (cached dispatch) only recv_x is computed and the rest are None.
         """
         backend = self._live()
-        x_data, x_scales = self._check_dispatch_x(x)
+        x_data, x_scales = check.dispatch_x(x, self.device)
         num_tokens, hidden = x_data.shape
-        config = self._check_config(config, self.get_dispatch_config)
+        config = check.config(config, self.get_dispatch_config(self.group_size))
         check.positive_int("expert_alignment", expert_alignment)
         check.positive_int("num_worst_tokens", num_worst_tokens, minimum=0)
         if num_tokens_per_rdma_rank is not None:
             raise ValueError("num_tokens_per_rdma_rank must be None: every rank of this group is in one NVLink domain")
 
         if handle is not None:
-            self._check_dispatch_handle(handle, num_tokens, hidden)
+            check.dispatch_handle(handle, self._ctx.uid, num_tokens)
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("cached dispatch (handle given) takes no topk_idx / topk_weights")
-            self._check_capacity(x_data, x_scales, 0)
+            check.dispatch_capacity(self._ctx, x_data, x_scales, 0)
+            cached = CachedDispatchArgs(x=x_data, x_scales=x_scales, handle=handle, num_sms=config.num_sms)
             result: list = [x_data, x_scales]
             with self._op(previous_event, async_finish, allocate_on_comm_stream, result):
-                recv_x, recv_scales = backend.cached_dispatch(x_data, x_scales, handle, config.num_sms)
+                recv_x, recv_scales = backend.cached_dispatch(cached)
                 result += [recv_x, recv_scales]
             out_x = (recv_x, recv_scales) if x_scales is not None else recv_x
             return out_x, None, None, None, None, result[0]
@@ -254,14 +253,14 @@ class Buffer:
         num_topk = 0
         if topk_idx is not None:
             check.tensor("topk_idx", topk_idx, topk_idx_t, (num_tokens, None), self.device)
-            num_topk = _check_topk_width(topk_idx)
+            num_topk = check.topk_width(topk_idx)
             check.expert_indices("topk_idx", topk_idx, num_experts)
             if topk_weights is None:
                 raise ValueError("topk_weights must be given with topk_idx")
             check.tensor("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk), self.device)
         elif topk_weights is not None:
             raise ValueError("topk_weights given without topk_idx")
-        self._check_capacity(x_data, x_scales, num_topk)
+        check.dispatch_capacity(self._ctx, x_data, x_scales, num_topk)
 
         args = DispatchArgs(x=x_data, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
                             num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
@@ -284,32 +283,31 @@ class Buffer:
 
         Returns (combined_x [num_tokens, hidden] bf16, combined_topk_weights or None, event)."""
         backend = self._live()
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError("handle must be the DispatchHandle returned by this Buffer's dispatch")
-        self._check_handle_owner(handle)
+        check.dispatch_handle(handle, self._ctx.uid)
         check.tensor("x", x, torch.bfloat16, (handle.num_recv_rows, None), self.device)
         hidden = x.size(1)
-        _check_hidden(hidden, fp8=False)
+        check.hidden(hidden, fp8=False)
         if topk_weights is not None:
             check.tensor("topk_weights", topk_weights, torch.float32, (handle.num_recv_rows, None), self.device)
-            _check_topk_width(topk_weights)
-        bias_0, bias_1 = self._unpack_bias(bias)
+            check.topk_width(topk_weights)
+        bias_0, bias_1 = check.unpack_bias(bias)
         for name, b in (("bias[0]", bias_0), ("bias[1]", bias_1)):
             if b is not None:
                 check.tensor(name, b, torch.bfloat16, (handle.num_tokens, hidden), self.device)
-        config = self._check_config(config, self.get_combine_config)
+        config = check.config(config, self.get_combine_config(self.group_size))
         layout = NormalLayout(self.group_size, hidden, 2, 0, 0 if topk_weights is None else topk_weights.size(1))
-        if layout.max_tokens_per_rank(self.num_nvl_bytes) < handle.num_tokens:
-            raise ValueError(self._capacity_message("combine", handle.num_tokens, layout))
+        check.capacity(self._ctx, "combine", handle.num_tokens, layout)
+        args = CombineArgs(x=x, handle=handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,
+                           num_sms=config.num_sms)
         result: list = [x, topk_weights, bias_0, bias_1]
         with self._op(previous_event, async_finish, allocate_on_comm_stream, result):
-            combined_x, combined_w = backend.combine(x, handle, topk_weights, bias_0, bias_1, config.num_sms)
+            combined_x, combined_w = backend.combine(args)
             result += [combined_x, combined_w]
         return combined_x, combined_w, result[0]
 
     # ---- low-latency mode ---------------------------------------------------------------------
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        check.low_latency(self._ctx, num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._live().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -332,12 +330,12 @@ class Buffer:
         backend = self._live()
         check.tensor("x", x, torch.bfloat16, (None, None), self.device)
         num_tokens, hidden = x.shape
-        self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        check.low_latency(self._ctx, num_max_dispatch_tokens_per_rank, hidden, num_experts)
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise ValueError(f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
                              f"{num_max_dispatch_tokens_per_rank}")
         check.tensor("topk_idx", topk_idx, topk_idx_t, (num_tokens, None), self.device)
-        _check_topk_width(topk_idx)
+        check.topk_width(topk_idx)
         check.expert_indices("topk_idx", topk_idx, num_experts)
         if use_ue8m0 and not (use_fp8 and round_scale):
             raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True")
@@ -371,16 +369,16 @@ class Buffer:
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
         """Weighted sum of each token's expert outputs. Returns (combined_x, event, hook)."""
         backend = self._live()
-        handle = self._check_low_latency_handle(handle)
+        handle = check.low_latency_handle(handle)
         T, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        self._check_low_latency(T, hidden, num_experts)
+        check.low_latency(self._ctx, T, hidden, num_experts)
         if use_logfmt:
             raise ValueError("use_logfmt is not supported by deepep_portable")
         num_local_experts = num_experts // self.group_size
         check.tensor("x", x, torch.bfloat16, (num_local_experts, self.group_size * T, hidden), self.device)
         check.tensor("topk_idx", topk_idx, topk_idx_t, (None, None), self.device)
         num_tokens, num_topk = topk_idx.shape
-        _check_topk_width(topk_idx)
+        check.topk_width(topk_idx)
         if num_tokens > T:
             raise ValueError(f"topk_idx has {num_tokens} tokens, more than the handle's maximum {T}")
         check.expert_indices("topk_idx", topk_idx, num_experts)
@@ -401,113 +399,9 @@ class Buffer:
         return combined_x, result[0], hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        handle = self._check_low_latency_handle(handle)
-        self._check_low_latency(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        handle = check.low_latency_handle(handle)
+        check.low_latency(self._ctx, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         return self._live().get_next_low_latency_combine_buffer(handle)
-
-    # ---- checks -------------------------------------------------------------------------------
-    def _check_dispatch_x(self, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if isinstance(x, tuple):
-            if len(x) != 2:
-                raise TypeError("FP8 x must be a tuple (data, scales)")
-            data, scales = x
-            check.tensor("x[0]", data, shape=(None, None), device=self.device, dtypes=check.FP8_DTYPES)
-            _check_hidden(data.size(1), fp8=True)
-            check.tensor("x[1] (scales)", scales, shape=(data.size(0), None), device=self.device,
-                         dtypes=(torch.float32, torch.int32))
-            return data, scales
-        check.tensor("x", x, torch.bfloat16, (None, None), self.device)
-        _check_hidden(x.size(1), fp8=False)
-        return x, None
-
-    def _check_config(self, config: Optional[Config], default) -> Config:
-        if config is None:
-            return default(self.group_size)
-        if not isinstance(config, Config):
-            raise TypeError(f"config must be a deepep_portable.Config, got {type(config).__name__}")
-        return config
-
-    def _check_capacity(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_topk: int) -> None:
-        layout = NormalLayout(self.group_size, x.size(1), x.element_size(),
-                              0 if x_scales is None else x_scales.size(1), num_topk)
-        if layout.max_tokens_per_rank(self.num_nvl_bytes) < x.size(0):
-            raise ValueError(self._capacity_message("dispatch", x.size(0), layout))
-
-    def _capacity_message(self, op: str, num_tokens: int, layout: NormalLayout) -> str:
-        need = CONTROL_BYTES + 128 + layout.bytes_per_token * num_tokens
-        return (f"{op} of {num_tokens} tokens needs a larger buffer: this Buffer has num_nvl_bytes="
-                f"{self.num_nvl_bytes}, room for {layout.max_tokens_per_rank(self.num_nvl_bytes)} tokens per rank "
-                f"({layout.bytes_per_token} bytes per token); create it with num_nvl_bytes >= {need} "
-                f"(Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, num_tokens))")
-
-    def _check_handle_owner(self, handle: DispatchHandle) -> None:
-        if handle.buffer_uid != self._ctx.uid:
-            raise ValueError("handle was produced by another Buffer; pass the handle from this Buffer's dispatch")
-
-    def _check_dispatch_handle(self, handle, num_tokens: int, hidden: int) -> None:
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError("handle must be the DispatchHandle returned by this Buffer's dispatch")
-        self._check_handle_owner(handle)
-        if handle.num_tokens != num_tokens:
-            raise ValueError(f"x has {num_tokens} tokens, but the handle was made for {handle.num_tokens}")
-
-    def _check_low_latency(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        if not self.low_latency_mode:
-            raise ValueError("low-latency ops need a Buffer created with low_latency_mode=True")
-        check.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
-        check.num_experts(num_experts, self.group_size)
-        if hidden % 128 != 0:
-            raise ValueError(f"low-latency hidden must be a multiple of 128, got {hidden}")
-        need = low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts)
-        if self.num_rdma_bytes < need:
-            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for {num_max_dispatch_tokens_per_rank} "
-                             f"tokens x hidden {hidden} x {num_experts} experts: need >= {need} "
-                             f"(Buffer.get_low_latency_rdma_size_hint)")
-
-    def _check_low_latency_handle(self, handle) -> LowLatencyHandle:
-        if isinstance(handle, tuple) and not isinstance(handle, LowLatencyHandle) and len(handle) == 5:
-            handle = LowLatencyHandle(*handle)
-        if not isinstance(handle, LowLatencyHandle):
-            raise TypeError("handle must be the handle returned by low_latency_dispatch")
-        return handle
-
-
-def _check_hidden(hidden: int, fp8: bool) -> None:
-    if hidden <= 0:
-        raise ValueError(f"hidden must be positive, got {hidden}")
-    if fp8 and hidden % 128 != 0:
-        raise ValueError(f"FP8 dispatch needs hidden to be a multiple of 128 (one scale per 128 channels), got {hidden}")
-    if not fp8 and hidden % 8 != 0:
-        raise ValueError(f"BF16 hidden must be a multiple of 8 elements (16 bytes), got {hidden}")
-
-
-def _check_topk_width(t: torch.Tensor) -> int:
-    k = t.size(1)
-    if not 1 <= k <= MAX_TOPK:
-        raise ValueError(f"top-k must be in [1, {MAX_TOPK}], got {k}")
-    return k
-
-
-def _dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
-                     stream: Optional[torch.cuda.Stream]):
-    """Per-rank and per-expert token counts and the token->rank mask (a local computation)."""
-    if topk_idx.is_cuda:
-        from ._kernels import dispatch_layout_cuda
-
-        return dispatch_layout_cuda(topk_idx, num_experts, num_ranks, stream)
-    return dispatch_layout_torch(topk_idx, num_experts, num_ranks)
-
-
-def dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
-    experts_per_rank = num_experts // num_ranks
-    valid = topk_idx >= 0
-    per_expert = torch.bincount(topk_idx[valid].flatten(), minlength=num_experts).to(torch.int32)
-    rank_of = torch.where(valid, topk_idx // experts_per_rank, torch.full_like(topk_idx, num_ranks))
-    in_rank = torch.zeros(topk_idx.size(0), num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
-    in_rank.scatter_(1, rank_of, True)
-    in_rank = in_rank[:, :num_ranks].contiguous()
-    per_rank = in_rank.sum(0, dtype=torch.int32)
-    return per_rank, per_expert, in_rank
 
 
 def _flatten(items: List) -> List:

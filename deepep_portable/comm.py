@@ -141,4 +141,3 @@ def _shares_gpu_with_peer(comm: Comm) -> bool:
         uuids = comm.allgather_object(uuid)
         _shared_gpu_cache[key] = len(set(uuids)) < len(uuids)
     return _shared_gpu_cache[key]
-

@@ -462,24 +462,3 @@ def precompile(archs: Sequence[str] = ("sm_80", "sm_90"), jobs: Optional[int] = 
     if first_error is not None:
         raise first_error
     return results
-
-
-# Kernel families. Keep this list in step with csrc/common/kernels (one entry per source).
-register_family(
-    "layout", "common/kernels/layout.cu", ["dispatch_layout"],
-    variants=[dict(NUM_TOPK=8, NUM_RANKS=8, NUM_EXPERTS=256),
-              dict(NUM_TOPK=8, NUM_RANKS=16, NUM_EXPERTS=256),
-              dict(NUM_TOPK=6, NUM_RANKS=4, NUM_EXPERTS=64)])
-
-register_family(
-    "intranode_dispatch", "common/kernels/intranode/dispatch.cu",
-    ["intranode_dispatch_stage", "intranode_dispatch_pull"],
-    variants=[dict(NUM_RANKS=8, HIDDEN_BYTES=7168, NUM_TOPK=8, NUM_SCALES=56),      # FP8 headline
-              dict(NUM_RANKS=8, HIDDEN_BYTES=7168 * 2, NUM_TOPK=8, NUM_SCALES=0),   # BF16 headline
-              dict(NUM_RANKS=4, HIDDEN_BYTES=4096 * 2, NUM_TOPK=0, NUM_SCALES=0)])  # cached dispatch
-register_family(
-    "intranode_combine", "common/kernels/intranode/combine.cu",
-    ["intranode_combine_stage", "intranode_combine_pull"],
-    variants=[dict(NUM_RANKS=8, HIDDEN=7168, NUM_TOPK=8),
-              dict(NUM_RANKS=4, HIDDEN=4096, NUM_TOPK=0)])
-register_family("copy", "common/kernels/copy.cu", ["copy_int4", "copy_segments", "start_line"], variants=[{}])

@@ -19,8 +19,9 @@ import torch
 
 from . import jit, jit_link
 from . import nvshmem_runtime as nr
-from .ipc import ERROR_WORDS, MappedWords, Window, device_uuid
-from .transports.base import BufferContext
+from .contract import BufferContext
+from .device import device_index, device_uuid
+from .windows.base import ERROR_WORDS, MappedWords, Window
 
 # Heap headroom beyond the first window: later Buffers of the job allocate from the same heap (8 PEs
 # sharing one GPU each reserve it, so not more). NVSHMEM_SYMMETRIC_SIZE / nvshmem_options override.
@@ -34,7 +35,7 @@ class NvshmemWindow(Window):
         from . import _C
 
         self.ctx = ctx
-        self.dev = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
+        self.dev = device_index(ctx.device)
         torch.zeros(1, device=ctx.device)   # the device's primary context is current on this thread
         heap = max(HEAP_MIN, HEAP_FACTOR * nbytes + (64 << 20))
         self.rt = nr.shared_runtime(ctx.comm, self.dev, options, min_heap_bytes=heap)

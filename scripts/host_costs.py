@@ -33,12 +33,15 @@ def _median_us(fn, iters: int) -> float:
 
 
 def _steps(side: torch.cuda.Stream):
-    from deepep_portable import _kernels, intranode, jit
+    from deepep_portable import jit
+    from deepep_portable.engines import intranode
+    from deepep_portable.engines.launch import launch
+    from deepep_portable.tools import kernels
 
     dev = torch.device("cuda", torch.cuda.current_device())
     keep = []
-    copy = jit.load(_kernels.COPY_SOURCE, "copy_int4", {}, dev.index)
-    params = _kernels.CopyParams(0, 0, 0)   # zero words: the kernel does nothing
+    copy = jit.load(kernels.COPY_SOURCE, "copy_int4", {}, dev.index)
+    params = kernels.CopyParams(0, 0, 0)   # zero words: the kernel does nothing
     template = intranode.DispatchParams()
     handle = int(side.cuda_stream)
 
@@ -70,7 +73,7 @@ def _steps(side: torch.cuda.Stream):
         p.x = 1
 
     def launch_empty():
-        _kernels.launch(copy, 1, 256, params, handle)
+        launch(copy, 1, 256, params, handle)
 
     return [("torch.empty (current stream)", alloc_current), ("torch.empty under stream(side)", alloc_side),
             ("stream(side) context alone", stream_context), ("empty + record_stream(side)", alloc_record_stream),

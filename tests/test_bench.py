@@ -53,7 +53,7 @@ def test_pattern_ceiling_segments_tile_every_window(forward):
     and all ranks' segments tile each destination window in source order, without overlap."""
     import random
 
-    from deepep_portable.bench import pattern_segments
+    from deepep_portable.tools.ceilings import pattern_segments
 
     rng = random.Random(7)
     world, row_bytes = 5, 7392 + 4   # a row that is not a multiple of 16 rounds up
@@ -79,7 +79,7 @@ def test_segment_copy_rejects_bad_plans():
     """A bad copy plan is refused before anything is allocated or launched (no GPU needed)."""
     import torch
 
-    from deepep_portable._kernels import SegmentCopy
+    from deepep_portable.tools.kernels import SegmentCopy
 
     src = torch.zeros(64, dtype=torch.uint8)
     with pytest.raises(ValueError):

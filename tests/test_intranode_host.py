@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-from deepep_portable import intranode, jit
+from deepep_portable import jit
+from deepep_portable.engines import intranode
 from deepep_portable import layout as L
 
 try:

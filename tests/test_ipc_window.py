@@ -6,9 +6,10 @@ import ctypes
 import pytest
 import torch
 
-from deepep_portable import ipc
+from deepep_portable.windows import base as window_base
+from deepep_portable.windows import ipc
 from deepep_portable.comm import node_identity
-from deepep_portable.transports.base import BufferContext
+from deepep_portable.contract import BufferContext
 
 
 class FakeDriver:
@@ -72,7 +73,7 @@ def fake(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "deepep_portable._C", drv)
     monkeypatch.setattr(ipc, "device_uuid", lambda dev: "GPU-A")
     monkeypatch.setattr(ipc, "_synchronize", lambda dev: None)
-    monkeypatch.setattr(ipc, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(window_base, "sm_count", lambda dev: 132)
     return drv
 
 

@@ -151,19 +151,23 @@ def _ptx_param_sizes(tmp_path, source: str, defines: dict) -> dict:
 def test_param_structs_match_ptx(tmp_path):
     """Each ctypes mirror has the byte size of its kernel's one parameter (checked in PTX, no GPU):
     the layout kernel and the benchmark ceilings' copy kernels."""
-    from deepep_portable import _kernels
+    from deepep_portable.engines import dispatch_layout
+    from deepep_portable.tools import kernels
 
-    layout = _ptx_param_sizes(tmp_path, _kernels.LAYOUT_SOURCE, LAYOUT_VARIANTS[1])
-    assert layout["dispatch_layout"] == [ctypes.sizeof(_kernels.LayoutParams)]
-    copy = _ptx_param_sizes(tmp_path, _kernels.COPY_SOURCE, {})
-    assert copy == {"copy_int4": [ctypes.sizeof(_kernels.CopyParams)],
-                    "copy_segments": [ctypes.sizeof(_kernels.CopySegmentsParams)],
-                    "start_line": [ctypes.sizeof(_kernels.StartLineParams)]}
+    layout = _ptx_param_sizes(tmp_path, dispatch_layout.LAYOUT_SOURCE, LAYOUT_VARIANTS[1])
+    assert layout["dispatch_layout"] == [ctypes.sizeof(dispatch_layout.LayoutParams)]
+    copy = _ptx_param_sizes(tmp_path, kernels.COPY_SOURCE, {})
+    assert copy == {"copy_int4": [ctypes.sizeof(kernels.CopyParams)],
+                    "copy_segments": [ctypes.sizeof(kernels.CopySegmentsParams)],
+                    "start_line": [ctypes.sizeof(kernels.StartLineParams)]}
 
 
 @needs_nvcc
 def test_precompile_every_family(cache):
-    assert "layout" in jit.families()
+    from deepep_portable.tools.precompile import load_families
+
+    assert {"layout", "intranode_dispatch", "intranode_combine", "copy", "low_latency_dispatch",
+            "low_latency_combine"} <= set(load_families())
     results = jit.precompile(archs=("sm_80", "sm_90"), cache=cache)
     expected = sum(len(f.variants) * len([a for a in ("sm_80", "sm_90") if f.archs is None or a in f.archs])
                    for f in jit.families().values())

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from deepep_portable import jit
+from deepep_portable.contract import scale_shape
 from deepep_portable import layout as L
-from deepep_portable import low_latency as ll
+from deepep_portable.engines import low_latency as ll
 from deepep_portable.profiling import PhaseProfile
 
 import oracle
@@ -192,7 +193,7 @@ def test_layout_regions(tokens, hidden, ranks, experts):
 
 def test_scale_storage_is_column_major():
     for ue8m0, cols in ((False, 56), (True, 14)):
-        shape = ll.scale_shape(3, 40, 7168, ue8m0)
+        shape = scale_shape(3, 40, 7168, ue8m0)
         view = torch.empty(shape).transpose(1, 2)
         assert tuple(view.shape) == (3, 40, cols) and view.stride(1) == 1
         # the kernel writes element (e, row, s) at e * S * slots + s * slots + row
@@ -354,7 +355,7 @@ def test_receive_hooks_run_in_call_order_once(monkeypatch):
 
 def test_timeout_on_own_blocks_is_named_so():
     """The LL dispatch's stage barrier waits for the rank's own blocks and reports itself as the peer."""
-    from deepep_portable.ipc import CommTimeoutError
+    from deepep_portable.errors import CommTimeoutError
 
     own = str(CommTimeoutError("low_latency_dispatch", 3, 3, 5, 2.0))
     assert "its own blocks" in own and "block 5" in own and "rank 3" in own

@@ -346,7 +346,7 @@ def test_low_latency_kernels_link_for_the_nvshmem_transport(source, kernels, cac
     with nothing of NVSHMEM left unresolved."""
     _nvcc_or_skip()
     _nvshmem_or_skip()
-    from deepep_portable import low_latency as ll
+    from deepep_portable.engines import low_latency as ll
 
     res = jit_link.compile_linked_cached(source, ll.kernel_defines(7168, 8, "nvshmem"), "sm_90", cache=cache)
     e_type, _, _, syms = _elf_symbols(res.image)

@@ -219,7 +219,7 @@ def test_low_latency_fp8_payload_is_the_cast():
 @pytest.fixture(scope="module")
 def one_rank_ctx(one_rank_group):
     from deepep_portable.comm import Comm
-    from deepep_portable.transports.base import BufferContext
+    from deepep_portable.contract import BufferContext
 
     return BufferContext(comm=Comm(dist.group.WORLD), rank=0, num_ranks=1, device=torch.device("cpu"),
                          num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=True, uid=12345, timeout_s=30.0)
@@ -227,7 +227,7 @@ def one_rank_ctx(one_rank_group):
 
 @pytest.mark.parametrize("fp8,worst,use_topk", [(False, 0, True), (True, 0, True), (False, 3, True), (True, 0, False)])
 def test_reference_normal_one_rank(one_rank_ctx, fp8, worst, use_topk):
-    from deepep_portable.transports.base import DispatchArgs
+    from deepep_portable.contract import CachedDispatchArgs, CombineArgs, DispatchArgs
     from deepep_portable.transports.reference import ReferenceTransport
 
     tr = ReferenceTransport(one_rank_ctx)
@@ -251,11 +251,11 @@ def test_reference_normal_one_rank(one_rank_ctx, fp8, worst, use_topk):
     h = res.handle
     assert torch.equal(h.recv_src_idx, exp.recv_src_idx) and torch.equal(h.rank_prefix_matrix, exp.rank_prefix_matrix)
     assert torch.equal(h.send_rows, exp.send_rows) and h.num_recv_tokens == exp.num_recv_tokens
-    again, again_scales = tr.cached_dispatch(xd, xs, h, 20)
+    again, again_scales = tr.cached_dispatch(CachedDispatchArgs(xd, xs, h, 20))
     assert torch.equal(again.view(torch.uint8), res.recv_x.view(torch.uint8))
     y = torch.randn(h.num_recv_rows, 256, generator=_gen(3)).to(torch.bfloat16)
     bias = torch.randn(7, 256, generator=_gen(4)).to(torch.bfloat16)
-    cx, cw = tr.combine(y, h, res.recv_topk_weights, bias, bias, 20)
+    cx, cw = tr.combine(CombineArgs(y, h, res.recv_topk_weights, bias, bias, 20))
     ex, ew = oracle.combine(0, [y], [in_rank], [res.recv_topk_weights] if use_topk else None, bias, bias)
     assert torch.equal(cx, ex)
     assert (cw is None and ew is None) or torch.equal(cw, ew)
@@ -264,7 +264,7 @@ def test_reference_normal_one_rank(one_rank_ctx, fp8, worst, use_topk):
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "fp8-round", "fp8-ue8m0"])
 @pytest.mark.parametrize("hook", [False, True])
 def test_reference_low_latency_one_rank(one_rank_ctx, mode, hook):
-    from deepep_portable.transports.base import LowLatencyCombineArgs, LowLatencyDispatchArgs
+    from deepep_portable.contract import LowLatencyCombineArgs, LowLatencyDispatchArgs
     from deepep_portable.transports.reference import ReferenceTransport
 
     tr = ReferenceTransport(one_rank_ctx)

@@ -330,7 +330,7 @@ def test_topology_parse():
 # ---------------------------------------------------------------------------------- doctor
 
 def test_doctor_prints_every_section():
-    from deepep_portable.doctor import run_doctor
+    from deepep_portable.tools.doctor import run_doctor
 
     buf = io.StringIO()
     assert run_doctor(file=buf) == 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Type
 
-from .base import BufferContext, Capabilities, Transport, TransportStatus
+from ..contract import BufferContext, Capabilities, Transport, TransportStatus
 
 # Preference order for transport="auto": the first usable one wins.
 # "nvlink" (intranode CUDA IPC, no library needed) is ours, beside DESIGN.md's four.

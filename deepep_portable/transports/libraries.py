@@ -18,6 +18,7 @@ import subprocess
 import sys
 from typing import Dict, List, Optional, Tuple
 
+
 def _run(cmd: List[str], timeout: float = 20.0) -> Tuple[int, str]:
     try:
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -13,10 +13,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..handles import DispatchHandle, LowLatencyHandle
-from ..intranode import IntranodeEngine
-from .base import (BufferContext, Capabilities, DispatchArgs, DispatchResult, LowLatencyCombineArgs,
-                   LowLatencyDispatchArgs, LowLatencyDispatchResult)
+from ..contract import (BufferContext, CachedDispatchArgs, Capabilities, CombineArgs, DispatchArgs, DispatchResult,
+                        LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult)
+from ..engines.intranode import IntranodeEngine
+from ..handles import LowLatencyHandle
 from .reference import ReferenceTransport
 
 
@@ -27,38 +27,33 @@ def low_latency_kernels_enabled() -> bool:
 class NvlinkTransport(ReferenceTransport):
     name = "nvlink"
     ll_window = "nvlink"    # which LowLatencyEngine build serves the low-latency ops
-    capabilities = Capabilities(True, False, True, 1, True, "none")   # backends/nvlink/device.cuh
+    capabilities = Capabilities(peer_load_store=True, remote_atomics=False, ordered_delivery=True, max_channels=1,
+                                graph_safe=True, network="none")   # backends/nvlink/device.cuh
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
         # Every rank passes the same sizes and environment, so all ranks take the same branches of
         # these collective set-ups. A Buffer with num_nvl_bytes=0 has no normal-mode buffer (Buffer
         # rejects normal-mode calls on it with the size they need).
-        self.engine = IntranodeEngine(ctx) if ctx.num_nvl_bytes > 0 else None
+        self.normal_engine = IntranodeEngine(ctx) if ctx.num_nvl_bytes > 0 else None
         self.ll_engine = None
         if ctx.num_rdma_bytes > 0 and low_latency_kernels_enabled():
-            from ..low_latency import LowLatencyEngine
+            from ..engines.low_latency import LowLatencyEngine
 
             self.ll_engine = LowLatencyEngine(ctx, self.ll_window)
 
     # ---- normal mode ----------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        return self.engine.dispatch(args)
+        return self.normal_engine.dispatch(args)
 
-    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: DispatchHandle,
-                        num_sms: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        state = handle.transport_state
+    def cached_dispatch(self, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        state = args.handle.transport_state
         if not isinstance(state, dict) or "send_pos" not in state:
             raise ValueError("handle was not produced by the nvlink transport")
-        args = DispatchArgs(x=x, x_scales=x_scales, topk_idx=None, topk_weights=None,
-                            num_tokens_per_rank=state["num_tokens_per_rank"], is_token_in_rank=handle.is_token_in_rank,
-                            num_tokens_per_expert=None, num_experts=self.ctx.num_ranks, expert_alignment=1,
-                            num_worst_tokens=0, num_sms=num_sms, config=None)
-        res = self.engine.dispatch(args, handle=handle)
-        return res.recv_x, res.recv_x_scales
+        return self.normal_engine.cached_dispatch(args)
 
-    def combine(self, x, handle, topk_weights, bias_0, bias_1, num_sms):
-        return self.engine.combine(x, handle, topk_weights, bias_0, bias_1, num_sms)
+    def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return self.normal_engine.combine(args)
 
     # ---- low-latency mode ---------------------------------------------------------------------
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs) -> LowLatencyDispatchResult:
@@ -81,8 +76,11 @@ class NvlinkTransport(ReferenceTransport):
             return super().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.ll_engine.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    def engine(self, mode: str):
+        return {"normal": self.normal_engine, "low_latency": self.ll_engine}[mode]
+
     def destroy(self) -> None:
-        for engine in (self.engine, self.ll_engine):
+        for engine in (self.normal_engine, self.ll_engine):
             if engine is not None:
                 engine.destroy()
         super().destroy()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .base import Capabilities
+from ..contract import Capabilities
 from .nvlink import NvlinkTransport
 
 
@@ -24,7 +24,8 @@ class NvshmemTransport(NvlinkTransport):
     name = "nvshmem"
     ll_window = "nvshmem"
     # backends/nvshmem/device.cuh: peer load/store is known only at run time (nvshmem_ptr per PE)
-    capabilities = Capabilities(False, True, False, 1, True, "other")
+    capabilities = Capabilities(peer_load_store=False, remote_atomics=True, ordered_delivery=False, max_channels=1,
+                                graph_safe=True, network="other")
 
     def runtime_capabilities(self) -> Capabilities:
         window = getattr(self.ll_engine, "window", None)

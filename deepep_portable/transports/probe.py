@@ -21,7 +21,7 @@ import re
 import shutil
 from typing import Dict, List, Optional, Tuple
 
-from .base import TransportStatus
+from ..contract import TransportStatus
 from .libraries import (_ldconfig_cache, _load_lib, _nccl_version_tuple, _run, _searched_text,  # noqa: F401
                         find_library, nccl_info, nvshmem_info)
 from .rdma import SYSFS_INFINIBAND, is_mlx5, pyverbs_module, rdma_devices, rdma_devices_sysfs  # noqa: F401

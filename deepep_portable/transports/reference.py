@@ -25,9 +25,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..contract import (BufferContext, CachedDispatchArgs, Capabilities, CombineArgs, DispatchArgs, DispatchResult,
+                        LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult, Transport,
+                        allocate_low_latency_outputs)
 from ..handles import DispatchHandle, LowLatencyHandle
-from .base import (BufferContext, Capabilities, DispatchArgs, DispatchResult, LowLatencyCombineArgs,
-                   LowLatencyDispatchArgs, LowLatencyDispatchResult, Transport, allocate_low_latency_outputs)
 
 FP8_MAX = 448.0          # largest finite float8_e4m3fn
 FP8_AMAX_MIN = 1e-4      # per-128-channel amax is clamped to at least this before computing the scale
@@ -108,7 +109,8 @@ class ReferenceTransport(Transport):
 
     name = "reference"
     # torch.distributed collectives staged through the host: no peer pointers, not capturable.
-    capabilities = Capabilities(False, False, True, 1, False, "none")
+    capabilities = Capabilities(peer_load_store=False, remote_atomics=False, ordered_delivery=True, max_channels=1,
+                                graph_safe=False, network="none")
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
@@ -221,8 +223,8 @@ class ReferenceTransport(Transport):
         return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
                               num_recv_tokens_per_expert_list, handle)
 
-    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor],
-                        handle: DispatchHandle, num_sms: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def cached_dispatch(self, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        x, x_scales, handle = args.x, args.x_scales, args.handle
         device = x.device
         tokens, send_counts = self._send_order(handle.is_token_in_rank)
         recv_counts = self._recv_counts_from_prefix(handle.rank_prefix_matrix)
@@ -238,12 +240,11 @@ class ReferenceTransport(Transport):
         _done(device)
         return recv_x, recv_x_scales
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias_0: Optional[torch.Tensor], bias_1: Optional[torch.Tensor],
-                num_sms: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Reduction order (fixed, hence deterministic): acc = +0.0 (float32), then += bias_0, += bias_1,
         then += the row returned by each rank that received the token, rank ascending; cast to bf16.
         Top-k weights: +0.0, then += each receiving rank's row, rank ascending. No weights are applied."""
+        x, handle, topk_weights, bias_0, bias_1 = args.x, args.handle, args.topk_weights, args.bias_0, args.bias_1
         device = x.device
         in_rank = handle.is_token_in_rank
         num_tokens, hidden = handle.num_tokens, x.shape[1]

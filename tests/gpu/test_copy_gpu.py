@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from deepep_portable import _C  # noqa: E402
-from deepep_portable._kernels import SegmentCopy, copy_with_blocks  # noqa: E402
+from deepep_portable.tools.kernels import SegmentCopy, copy_with_blocks  # noqa: E402
 
 _ok, _reason = _C.driver_status()
 if not _ok:

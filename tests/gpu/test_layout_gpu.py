@@ -9,7 +9,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from deepep_portable import _C, _kernels, jit  # noqa: E402
+from deepep_portable import _C, jit  # noqa: E402
+from deepep_portable.engines import dispatch_layout as _kernels  # noqa: E402
 
 _ok, _reason = _C.driver_status()
 if not _ok:

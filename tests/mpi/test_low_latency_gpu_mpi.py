@@ -70,7 +70,7 @@ _SHARED = _Shared()
 
 
 def _engine_of(buf):
-    from deepep_portable.low_latency import LowLatencyEngine
+    from deepep_portable.engines.low_latency import LowLatencyEngine
 
     backend = buf._live()
     for value in vars(backend).values():

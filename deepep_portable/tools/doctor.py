@@ -62,7 +62,7 @@ def _python(o: _Out) -> None:
     except Exception as e:
         o.kv("deepep_portable", f"import failed: {type(e).__name__}: {e}")
     try:
-        from . import _C  # type: ignore[attr-defined]
+        from .. import _C  # type: ignore[attr-defined]
         o.kv("deepep_portable._C", getattr(_C, "__file__", "imported"))
     except Exception as e:
         o.kv("deepep_portable._C", f"not importable: {type(e).__name__}: {e}")
@@ -76,7 +76,7 @@ def _python(o: _Out) -> None:
 
 
 def _driver_and_gpus(o: _Out) -> None:
-    from .transports import probe
+    from ..transports import probe
 
     ok, reason, source = probe.driver_status()
     o.kv("driver", ("OK: " if ok else "") + reason)
@@ -118,7 +118,7 @@ def _release(version_text: str) -> str:
 def _compiler(o: _Out) -> None:
     o.kv("CUDA_HOME", os.environ.get("CUDA_HOME", "<unset>"))
     try:
-        from . import jit
+        from .. import jit
     except Exception as e:
         o.kv("deepep_portable.jit", f"not importable: {type(e).__name__}: {e}")
         jit = None
@@ -138,14 +138,14 @@ def _compiler(o: _Out) -> None:
         o.kv("nvcc", "not found ($CUDA_HOME/bin, PATH, /usr/local/cuda/bin); "
                      "bash scripts/setup_env.sh installs the CUDA 13 compiler wheels")
         return
-    from .transports.probe import _run
+    from ..transports.libraries import _run
 
     rc, out = _run([nvcc, "--version"], timeout=30.0)
     o.kv("nvcc", f"{nvcc}: " + (_release(out) if rc == 0 else f"--version failed: {out.strip()[:200]}"))
 
 
 def _libraries(o: _Out) -> None:
-    from .transports import probe
+    from ..transports import probe
 
     n = probe.nccl_info()
     if n["lib"]:
@@ -175,7 +175,7 @@ def _libraries(o: _Out) -> None:
 
 
 def _rdma(o: _Out) -> None:
-    from .transports import probe
+    from ..transports import probe
 
     devs, source = probe.rdma_devices()
     o.kv("source", source)
@@ -198,7 +198,7 @@ def _rdma(o: _Out) -> None:
 
 
 def _transports(o: _Out) -> None:
-    from .transports import available_transports
+    from ..transports import available_transports
 
     for name, st in available_transports().items():
         o.line(f"{name:10s} {'USABLE' if st.usable else 'unusable'}: {st.reason}")

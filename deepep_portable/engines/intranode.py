@@ -7,18 +7,21 @@ Buffer's communication stream; outputs are allocated on the current stream (Buff
 """
 from __future__ import annotations
 
-import ctypes
 import time
 from typing import List, Optional, Tuple
 
 import torch
 
-from . import layout as L
-from ._kernels import KernelCache, forced_arch, launch, stream_handle
-from .handles import DispatchHandle
-from .ipc import CommTimeoutError, IpcWindow, MappedWords
-from .profiling import PhaseProfile
-from .transports.base import BufferContext, DispatchArgs, DispatchResult
+from .. import jit
+from .. import layout as L
+from ..contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult
+from ..device import forced_arch
+from ..errors import CommTimeoutError
+from ..handles import DispatchHandle
+from ..profiling import PhaseProfile
+from ..windows.base import MappedWords
+from ..windows.ipc import IpcWindow
+from .launch import KernelCache, launch, params_struct, ptr, stream_handle
 
 DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
@@ -27,14 +30,9 @@ OP_NAMES = {1: "dispatch", 2: "combine"}
 MAX_SPARES = 4   # (kind, tokens) shapes whose next dispatch finds its small outputs ready
 
 
-def _struct(name: str, fields: List[str]) -> type:
-    """A ctypes struct of 64-bit fields (the kernels' params are all 64-bit: no padding rules)."""
-    return type(name, (ctypes.Structure,), {"_fields_": [(f, ctypes.c_int64) for f in fields]})
-
-
 _CONTROL = ["round", "current", "ready", "error", "num_tokens", "done", "count_to", "expert_count", "counted",
             "stage_ticket"]
-DispatchParams = _struct("DispatchParams", [
+DispatchParams = params_struct("DispatchParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
     "send_list_offset", "send_area_offset", "slot_bytes", "capacity", "scales_offset", "topk_idx_offset",
     "topk_weights_offset", "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "send_pos",
@@ -43,14 +41,10 @@ DispatchParams = _struct("DispatchParams", [
     "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "rank_prefix_matrix", "send_rows",
     "num_recv_out", "expert_counts_out", "host_out", "max_recv_rows", "expert_alignment",
     "error_claim", "error_host", "timeout_ns"])
-CombineParams = _struct("CombineParams", [
+CombineParams = params_struct("CombineParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
     "send_area_offset", "slot_bytes", "weights_offset", "x", "topk_weights", "num_rows", "send_rows",
     "bias_0", "bias_1", "out", "out_topk_weights", "num_tokens", "error_claim", "error_host", "timeout_ns"])
-
-
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 class IntranodeEngine:
@@ -135,7 +129,8 @@ class IntranodeEngine:
             plan = self._plans[key] = build()
         return plan
 
-    def _grid(self, num_sms: int) -> int:
+    def grid(self, num_sms: int) -> int:
+        """Blocks per kernel for an SM budget (capped so every rank sharing the GPU fits at once)."""
         return self.window.grid(num_sms)
 
     def _capacity(self, lay: L.NormalLayout) -> int:
@@ -202,23 +197,33 @@ class IntranodeEngine:
             del self._spares[next(iter(self._spares))]
 
     # ---- dispatch ---------------------------------------------------------------------------------
-    def dispatch(self, args: DispatchArgs, handle: Optional[DispatchHandle] = None) -> DispatchResult:
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        return self._dispatch(args.x, args.x_scales, args.num_sms, fresh=args)
+
+    def cached_dispatch(self, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        res = self._dispatch(args.x, args.x_scales, args.num_sms, handle=args.handle)
+        return res.recv_x, res.recv_x_scales
+
+    def _dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_sms: int,
+                  fresh: Optional[DispatchArgs] = None, handle: Optional[DispatchHandle] = None) -> DispatchResult:
+        """A fresh dispatch (`fresh`: its routing) or a cached one (`handle`: the routing of an earlier
+        dispatch; no top-k, no expert counts)."""
         t_host = time.perf_counter()
         self.check()
         comm = self.ctx.comm_stream
-        x, x_scales = args.x, args.x_scales
         N, hidden = x.shape
         R = self.num_ranks
         cached = handle is not None
-        topk = 0 if cached or args.topk_idx is None else args.topk_idx.size(1)
+        topk = 0 if cached or fresh.topk_idx is None else fresh.topk_idx.size(1)
         num_scales = 0 if x_scales is None else x_scales.size(1)
-        num_experts = args.num_experts
+        num_experts = R if cached else fresh.num_experts   # cached: the expert counts are not computed
+        alignment = 1 if cached else fresh.expert_alignment
+        num_worst_tokens = 0 if cached else fresh.num_worst_tokens
         if num_experts > L.max_experts_in_control(R):
             raise ValueError(f"the nvlink transport supports up to {L.max_experts_in_control(R)} experts")
         (stage, pull), template = self._plan(
-            ("dispatch", hidden, x.element_size(), num_scales, topk, num_experts, args.expert_alignment),
-            lambda: self._dispatch_plan(hidden, x.element_size(), num_scales, topk, num_experts,
-                                        args.expert_alignment))
+            ("dispatch", hidden, x.element_size(), num_scales, topk, num_experts, alignment),
+            lambda: self._dispatch_plan(hidden, x.element_size(), num_scales, topk, num_experts, alignment))
         self.profile.host_time("dispatch:check_and_plan", t_host)
 
         dev = self.ctx.device
@@ -226,7 +231,7 @@ class IntranodeEngine:
             state = handle.transport_state
             send_pos, per_rank = state["send_pos"], state["num_tokens_per_rank"]
         else:
-            per_rank = args.num_tokens_per_rank
+            per_rank = fresh.num_tokens_per_rank
         views = self._small_outputs(cached, N)
         if not cached:
             send_pos, send_rows = views[0], views[1]
@@ -234,21 +239,21 @@ class IntranodeEngine:
         self.profile.host_time("dispatch:until_alloc", t_host)
 
         p = DispatchParams.from_buffer_copy(template)
-        p.x, p.x_scales = x.data_ptr(), _ptr(x_scales)
-        p.topk_idx = 0 if cached else _ptr(args.topk_idx)
-        p.topk_weights = 0 if cached else _ptr(args.topk_weights)
-        p.is_token_in_rank = 0 if cached else args.is_token_in_rank.data_ptr()
+        p.x, p.x_scales = x.data_ptr(), ptr(x_scales)
+        p.topk_idx = 0 if cached else ptr(fresh.topk_idx)
+        p.topk_weights = 0 if cached else ptr(fresh.topk_weights)
+        p.is_token_in_rank = 0 if cached else fresh.is_token_in_rank.data_ptr()
         p.send_pos, p.num_tokens_per_rank = send_pos.data_ptr(), per_rank.data_ptr()
-        p.num_tokens_per_expert = 0 if cached else args.num_tokens_per_expert.data_ptr()
+        p.num_tokens_per_expert = 0 if cached else fresh.num_tokens_per_expert.data_ptr()
         p.num_tokens = N
         # Learn the receive count on the host (as DeepEP does) from the stage kernel's block 0, which
         # publishes it before its copy: the host allocates and launches the pull while the copy runs.
-        learn_count = not cached and args.num_worst_tokens == 0
+        learn_count = not cached and num_worst_tokens == 0
         if learn_count:
             self.notify.words[0] = 0
             p.host_out = self.notify.dev
         s = stream_handle(comm)
-        grid = self._grid(args.num_sms)
+        grid = self.grid(num_sms)
         self.profile.host_time("dispatch:until_params", t_host)
         marks = self.profile.start(comm)
         t_launch = time.perf_counter()
@@ -263,8 +268,8 @@ class IntranodeEngine:
         counts_list: List[int] = []
         if cached:
             rows, num_recv = handle.num_recv_rows, handle.num_recv_tokens
-        elif args.num_worst_tokens > 0:
-            rows, num_recv = args.num_worst_tokens, -1
+        elif num_worst_tokens > 0:
+            rows, num_recv = num_worst_tokens, -1
         else:
             t_wait = time.perf_counter()
             num_recv = self._wait_notify("dispatch")
@@ -282,7 +287,7 @@ class IntranodeEngine:
             recv_w = torch.empty(rows, topk, dtype=torch.float32, device=dev)
         recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
         p.recv_x, p.recv_scales, p.recv_topk_idx, p.recv_topk_weights, p.recv_src_idx = (
-            recv_x.data_ptr(), _ptr(recv_scales), _ptr(recv_idx), _ptr(recv_w), recv_src.data_ptr())
+            recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w), recv_src.data_ptr())
         p.max_recv_rows = rows
         launch(pull, grid, THREADS, p, s)
         if learn_count:
@@ -295,31 +300,30 @@ class IntranodeEngine:
             return DispatchResult(recv_x, recv_scales, None, None, [], handle)
 
         new_handle = DispatchHandle(
-            rank_prefix_matrix=rank_prefix, recv_src_idx=recv_src, is_token_in_rank=args.is_token_in_rank,
+            rank_prefix_matrix=rank_prefix, recv_src_idx=recv_src, is_token_in_rank=fresh.is_token_in_rank,
             send_rows=send_rows, num_recv_tokens=num_recv, num_recv_rows=rows, num_tokens=N, hidden=hidden,
             buffer_uid=self.ctx.uid,
             transport_state=dict(send_pos=send_pos, num_tokens_per_rank=per_rank, num_recv=num_recv_dev))
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_list, new_handle)
 
     # ---- combine ----------------------------------------------------------------------------------
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias_0: Optional[torch.Tensor], bias_1: Optional[torch.Tensor],
-                num_sms: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        x, handle, topk_weights, bias_0, bias_1 = args.x, args.handle, args.topk_weights, args.bias_0, args.bias_1
         self.check()
         comm = self.ctx.comm_stream
         hidden = x.size(1)
         topk = 0 if topk_weights is None else topk_weights.size(1)
         (stage, pull), template = self._plan(("combine", hidden, topk), lambda: self._combine_plan(hidden, topk))
         p = CombineParams.from_buffer_copy(template)
-        p.x, p.topk_weights = x.data_ptr(), _ptr(topk_weights)
+        p.x, p.topk_weights = x.data_ptr(), ptr(topk_weights)
         p.num_rows = handle.transport_state["num_recv"].data_ptr()
         p.send_rows = handle.send_rows.data_ptr()
-        p.bias_0, p.bias_1 = _ptr(bias_0), _ptr(bias_1)
+        p.bias_0, p.bias_1 = ptr(bias_0), ptr(bias_1)
         out = torch.empty(handle.num_tokens, hidden, dtype=torch.bfloat16, device=x.device)
         out_w = None if topk == 0 else torch.empty(handle.num_tokens, topk, dtype=torch.float32, device=x.device)
-        p.out, p.out_topk_weights, p.num_tokens = out.data_ptr(), _ptr(out_w), handle.num_tokens
+        p.out, p.out_topk_weights, p.num_tokens = out.data_ptr(), ptr(out_w), handle.num_tokens
         s = stream_handle(comm)
-        grid = self._grid(num_sms)
+        grid = self.grid(args.num_sms)
         marks = self.profile.start(comm)
         launch(stage, grid, THREADS, p, s)
         self.profile.mark(marks, comm)
@@ -336,3 +340,15 @@ class IntranodeEngine:
         finally:
             self.notify.free()
             self.base = None
+
+
+# What `python -m deepep_portable precompile` and CI compile of these kernels.
+jit.register_family(
+    "intranode_dispatch", DISPATCH_SOURCE, ["intranode_dispatch_stage", "intranode_dispatch_pull"],
+    variants=[dict(NUM_RANKS=8, HIDDEN_BYTES=7168, NUM_TOPK=8, NUM_SCALES=56),      # FP8 headline
+              dict(NUM_RANKS=8, HIDDEN_BYTES=7168 * 2, NUM_TOPK=8, NUM_SCALES=0),   # BF16 headline
+              dict(NUM_RANKS=4, HIDDEN_BYTES=4096 * 2, NUM_TOPK=0, NUM_SCALES=0)])  # cached dispatch
+jit.register_family(
+    "intranode_combine", COMBINE_SOURCE, ["intranode_combine_stage", "intranode_combine_pull"],
+    variants=[dict(NUM_RANKS=8, HIDDEN=7168, NUM_TOPK=8),
+              dict(NUM_RANKS=4, HIDDEN=4096, NUM_TOPK=0)])

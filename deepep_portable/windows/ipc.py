@@ -13,51 +13,15 @@ csrc/common/kernels/signal.cuh: ErrorSink). Two kinds of memory:
 """
 from __future__ import annotations
 
-import ctypes
 import os
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
-from .device import device_uuid, sm_count
-from .comm import node_identity
-from .transports.base import BufferContext
-
-ERROR_WORDS = 8   # [code, op, rank, peer, channel, detail, -, -] (ErrorSink's host record)
-
-
-class CommTimeoutError(RuntimeError):
-    """A wait for a peer ran past the Buffer's timeout. The Buffer is unusable afterwards."""
-
-    def __init__(self, op: str, rank: int, peer: int, channel: int, timeout_s: float) -> None:
-        if peer == rank:   # a barrier over the rank's own grid (the LL dispatch's stage barrier)
-            why = (f"waiting for its own blocks (block {channel}) after {timeout_s:g} s: not all blocks of the "
-                   f"kernel could run at once (other kernels holding the SMs?)")
-        else:
-            why = (f"waiting for peer {peer} (channel {channel}) after {timeout_s:g} s: the peer did not reach "
-                   f"the same call (or is stuck)")
-        super().__init__(f"{op} timed out on rank {rank} {why}; this Buffer cannot be used again, create a new one")
-        self.op, self.rank, self.peer, self.channel = op, rank, peer, channel
-
-
-class MappedWords:
-    """Pinned host int32 words the GPU writes and the host polls."""
-
-    def __init__(self, device: int, words: int) -> None:
-        from . import _C
-
-        self._device = device
-        self.host, self.dev = _C.host_alloc_mapped(device, words * 4)
-        self.words = (ctypes.c_int * words).from_address(self.host)
-        for i in range(words):
-            self.words[i] = 0
-
-    def free(self) -> None:
-        from . import _C
-
-        if self.host:
-            _C.host_free(self._device, self.host)
-            self.host = 0
+from ..comm import node_identity
+from ..contract import BufferContext
+from ..device import device_index, device_uuid
+from .base import ERROR_WORDS, MappedWords, Window
 
 
 def exchange_fds(comm, rank: int, num_ranks: int, fd: int, tag: str, timeout_s: float) -> List[Optional[int]]:
@@ -133,40 +97,15 @@ def _synchronize(device: int) -> None:
     torch.cuda.synchronize(device)
 
 
-class Window:
-    """What every window (CUDA IPC here, NVSHMEM in nvshmem_window.py) gives the engines besides its
-    memory: the grid cap for ranks sharing a GPU and the error record its kernels write."""
-
-    max_blocks: int
-    errors: MappedWords
-
-    def _cap_blocks(self, my_uuid: str, peer_uuids) -> None:
-        # Spinning blocks of every rank must be resident at once: ranks that share a GPU split its SMs.
-        sharing = sum(1 for u in peer_uuids if u == my_uuid)
-        self.max_blocks = max(1, sm_count(self.dev) // sharing)
-
-    def grid(self, num_sms: int) -> int:
-        """Blocks per kernel: the caller's SM budget, capped so that every rank sharing this GPU fits
-        at once (a block that cannot become resident would leave its peers spinning)."""
-        return max(1, min(int(num_sms), self.max_blocks))
-
-    def recorded_error(self) -> Optional[Tuple[int, int, int, int, int, int]]:
-        """(code, op, rank, peer, channel, detail) of the first error a kernel recorded, or None."""
-        w = self.errors.words
-        if w[0] == 0:
-            return None
-        return w[0], w[1], w[2], w[3], w[4], w[5]
-
-
 class IpcWindow(Window):
     def __init__(self, ctx: BufferContext, nbytes: int, zero_bytes: int, size_name: str,
                  shareable: bool = False) -> None:
         """Collective over ctx.comm. `size_name` names the Buffer argument in errors. `shareable`: VMM
         memory shared by file descriptor (see the module docstring) instead of legacy CUDA IPC."""
-        from . import _C
+        from .. import _C
 
         self.ctx = ctx
-        self.dev = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
+        self.dev = device_index(ctx.device)
         self.shareable = shareable
         fd = -1
         if shareable:
@@ -218,7 +157,7 @@ class IpcWindow(Window):
         """Receive every peer's descriptor and map its window (fills `bases`). Collective, and so are its
         failures: every rank learns whether all succeeded, and on failure frees what it mapped and its
         own window and raises with every rank's reason (no rank is left waiting in a later collective)."""
-        from . import _C
+        from .. import _C
 
         ctx, problem = self.ctx, None
         fds: List[Optional[int]] = [None] * len(peers)
@@ -246,7 +185,7 @@ class IpcWindow(Window):
                                + " (DEEPEP_PORTABLE_LL_VMM=0 on every rank uses legacy CUDA IPC instead)")
 
     def _free_own(self) -> None:
-        from . import _C
+        from .. import _C
 
         if self.shareable:
             _C.vmm_free(self.dev, self.base, self.size)
@@ -256,7 +195,7 @@ class IpcWindow(Window):
 
     def close(self) -> None:
         """Collective: wait until no peer can still touch this window, then unmap and free."""
-        from . import _C
+        from .. import _C
 
         if self.base is None:
             return

@@ -1,4 +1,5 @@
-"""The Python side of the transport contract: what every backend implements for `Buffer`.
+"""The Python side of the transport contract: what every backend implements for `Buffer`, and the
+records that travel between them (the device side is csrc/common/kernels/transport.cuh).
 
 `Buffer` validates arguments, picks streams, allocates nothing itself and then calls exactly one of
 these methods. A backend allocates its outputs with the *current* torch stream (Buffer makes the
@@ -15,14 +16,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..comm import Comm
-from ..handles import DispatchHandle, LowLatencyHandle
+from .comm import Comm
+from .handles import DispatchHandle, LowLatencyHandle
 
 
 NETWORKS = ("none", "infiniband", "roce", "other")   # transport::Network in csrc/common/kernels/transport.cuh
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Capabilities:
     """What a transport can do: the host mirror of transport::Capabilities (transport.cuh; each
     backend's device.cuh returns its record, tests/test_transports.py checks they agree).
@@ -31,7 +32,8 @@ class Capabilities:
     remote_atomics: fetch_add reaches peers behind a network (the LL dispatch reserves its rows with it;
     P2P peers always have it); ordered_delivery: writes on
     one (channel, peer) arrive in order (never relied on); max_channels: channels set up;
-    graph_safe: every op may be captured in a CUDA graph; network: what carries non-P2P traffic."""
+    graph_safe: every op may be captured in a CUDA graph; network: what carries non-P2P traffic.
+    Built by keyword only: the fields mirror a C struct, and a positional list would hide a swap."""
 
     peer_load_store: bool
     remote_atomics: bool
@@ -91,6 +93,26 @@ class DispatchArgs:
     num_worst_tokens: int
     num_sms: int
     config: Any
+
+
+@dataclass
+class CachedDispatchArgs:
+    """A dispatch that repeats the layout of an earlier one (its handle): only x (and scales) move."""
+
+    x: torch.Tensor                       # [N, H] bf16 or fp8, N == handle.num_tokens
+    x_scales: Optional[torch.Tensor]
+    handle: DispatchHandle
+    num_sms: int
+
+
+@dataclass
+class CombineArgs:
+    x: torch.Tensor                       # [handle.num_recv_rows, H] bf16
+    handle: DispatchHandle
+    topk_weights: Optional[torch.Tensor]  # [handle.num_recv_rows, K] fp32
+    bias_0: Optional[torch.Tensor]        # [N, H] bf16
+    bias_1: Optional[torch.Tensor]
+    num_sms: int
 
 
 @dataclass
@@ -170,7 +192,8 @@ class Transport(abc.ABC):
     """One backend serving one Buffer."""
 
     name: str = "?"
-    capabilities: Capabilities = Capabilities(False, False, False, 1, False, "none")
+    capabilities: Capabilities = Capabilities(peer_load_store=False, remote_atomics=False, ordered_delivery=False,
+                                              max_channels=1, graph_safe=False, network="none")
 
     def runtime_capabilities(self) -> Capabilities:
         """The record for this Buffer (a backend may know more once set up, e.g. which peers are P2P)."""
@@ -184,13 +207,12 @@ class Transport(abc.ABC):
     def dispatch(self, args: DispatchArgs) -> DispatchResult: ...
 
     @abc.abstractmethod
-    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor],
-                        handle: DispatchHandle, num_sms: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+    def cached_dispatch(self, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(recv_x, recv_x_scales) laid out as the handle's dispatch."""
 
     @abc.abstractmethod
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                bias_0: Optional[torch.Tensor], bias_1: Optional[torch.Tensor],
-                num_sms: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+    def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(combined_x, combined_topk_weights or None)."""
 
     # ---- low-latency mode ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -207,3 +229,9 @@ class Transport(abc.ABC):
 
     def destroy(self) -> None:
         pass
+
+    # ---- for the project's tools (bench, tests) ------------------------------------------------------
+    def engine(self, mode: str):
+        """The kernel engine serving `mode` ("normal" or "low_latency"), or None (no kernels: the
+        reference). Tools read its grid, phase profile and trace; ops never go through this."""
+        return None

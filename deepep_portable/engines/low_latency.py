@@ -44,15 +44,16 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from . import jit
-from . import layout as L
-from ._kernels import KernelCache, forced_arch, launch, stream_handle
-from .handles import LowLatencyHandle
-from .intranode import _ptr, _struct
-from .ipc import CommTimeoutError, IpcWindow
-from .profiling import PhaseProfile
-from .transports.base import (BufferContext, LowLatencyCombineArgs, LowLatencyDispatchArgs,
-                              LowLatencyDispatchResult, allocate_low_latency_outputs, scale_shape)  # noqa: F401
+from .. import jit
+from .. import layout as L
+from ..contract import (BufferContext, LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult,
+                        allocate_low_latency_outputs)
+from ..device import forced_arch
+from ..errors import CommTimeoutError
+from ..handles import LowLatencyHandle
+from ..profiling import PhaseProfile
+from ..windows.ipc import IpcWindow
+from .launch import KernelCache, launch, params_struct, ptr, stream_handle
 
 DISPATCH_SOURCE = "common/kernels/low_latency/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
@@ -70,11 +71,11 @@ _COMMON = ["peer_bases", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_s
            "ctrl_last", "dispatch_signal_offset", "combine_signal_offset", "signal_half_stride", "dispatch_recv_offset",
            "dispatch_side_offset", "combine_send_offset", "combine_recv_offset", "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes",
            "error_claim", "error_host", "timeout_ns", "trace"]
-LLDispatchParams = _struct("LLDispatchParams", [
+LLDispatchParams = params_struct("LLDispatchParams", [
     *_COMMON, "x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "ctrl_stage_arrive",
     "ctrl_staged", "recv_x", "expect_half", "recv_scales", "src_info",
     "layout_range", "recv_count", "cumulative_recv_stats", "wait_stats", "use_ue8m0"])
-LLCombineParams = _struct("LLCombineParams", [
+LLCombineParams = params_struct("LLCombineParams", [
     *_COMMON, "x", "src_info", "layout_range", "expect_half", "topk_idx", "topk_weights", "out", "num_tokens",
     "wait_stats", "slot_table"])
 
@@ -138,7 +139,7 @@ class LowLatencyEngine:
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
         # Everything zero: counters, arrival words, error claim and every signal (seq 0 = never written).
         if transport == "nvshmem":
-            from .nvshmem_window import NvshmemWindow
+            from ..nvshmem_window import NvshmemWindow
 
             self.window = NvshmemWindow(ctx, ctx.num_rdma_bytes, ctx.options.get("nvshmem"))
         else:
@@ -214,7 +215,7 @@ class LowLatencyEngine:
         p.error_claim = self.base + L.LL_CTRL_ERROR
         p.error_host = self.errors.dev
         p.timeout_ns = int(self.ctx.timeout_s * 1e9)
-        p.trace = _ptr(self.trace)
+        p.trace = ptr(self.trace)
 
     # ---- kernel timing trace (profiling only) ---------------------------------------------------------
     def trace_reset(self) -> None:
@@ -382,10 +383,10 @@ class LowLatencyEngine:
         p.x, p.topk_idx, p.num_tokens = x.data_ptr(), idx.data_ptr(), num_tokens
         p.use_fp8, p.round_scale, p.use_ue8m0 = int(args.use_fp8), int(args.round_scale), int(args.use_ue8m0)
         p.recv_x = 0 if self.recv_x_in_buffer else recv_x.data_ptr()
-        p.expect_half, p.recv_scales, p.src_info = half, _ptr(scales), src_info.data_ptr()
+        p.expect_half, p.recv_scales, p.src_info = half, ptr(scales), src_info.data_ptr()
         p.layout_range, p.recv_count = layout_range.data_ptr(), recv_count.data_ptr()
-        p.cumulative_recv_stats = _ptr(args.cumulative_local_expert_recv_stats)
-        p.wait_stats = _ptr(args.dispatch_wait_recv_cost_stats)
+        p.cumulative_recv_stats = ptr(args.cumulative_local_expert_recv_stats)
+        p.wait_stats = ptr(args.dispatch_wait_recv_cost_stats)
         keep = (recv_x, scales, recv_count, src_info, layout_range, args.cumulative_local_expert_recv_stats,
                 args.dispatch_wait_recv_cost_stats)
         hook = self._two_phase("low_latency_dispatch", send, recv, p, args.return_recv_hook, args.num_sms, keep,
@@ -401,7 +402,7 @@ class LowLatencyEngine:
         (send, recv), template = self._plan(LLCombineParams, COMBINE_SOURCE, _COMBINE_KERNELS, T, hidden, E,
                                             num_topk)
         out = args.out if args.out is not None else torch.empty(num_tokens, hidden, dtype=torch.bfloat16,
-                                                                  device=x.device)
+                                                                device=x.device)
         if not out.is_contiguous():
             raise ValueError("low_latency_combine(out=...) must be contiguous")
         self._check_signal_geometry(E)
@@ -414,7 +415,7 @@ class LowLatencyEngine:
             if x.data_ptr() == self.base + p.combine_send_offset + half * p.data_half_stride:
                 p.expect_half = half
         p.topk_idx, p.topk_weights, p.out, p.num_tokens = idx.data_ptr(), w.data_ptr(), out.data_ptr(), num_tokens
-        p.wait_stats = _ptr(args.combine_wait_recv_cost_stats)
+        p.wait_stats = ptr(args.combine_wait_recv_cost_stats)
         # Which row of each selected expert holds each of my tokens: the send kernel fills it, the receive
         # kernel reads it (same stream; kept alive until the hook ran).
         slot_table = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=x.device)
@@ -466,7 +467,7 @@ class LowLatencyEngine:
         """Collective: zero the control area (call counters) and both halves' signals on every rank."""
         if self.base is None:
             return
-        from . import _C
+        from .. import _C
 
         self.check()
         lay = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -500,7 +501,7 @@ def precompile_nvshmem(archs=("sm_90",), jobs: Optional[int] = None):
     processes). Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc is missing."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from . import jit_link
+    from .. import jit_link
 
     nvlink, nvshmem = TRANSPORT_DEFINES["nvlink"], TRANSPORT_DEFINES["nvshmem"]
     tasks = [(fam.source, {nvshmem if k == nvlink else k: v for k, v in variant if k != "DEEPEP_WINDOW_VMM"}, arch)

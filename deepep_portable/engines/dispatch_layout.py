@@ -1,0 +1,135 @@
+"""The dispatch layout (`Buffer.get_dispatch_layout`): per-rank and per-expert token counts and the
+token -> rank mask of a top-k routing, on the GPU (kernel csrc/common/kernels/layout.cu) or with
+plain torch (CPU tensors). A local computation: no communication.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional, Tuple
+
+import torch
+
+from .. import jit
+from ..device import device_index, sm_count
+from .launch import StreamLike, stream_handle, zero_async
+
+LAYOUT_SOURCE = "common/kernels/layout.cu"
+LAYOUT_KERNEL = "dispatch_layout"
+LAYOUT_THREADS = 256  # kThreads in layout.cu
+
+
+class LayoutParams(ctypes.Structure):
+    """Mirror of `struct LayoutParams` in layout.cu."""
+
+    _fields_ = [
+        ("topk_idx", ctypes.c_uint64),
+        ("num_tokens_per_rank", ctypes.c_uint64),
+        ("num_tokens_per_expert", ctypes.c_uint64),
+        ("is_token_in_rank", ctypes.c_uint64),
+        ("num_tokens", ctypes.c_int64),
+    ]
+
+
+def layout_defines(num_topk: int, num_ranks: int, num_experts: int) -> dict:
+    return dict(NUM_TOPK=num_topk, NUM_RANKS=num_ranks, NUM_EXPERTS=num_experts)
+
+
+def _check_layout_args(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> None:
+    if not topk_idx.is_cuda or topk_idx.dim() != 2 or topk_idx.dtype != torch.int64:
+        raise ValueError(f"topk_idx must be a 2-D int64 CUDA tensor, got {topk_idx.dtype} "
+                         f"{tuple(topk_idx.shape)} on {topk_idx.device}")
+    if not 1 <= topk_idx.size(1) <= 128:
+        raise ValueError(f"top-k must be in [1, 128], got {topk_idx.size(1)}")
+    if num_ranks < 1 or num_experts < num_ranks or num_experts % num_ranks:
+        raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of num_ranks ({num_ranks})")
+
+
+def _launch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, dev: int, stream: int,
+                   per_rank_ptr: int, per_expert_ptr: int, in_rank_ptr: int) -> None:
+    """The kernel alone (counters must already be zeroed on `stream`); nothing for 0 tokens."""
+    num_tokens, num_topk = topk_idx.shape
+    if num_tokens == 0:
+        return
+    fn = jit.load(LAYOUT_SOURCE, LAYOUT_KERNEL, layout_defines(num_topk, num_ranks, num_experts), device=dev)
+    params = LayoutParams(topk_idx.data_ptr(), per_rank_ptr, per_expert_ptr, in_rank_ptr, num_tokens)
+    blocks = min((num_tokens + LAYOUT_THREADS - 1) // LAYOUT_THREADS, 2 * sm_count(dev))
+    fn.launch(blocks, LAYOUT_THREADS, 0, stream, bytes(params))
+
+
+def dispatch_layout_cuda_into(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, stream: StreamLike,
+                              num_tokens_per_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                              is_token_in_rank: torch.Tensor) -> None:
+    """Write the layout of `topk_idx` into the given outputs (any prior contents) on `stream`.
+
+    Outputs: num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
+    is_token_in_rank [N, R] bool, all contiguous on topk_idx's device. Enqueues two memsets and
+    (for N > 0) one kernel on `stream`; topk_idx must stay alive until they run.
+    """
+    _check_layout_args(topk_idx, num_experts, num_ranks)
+    num_tokens = topk_idx.size(0)
+    for name, t, shape, dtype in (("num_tokens_per_rank", num_tokens_per_rank, (num_ranks,), torch.int32),
+                                  ("num_tokens_per_expert", num_tokens_per_expert, (num_experts,), torch.int32),
+                                  ("is_token_in_rank", is_token_in_rank, (num_tokens, num_ranks), torch.bool)):
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != topk_idx.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {topk_idx.device}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if not topk_idx.is_contiguous():
+        raise ValueError("topk_idx must be contiguous")
+    dev = device_index(topk_idx)
+    h = stream_handle(stream, dev)
+    zero_async(num_tokens_per_rank, h)
+    zero_async(num_tokens_per_expert, h)
+    _launch_layout(topk_idx, num_experts, num_ranks, dev, h, num_tokens_per_rank.data_ptr(),
+                   num_tokens_per_expert.data_ptr(), is_token_in_rank.data_ptr())
+
+
+def dispatch_layout_cuda(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                         stream: StreamLike = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool).
+
+    Outputs are allocated on the current stream, the work (one memset, one kernel) runs on
+    `stream` (current if None). Rank r holds experts [r*E/R, (r+1)*E/R); entries of -1 select
+    nothing; a token counts once per rank however many of its experts live there. The two count
+    tensors are views of one int32 allocation [R + E] (one memset instead of two).
+    """
+    _check_layout_args(topk_idx, num_experts, num_ranks)
+    dev = device_index(topk_idx)
+    h = stream_handle(stream, dev)
+    if not topk_idx.is_contiguous():
+        topk_idx = topk_idx.contiguous()
+        if stream is not None and h != torch.cuda.current_stream(dev).cuda_stream:
+            topk_idx.record_stream(stream if isinstance(stream, torch.cuda.Stream)
+                                   else torch.cuda.ExternalStream(h, device=topk_idx.device))
+    counts = torch.empty(num_ranks + num_experts, dtype=torch.int32, device=topk_idx.device)
+    in_rank = torch.empty(topk_idx.size(0), num_ranks, dtype=torch.bool, device=topk_idx.device)
+    zero_async(counts, h)
+    ptr = counts.data_ptr()
+    _launch_layout(topk_idx, num_experts, num_ranks, dev, h, ptr, ptr + 4 * num_ranks, in_rank.data_ptr())
+    return counts[:num_ranks], counts[num_ranks:], in_rank
+
+
+def dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    experts_per_rank = num_experts // num_ranks
+    valid = topk_idx >= 0
+    per_expert = torch.bincount(topk_idx[valid].flatten(), minlength=num_experts).to(torch.int32)
+    rank_of = torch.where(valid, topk_idx // experts_per_rank, torch.full_like(topk_idx, num_ranks))
+    in_rank = torch.zeros(topk_idx.size(0), num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
+    in_rank.scatter_(1, rank_of, True)
+    in_rank = in_rank[:, :num_ranks].contiguous()
+    per_rank = in_rank.sum(0, dtype=torch.int32)
+    return per_rank, per_expert, in_rank
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                    stream: Optional[torch.cuda.Stream]):
+    """(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank) of topk_idx, on its device."""
+    if topk_idx.is_cuda:
+        return dispatch_layout_cuda(topk_idx, num_experts, num_ranks, stream)
+    return dispatch_layout_torch(topk_idx, num_experts, num_ranks)
+
+
+# What `python -m deepep_portable precompile` and CI compile of this kernel.
+jit.register_family("layout", LAYOUT_SOURCE, [LAYOUT_KERNEL],
+                    variants=[dict(NUM_TOPK=8, NUM_RANKS=8, NUM_EXPERTS=256),
+                              dict(NUM_TOPK=8, NUM_RANKS=16, NUM_EXPERTS=256),
+                              dict(NUM_TOPK=6, NUM_RANKS=4, NUM_EXPERTS=64)])

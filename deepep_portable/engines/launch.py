@@ -1,0 +1,81 @@
+"""Launch glue shared by every engine: parameter structs, streams, kernel lookups.
+
+Convention (shared with csrc/common/kernels/common.cuh): a kernel takes one struct parameter
+passed by value. Its host mirror is a `ctypes.Structure` with the same fields in the same order:
+pointers as `c_uint64` / `c_int64` (tensor.data_ptr()), integers with explicit widths. `launch()`
+packs it to bytes; `_C` rejects a launch whose byte size differs from the kernel's parameter (when
+the driver can report it), and tests/test_mirrors.py checks every mirror against its C struct by
+field name and order, and by size against the PTX.
+
+Streams: outputs are allocated with torch on the *current* stream; device work is enqueued on the
+`stream` argument. Ordering between the two (and record_stream) is the caller's job (Buffer._op).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .. import jit
+from ..device import device_index, forced_arch
+
+Dim = Union[int, Sequence[int]]
+
+
+# ---- generic helpers --------------------------------------------------------------------------
+
+StreamLike = Union[None, int, torch.cuda.Stream]
+
+
+def stream_handle(stream: StreamLike, device: Optional[int] = None) -> int:
+    """CUstream as an int: `stream` itself if an int, its handle if a torch stream, else the
+    current torch stream of `device`. (Resolve once per op: current_stream() costs microseconds.)"""
+    if stream is None:
+        stream = torch.cuda.current_stream(device)
+    return stream if isinstance(stream, int) else int(stream.cuda_stream)
+
+
+def launch(fn, grid: Dim, block: Dim, params: ctypes.Structure, stream: StreamLike = None,
+           shared_mem: int = 0, cluster: Optional[Dim] = None, cooperative: bool = False) -> None:
+    """Launch `fn` (a `_C.Function`) with the packed `params` struct on `stream`."""
+    fn.launch(grid, block, shared_mem, stream_handle(stream, fn.device), bytes(params), cluster, cooperative)
+
+
+def zero_async(t: torch.Tensor, stream: StreamLike) -> None:
+    """Zero a contiguous CUDA tensor on `stream` (cuMemsetD8Async, no torch kernel)."""
+    from .. import _C
+
+    nbytes = t.numel() * t.element_size()
+    if nbytes:
+        dev = device_index(t)
+        _C.memset_d8_async(dev, t.data_ptr(), 0, nbytes, stream_handle(stream, dev))
+
+
+class KernelCache:
+    """jit.load memoized per (source, kernel, defines, forced arch) for one device: the hot path of
+    an op should not rebuild jit's cache keys on every call."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._fns: dict = {}
+
+    def get(self, source: str, name: str, defines: dict):
+        key = (source, name, tuple(sorted(defines.items())), forced_arch())
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = jit.load(source, name, defines, self.device)
+        return fn
+
+
+def params_struct(name: str, fields: List[Union[str, Tuple[str, type]]]) -> type:
+    """A ctypes mirror of a kernel's params struct: 64-bit fields (the kernels' params are 64-bit
+    words, so no padding rules apply), or (name, ctypes type) for a nested struct such as a
+    backend's Transport."""
+    fields_ = [f if isinstance(f, tuple) else (f, ctypes.c_int64) for f in fields]
+    return type(name, (ctypes.Structure,), {"_fields_": fields_})
+
+
+def ptr(t: Optional[torch.Tensor]) -> int:
+    """A tensor's address for a params field; 0 for None."""
+    return 0 if t is None else t.data_ptr()

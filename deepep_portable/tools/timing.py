@@ -1,0 +1,161 @@
+"""How the benchmark times an op: CUDA events around samples that all ranks start together (a host
+barrier, then the GPU start line), the slowest rank's median, CUDA-graph replays, and the optional
+phase profiles and traces of the engines (DEEPEP_PORTABLE_PROFILE=1)."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .kernels import StartLine
+
+
+def print_host_profile(what: str, fn: Callable[[], None], device: torch.device, show: bool,
+                       calls: int = 20) -> None:
+    """cProfile of `calls` calls (every rank runs them: the op is collective; `show` prints): where the
+    host time of an op goes, by function (DEEPEP_PORTABLE_PROFILE_HOST=1)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    prof.disable()
+    if not show:
+        return
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    print(f"[host profile rank 0: {what}, {calls} calls]\n{out.getvalue()}", flush=True)
+
+
+def print_profile(engine, rank: int, tokens: int) -> None:
+    """Rank 0 prints the engine's phase profile (DEEPEP_PORTABLE_PROFILE=1), if it kept one."""
+    profile = getattr(engine, "profile", None)
+    if profile is not None and profile.enabled:
+        report = profile.report()
+        if rank == 0:
+            print(f"[profile rank 0, {tokens} tokens] " + ", ".join(f"{k} {v:.0f} us" for k, v in report), flush=True)
+
+
+LL_LOOP = 10   # low-latency ops are timed as back-to-back calls (see timer)
+
+_START_LINE = None   # the GPU start line of the Buffer being benchmarked (see start_line)
+
+
+@contextlib.contextmanager
+def start_line(buf, cfg: argparse.Namespace):
+    """While a Buffer is benchmarked, timer starts every sample at a GPU start line over its group
+    (--start-line gpu and ranks on one node; otherwise the host barrier alone)."""
+    global _START_LINE
+    line = None
+    if torch.cuda.is_available() and getattr(cfg, "start_line", "gpu") == "gpu" and buf.device.type == "cuda":
+        try:
+            line = StartLine(buf.backend.ctx)
+        except RuntimeError:   # ranks on several nodes: no IPC mapping of rank 0's word
+            line = None
+    _START_LINE = line
+    try:
+        yield
+    finally:
+        _START_LINE = None
+    # Normal exit only: close() is collective, and a rank that raised would otherwise wait in it for
+    # peers that sit in another collective (the failing process is going away with its window anyway).
+    if line is not None:
+        line.close()
+
+
+def timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int, group=None,
+          loop: int = 1) -> float:
+    """Median seconds of fn (events on CUDA; perf_counter on the CPU).
+
+    With `group`, every timed sample starts after a barrier, and on the GPU (with --start-line gpu, the
+    default) after the start line (`_START_LINE`): a one-thread kernel that returns on every rank's
+    stream once all ranks' streams reached it, so the start events of all ranks mark the same moment.
+    A collective op's time then excludes the skew with which the ranks would otherwise start (a rank
+    that starts early counts its wait for the others; the host barrier alone leaves the processes'
+    exit skew, tens of microseconds with 8 ranks, in every sample). The ceiling is timed the same way.
+    With `loop` > 1 a sample is `loop` back-to-back calls, divided by `loop` (low-latency ops: the
+    steady-state time of a call, as consecutive layers issue them; the barrier's exit skew is then
+    paid once per sample instead of once per call)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            if group is not None:
+                dist.barrier(group=group)
+            if _START_LINE is not None:
+                _START_LINE.cross(torch.cuda.current_stream())
+            start.record()
+            for _ in range(loop):
+                fn()
+            end.record()
+            end.synchronize()
+            if _START_LINE is not None:
+                _START_LINE.check()
+            samples.append(start.elapsed_time(end) / 1e3 / loop)
+        else:
+            if group is not None:
+                dist.barrier(group=group)
+            t0 = time.perf_counter()
+            for _ in range(loop):
+                fn()
+            samples.append((time.perf_counter() - t0) / loop)
+    return statistics.median(samples)
+
+
+def slowest(seconds: float, group) -> float:
+    on_gpu = "nccl" in str(dist.get_backend(group))   # an NCCL group reduces CUDA tensors only
+    t = torch.tensor([seconds], dtype=torch.float64, device="cuda" if on_gpu else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def graph_of(fn: Callable[[], None], calls: int) -> Callable[[], None]:
+    """A CUDA graph of `calls` back-to-back calls of fn (captured after one eager warm-up call);
+    returns its replay. Timing the replay leaves the host out, as a captured decode step does."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def graph_seconds(fn: Callable[[], None], device: torch.device, cfg: argparse.Namespace, group) -> float:
+    """Seconds per call of fn replayed from a CUDA graph of LL_LOOP calls (slowest rank's median)."""
+    replay = graph_of(fn, LL_LOOP)
+    dist.barrier(group=group)
+    return slowest(timer(device, replay, cfg.warmup, cfg.iters, group), group) / LL_LOOP
+
+
+def print_graph_trace(engine, fn: Callable[[], None], what: str, group, rank: int, tokens: int) -> None:
+    """Rank 0 prints where one replay of a CUDA graph of LL_LOOP calls spends its time, from the
+    kernels' own timestamps (events cannot be placed inside the replay)."""
+    replay = graph_of(fn, LL_LOOP)
+    torch.cuda.synchronize()
+    engine.trace_reset()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    replay()
+    torch.cuda.synchronize()
+    report = engine.trace_report()
+    if rank == 0:
+        print(f"[graph trace rank 0, {what}, {tokens} tokens, median of {LL_LOOP} calls] "
+              + ", ".join(f"{k} {v:.1f} us" for k, v in report.items()), flush=True)
