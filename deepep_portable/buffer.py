@@ -40,7 +40,7 @@ class Buffer:
       timeout_s: bound on every wait; a timeout raises an exception naming op, rank and peer.
       nvshmem_options: for transport "nvshmem", passed to NVSHMEM at its initialisation (the first such
                  Buffer of the process): ibgda, ib_gid_index, ib_traffic_class, ib_sl, hca_list,
-                 remote_transport, symmetric_size (see nvshmem_runtime.PASS_THROUGH).
+                 remote_transport, symmetric_size (see transports/nvshmem/runtime.py PASS_THROUGH).
     `group` may be a torch ProcessGroup or (as first argument or `comm=`) an mpi4py communicator.
     """
 
@@ -60,7 +60,7 @@ class Buffer:
         check.positive_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check.positive_int("num_qps_per_rank", num_qps_per_rank)
         if nvshmem_options is not None:   # unknown names raise here, before anything is set up
-            from .nvshmem_runtime import nvshmem_environment
+            from .transports.nvshmem.runtime import nvshmem_environment
 
             nvshmem_environment(nvshmem_options)
         self.num_nvl_bytes = num_nvl_bytes
@@ -96,7 +96,7 @@ class Buffer:
 
     @property
     def capabilities(self) -> dict:
-        """What this Buffer's transport can do (transports.Capabilities as a dict; e.g. for nvshmem,
+        """What this Buffer's transport can do (contract.Capabilities as a dict; e.g. for nvshmem,
         whether every peer turned out to be reachable by load/store)."""
         return self._live().runtime_capabilities().as_dict()
 

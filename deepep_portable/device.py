@@ -1,11 +1,8 @@
-"""What the package needs to know about a CUDA device: its index, its facts (from the host module
-`_C`, not torch, so the numbers are the driver's), and the architecture override every kernel cache
-is keyed by. The one place device indices are resolved."""
+"""What the package needs to know about a CUDA device: its index and its facts (from the host module
+`_C`, not torch, so the numbers are the driver's). The one place device indices are resolved."""
 from __future__ import annotations
 
 import functools
-import os
-from typing import Optional
 
 import torch
 
@@ -34,7 +31,3 @@ def sm_count(device: int) -> int:
 def device_uuid(device: int) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
-
-def forced_arch() -> Optional[str]:
-    """DEEPEP_PORTABLE_FORCE_ARCH (e.g. sm_80 on a Hopper GPU): part of every key that caches kernels."""
-    return os.environ.get("DEEPEP_PORTABLE_FORCE_ARCH")

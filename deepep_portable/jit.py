@@ -41,7 +41,8 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 
 __all__ = [
     "JitCompileError", "CompileResult", "KernelFamily", "find_nvcc", "nvcc_version", "kernel_root",
-    "cache_dir", "device_arch", "compile", "compile_cached", "load", "register_family", "families",
+    "cache_dir", "device_arch", "compile", "compile_cached", "load", "KernelCache", "forced_arch",
+    "register_family", "families",
     "precompile", "clear_memory_cache", "BASE_FLAGS",
 ]
 
@@ -345,9 +346,14 @@ _modules: Dict[tuple, object] = {}
 _functions: Dict[tuple, object] = {}
 
 
+def forced_arch() -> Optional[str]:
+    """DEEPEP_PORTABLE_FORCE_ARCH (e.g. sm_80 on a Hopper GPU): part of every key that caches kernels."""
+    return os.environ.get("DEEPEP_PORTABLE_FORCE_ARCH")
+
+
 def _load_target(device: int) -> Tuple[str, bool]:
     native = device_arch(device)
-    forced = os.environ.get("DEEPEP_PORTABLE_FORCE_ARCH", "").strip()
+    forced = (forced_arch() or "").strip()
     if not forced or forced == native:
         return native, False
     if _arch_number(forced) > _arch_number(native):
@@ -385,6 +391,23 @@ def load(source_relpath: str, kernel_name: str, defines: Optional[Defines] = Non
             _modules[mod_key] = module
         fn = module.function(kernel_name)
         _functions[fast_key] = fn
+        return fn
+
+
+class KernelCache:
+    """load() memoized per (source, kernel, defines, flags, forced arch) for one device: the hot path
+    of an op should not rebuild load()'s keys on every call."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._fns: dict = {}
+
+    def get(self, source: str, name: str, defines: Defines, extra_flags: Sequence[str] = ()):
+        key = (source, name, tuple(sorted(defines.items())), tuple(extra_flags), forced_arch())
+        fn = self._fns.get(key)
+        if fn is None:
+            kwargs = {"extra_flags": tuple(extra_flags)} if extra_flags else {}
+            fn = self._fns[key] = load(source, name, defines, self.device, **kwargs)
         return fn
 
 

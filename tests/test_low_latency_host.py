@@ -1,6 +1,7 @@
 """Host-side checks of the low-latency kernels that need no GPU: parameter structs against the compiled
 kernels (size and field order), compilation for a spread of shapes, the LowLatencyLayout arithmetic,
-and the FP8 cast code of protocol.cuh (compiled for the host) against tests/oracle.py bit for bit."""
+and the FP8 cast code of fp8.cuh (compiled for the host) against tests/oracle.py bit for bit. Kernels
+are built for the nvlink backend here (tests/test_nvshmem_backend.py builds them for NVSHMEM)."""
 import ctypes
 import os
 import re
@@ -14,6 +15,7 @@ from deepep_portable.contract import scale_shape
 from deepep_portable import layout as L
 from deepep_portable.engines import low_latency as ll
 from deepep_portable.profiling import PhaseProfile
+from deepep_portable.transports.nvlink.window import NvlinkTransportParams, nvlink_build
 
 import oracle
 
@@ -23,17 +25,20 @@ except Exception:   # pragma: no cover - CI installs a compiler
     NVCC = None
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="no nvcc")
-KERNELS = [(ll.DISPATCH_SOURCE, "ll_dispatch_send", ll.LLDispatchParams),
-           (ll.DISPATCH_SOURCE, "ll_dispatch_recv", ll.LLDispatchParams),
-           (ll.DISPATCH_SOURCE, "ll_dispatch", ll.LLDispatchParams),
-           (ll.COMBINE_SOURCE, "ll_combine_send", ll.LLCombineParams),
-           (ll.COMBINE_SOURCE, "ll_combine_recv", ll.LLCombineParams)]
+LLDispatchParams, LLCombineParams = ll.params_types(NvlinkTransportParams)
+VMM, LEGACY = nvlink_build(shareable=True), nvlink_build(shareable=False)   # the nvlink window's two builds
+KERNELS = [(ll.DISPATCH_SOURCE, "ll_dispatch_send", LLDispatchParams),
+           (ll.DISPATCH_SOURCE, "ll_dispatch_recv", LLDispatchParams),
+           (ll.DISPATCH_SOURCE, "ll_dispatch", LLDispatchParams),
+           (ll.COMBINE_SOURCE, "ll_combine_send", LLCombineParams),
+           (ll.COMBINE_SOURCE, "ll_combine_recv", LLCombineParams)]
 
 
-def _ptx(tmp_path, source: str, arch: str, defines: dict) -> str:
+def _ptx(tmp_path, source: str, arch: str, defines: dict, build=VMM) -> str:
     out = tmp_path / f"{os.path.basename(source)}.{arch}.ptx"
-    cmd = [NVCC, "-ptx", f"-arch={arch}", *jit.BASE_FLAGS, f"-I{jit.kernel_root()}",
-           *(f"-D{k}={v}" for k, v in defines.items()), os.path.join(jit.kernel_root(), source), "-o", str(out)]
+    cmd = [NVCC, "-ptx", f"-arch={arch}", *jit.BASE_FLAGS, f"-I{jit.kernel_root()}", *build.flags,
+           *(f"-D{k}={v}" for k, v in build.kernel_defines(defines).items()), os.path.join(jit.kernel_root(), source),
+           "-o", str(out)]
     subprocess.run(cmd, check=True, capture_output=True)
     return out.read_text()
 
@@ -59,8 +64,8 @@ def _c_fields(text: str, struct: str) -> list:
 
 
 @pytest.mark.parametrize("source,cstruct,struct", [
-    (ll.DISPATCH_SOURCE, "LLDispatchParams", ll.LLDispatchParams),
-    (ll.COMBINE_SOURCE, "LLCombineParams", ll.LLCombineParams)])
+    (ll.DISPATCH_SOURCE, "LLDispatchParams", LLDispatchParams),
+    (ll.COMBINE_SOURCE, "LLCombineParams", LLCombineParams)])
 def test_param_struct_field_order_matches_source(source, cstruct, struct):
     """Same names in the same order (sizes alone would not catch two swapped 64-bit fields)."""
     root = jit.kernel_root()
@@ -68,7 +73,7 @@ def test_param_struct_field_order_matches_source(source, cstruct, struct):
         common = _c_fields(f.read(), "Common")
     with open(os.path.join(root, source)) as f:
         own = _c_fields(f.read(), cstruct)
-    assert own[0] == "c"
+    assert own[0] == "c" and common[0] == "transport"   # the backend's struct, then 64-bit words
     assert common + own[1:] == [name for name, _ in struct._fields_]
 
 
@@ -77,17 +82,18 @@ def test_param_struct_field_order_matches_source(source, cstruct, struct):
 @pytest.mark.parametrize("source", [ll.DISPATCH_SOURCE, ll.COMBINE_SOURCE])
 def test_kernels_compile(source, hidden, topk):
     for arch in ("sm_90", "sm_80"):
-        assert jit.compile(source, ll.kernel_defines(hidden, topk), arch)
+        assert jit.compile(source, VMM.kernel_defines(ll.kernel_defines(hidden, topk)), arch, extra_flags=VMM.flags)
     if source == ll.DISPATCH_SOURCE:   # the other placement: legacy IPC windows pack on receive
-        assert jit.compile(source, ll.kernel_defines(hidden, topk, vmm=False), "sm_90")
+        assert jit.compile(source, LEGACY.kernel_defines(ll.kernel_defines(hidden, topk)), "sm_90",
+                           extra_flags=LEGACY.flags)
 
 
 @needs_nvcc
 def test_dispatch_placement_follows_the_window(tmp_path):
     """Shareable (VMM) windows: the send reserves rows with a system-scope 64-bit add on the peer's word;
     legacy CUDA IPC windows: none (the receive packs the rows)."""
-    vmm = _ptx(tmp_path, ll.DISPATCH_SOURCE, "sm_90", ll.kernel_defines(2048, 8))
-    legacy = _ptx(tmp_path, ll.DISPATCH_SOURCE, "sm_90", ll.kernel_defines(2048, 8, vmm=False))
+    vmm = _ptx(tmp_path, ll.DISPATCH_SOURCE, "sm_90", ll.kernel_defines(2048, 8), VMM)
+    legacy = _ptx(tmp_path, ll.DISPATCH_SOURCE, "sm_90", ll.kernel_defines(2048, 8), LEGACY)
     assert "atom.sys.add.u64" in _kernel_body(vmm, "ll_dispatch_send")
     assert "atom.sys.add.u64" not in _kernel_body(legacy, "ll_dispatch_send")
 
@@ -122,7 +128,9 @@ def test_sender_checks_overwrite_and_counters_are_released(tmp_path):
 
 
 def test_families_registered():
-    fams = jit.families()
+    from deepep_portable.tools.precompile import load_families
+
+    fams = load_families()
     assert fams["low_latency_dispatch"].kernels == ("ll_dispatch_send", "ll_dispatch_recv", "ll_dispatch")
     assert fams["low_latency_combine"].kernels == ("ll_combine_send", "ll_combine_recv")
 
@@ -207,8 +215,8 @@ CAST_MAIN = r"""
 #include <cstdlib>
 #include <cstring>
 #include <cmath>
-#include "common/kernels/low_latency/protocol.cuh"
-using namespace deepep_portable::low_latency;
+#include "common/kernels/fp8.cuh"
+using namespace deepep_portable::fp8;
 // stdin: n, h, round_scale, then n*h bf16 bit patterns (uint16). stdout (binary): fp8 bytes, float scales.
 int main() {
     int n, h, rs;
@@ -247,7 +255,7 @@ def cast_exe(tmp_path_factory):
     d = tmp_path_factory.mktemp("ll_cast")
     src, exe = d / "cast.cu", d / "cast"
     src.write_text(CAST_MAIN)
-    proc = subprocess.run([NVCC, "-std=c++17", "-O2", "-DDEEPEP_TRANSPORT_NVLINK", f"-I{jit.kernel_root()}",
+    proc = subprocess.run([NVCC, "-std=c++17", "-O2", f"-I{jit.kernel_root()}",
                            str(src), "-o", str(exe)], capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.fail("host build of the FP8 cast failed:\n" + proc.stdout + proc.stderr)
@@ -326,7 +334,7 @@ def test_receive_hooks_run_in_call_order_once(monkeypatch):
     outputs with another call's half. The engine refuses that instead of corrupting."""
     log: list = []
     eng = _fake_engine(monkeypatch)
-    p = ll.LLDispatchParams()
+    p = LLDispatchParams()
     keep = (torch.zeros(1),)
     h1 = eng._two_phase("op", _Fn("send1", log), _Fn("recv1", log), p, True, 1, keep)
     h2 = eng._two_phase("op", _Fn("send2", log), _Fn("recv2", log), p, True, 1, keep)

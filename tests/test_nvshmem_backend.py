@@ -17,8 +17,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from deepep_portable import jit, jit_link, nvshmem_runtime as nr
-from deepep_portable.transports import probe
+from deepep_portable import jit
+from deepep_portable.transports import libraries, probe, system
+from deepep_portable.transports.nvshmem import link as jit_link
+from deepep_portable.transports.nvshmem import runtime as nr
+from deepep_portable.transports.nvshmem.abi import NvshmemTransportParams
 
 ARCHS = ("sm_80", "sm_90")
 EM_CUDA = 190
@@ -123,8 +126,8 @@ def test_selftest_param_struct_matches_kernel(cache, tmp_path):
     m = re.search(rf"\.entry {jit_link.SELFTEST_KERNEL}\(\s*\.param\s+\.align\s+(\d+)\s+\.b8\s+\w+\[(\d+)\]",
                   ptx.read_text())
     assert m, "kernel parameter not found in the PTX"
-    assert int(m.group(2)) == ctypes.sizeof(nr.SelftestParams)
-    assert ctypes.sizeof(nr.TransportParams) == 24
+    assert int(m.group(2)) == ctypes.sizeof(jit_link.SelftestParams)
+    assert ctypes.sizeof(NvshmemTransportParams) == 24
 
 
 def test_compile_errors_are_reported(tmp_path, cache):
@@ -157,7 +160,7 @@ def test_host_library_loads_and_resolves_every_symbol():
         assert getattr(lib, name), name
     v = nr.version()
     assert v >= (3, 0, 0)
-    info = probe.nvshmem_info()
+    info = libraries.nvshmem_info()
     pip = info["pip"].get("nvidia-nvshmem-cu13")
     from_pip = os.sep + os.path.join("nvidia", "nvshmem", "lib") + os.sep in info["host_lib"]
     if pip and from_pip and not os.environ.get("NVSHMEM_HOME"):
@@ -167,7 +170,7 @@ def test_host_library_loads_and_resolves_every_symbol():
 
 
 def test_missing_library_gives_a_reason(monkeypatch):
-    monkeypatch.setattr(probe, "nvshmem_info", lambda: {"host_lib": None, "searched": ["/nowhere/lib"], "pip": {}})
+    monkeypatch.setattr(libraries, "nvshmem_info", lambda: {"host_lib": None, "searched": ["/nowhere/lib"], "pip": {}})
     nr._load.cache_clear()
     try:
         assert "libnvshmem_host.so.3 not found" in nr.load_error() and "/nowhere/lib" in nr.load_error()
@@ -300,7 +303,7 @@ def test_kernel_param_structs_match_field_by_field(cache, tmp_path):
     nvcc = _nvcc_or_skip()
     paths = _nvshmem_or_skip()
     lines = [jit_link.SELFTEST_SOURCE, "#include <cstddef>"]
-    for host, dev in ((nr.TransportParams, "NvshmemTransport"), (nr.SelftestParams, "SelftestParams")):
+    for host, dev in ((NvshmemTransportParams, "NvshmemTransport"), (jit_link.SelftestParams, "SelftestParams")):
         lines.append(f"static_assert(sizeof({dev}) == {ctypes.sizeof(host)}, \"sizeof {dev}\");")
         for name, *_ in host._fields_:
             off = getattr(host, name).offset
@@ -348,7 +351,10 @@ def test_low_latency_kernels_link_for_the_nvshmem_transport(source, kernels, cac
     _nvshmem_or_skip()
     from deepep_portable.engines import low_latency as ll
 
-    res = jit_link.compile_linked_cached(source, ll.kernel_defines(7168, 8, "nvshmem"), "sm_90", cache=cache)
+    from deepep_portable.transports.nvshmem.window import NVSHMEM_BUILD as build
+
+    res = jit_link.compile_linked_cached(source, build.kernel_defines(ll.kernel_defines(7168, 8)), "sm_90", cache=cache,
+                                         extra_flags=build.flags)
     e_type, _, _, syms = _elf_symbols(res.image)
     assert e_type == ET_EXEC
     for k in kernels:
@@ -360,10 +366,10 @@ def test_low_latency_kernels_link_for_the_nvshmem_transport(source, kernels, cac
 
 def test_backend_is_registered():
     from deepep_portable.transports import backend_class
-    from deepep_portable.transports.nvlink import NvlinkTransport
+    from deepep_portable.transports.kernel import KernelTransport
 
     cls = backend_class("nvshmem")
-    assert cls.name == "nvshmem" and cls.ll_window == "nvshmem" and issubclass(cls, NvlinkTransport)
+    assert cls.name == "nvshmem" and issubclass(cls, KernelTransport)
     probe.clear_cache()
     st = probe.probe("nvshmem")
     assert "not implemented" not in st.reason, st.reason
@@ -516,15 +522,15 @@ class _FakeCuda:
 
 def test_context_check(monkeypatch):
     none = _FakeCuda(current=None)
-    monkeypatch.setattr(nr, "_libcuda", lambda: none)
+    monkeypatch.setattr(system, "_driver", lambda: none)
     assert nr.ensure_primary_context(0) is True and none.set_to == 0xC0DE and none.retains == 1
     nr.release_primary_context(0)
     assert none.retains == 0
     primary = _FakeCuda(current=0xC0DE)
-    monkeypatch.setattr(nr, "_libcuda", lambda: primary)
+    monkeypatch.setattr(system, "_driver", lambda: primary)
     assert nr.ensure_primary_context(0) is False and primary.set_to is None and primary.retains == 0
     other = _FakeCuda(current=0xBAD)
-    monkeypatch.setattr(nr, "_libcuda", lambda: other)
+    monkeypatch.setattr(system, "_driver", lambda: other)
     with pytest.raises(RuntimeError, match="not device 0's primary context"):
         nr.ensure_primary_context(0)
     assert other.retains == 0 and other.set_to is None
@@ -542,14 +548,14 @@ def test_compiled_cubin_names_its_installation(cache):
 
 def test_headers_of_another_release_are_refused(monkeypatch, tmp_path):
     paths = _nvshmem_or_skip()
-    info = dict(probe.nvshmem_info())
+    info = dict(libraries.nvshmem_info())
     assert jit_link.header_version(paths.include_dir) == paths.version
     inc = tmp_path / "include"
     inc.mkdir()
     (inc / "nvshmem.h").write_text("#define NVSHMEM_VENDOR_MAJOR_VERSION 3\n#define NVSHMEM_VENDOR_MINOR_VERSION 4\n"
                                    "#  define NVSHMEM_VENDOR_PATCH_VERSION 5\n")
     assert jit_link.header_version(str(inc)) == "3.4.5"
-    monkeypatch.setattr(probe, "nvshmem_info", lambda: {**info, "include_dir": str(inc), "version": "3.8.0"})
+    monkeypatch.setattr(libraries, "nvshmem_info", lambda: {**info, "include_dir": str(inc), "version": "3.8.0"})
     with pytest.raises(jit.JitCompileError, match=r"version mismatch.*3\.4\.5.*3\.8\.0"):
         jit_link.nvshmem_build_paths()
 
@@ -593,7 +599,7 @@ def test_module_exposes_its_cumodule_handle():
 
 def test_runtime_capabilities_follow_the_window():
     """peer_load_store is known once the window exists: true only when no PE is behind a network."""
-    from deepep_portable.transports.nvshmem import NvshmemTransport
+    from deepep_portable.transports.nvshmem.transport import NvshmemTransport
 
     t = NvshmemTransport.__new__(NvshmemTransport)   # no Buffer set-up: only the record is under test
     t.ll_engine = None

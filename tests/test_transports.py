@@ -17,10 +17,10 @@ import pytest
 import deepep_portable
 import deepep_portable.transports as transports
 from deepep_portable.transports import TRANSPORT_NAMES, TransportStatus, available_transports
-from deepep_portable.transports import libraries, probe
+from deepep_portable.transports import libraries, probe, rdma, registry, system
 
 ACCELERATED = ["nvshmem", "ibgda", "nccl_gin"]
-HAS_GPU = probe.driver_status()[0]
+HAS_GPU = system.driver_status()[0]
 needs_no_gpu = pytest.mark.skipif(HAS_GPU, reason="this machine has a usable CUDA GPU")
 
 
@@ -32,8 +32,7 @@ def fresh_probe():
 
 
 def _backend_exists(name: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(f"deepep_portable.transports.{name}") is not None
+    return registry.BY_NAME[name].module is not None
 
 
 # ---------------------------------------------------------------------------- the registry
@@ -73,7 +72,7 @@ def test_unimplemented_backend_is_named(name):
     assert f"the {name} backend is not implemented in this build yet" in s.reason
 
 
-@pytest.mark.skipif(os.path.isdir(probe.SYSFS_INFINIBAND), reason="this machine has RDMA devices")
+@pytest.mark.skipif(os.path.isdir(rdma.SYSFS_INFINIBAND), reason="this machine has RDMA devices")
 def test_ibgda_names_missing_rdma_device():
     s = available_transports()["ibgda"]
     assert not s.usable
@@ -113,11 +112,11 @@ def test_resolve():
 
 @needs_no_gpu
 def test_driver_status_reason():
-    ok, reason, source = probe.driver_status()
+    ok, reason, source = system.driver_status()
     assert not ok
     assert reason.startswith("no CUDA GPU: "), reason
     assert source
-    assert probe.gpu_info() == []
+    assert system.gpu_info() == []
 
 
 # ------------------------------------------------------------------- NVSHMEM against fakes
@@ -135,7 +134,7 @@ def test_nvshmem_not_found_lists_search_path(fresh_probe, monkeypatch, tmp_path)
     monkeypatch.setattr(libraries, "_SYSTEM_LIB_DIRS", [])
     monkeypatch.setattr(libraries, "_ldconfig_cache", lambda: {})
     monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
-    s = probe._probe_nvshmem()
+    s = probe.probe_nvshmem()
     assert not s.usable
     assert "libnvshmem_host.so.3 not found" in s.reason
     assert str(tmp_path / "nowhere" / "lib" / "libnvshmem_host.so.3") in s.reason
@@ -145,7 +144,7 @@ def test_nvshmem_not_found_lists_search_path(fresh_probe, monkeypatch, tmp_path)
 def test_nvshmem_needs_device_library(fresh_probe, monkeypatch, tmp_path):
     lib = _fake_nvshmem(tmp_path)
     monkeypatch.setenv("NVSHMEM_HOME", str(lib.parent))
-    s = probe._probe_nvshmem()
+    s = probe.probe_nvshmem()
     assert not s.usable
     assert f"found at {lib / 'libnvshmem_host.so.3'} but no device library" in s.reason
     assert s.details["host_lib"] == str(lib / "libnvshmem_host.so.3")
@@ -153,12 +152,15 @@ def test_nvshmem_needs_device_library(fresh_probe, monkeypatch, tmp_path):
 
 @pytest.fixture
 def fake_backend(monkeypatch):
-    """Pretend deepep_portable.transports.<name> exists."""
+    """Pretend backend <name> is built: its registry row names a module that imports."""
     def make(name):
-        mod_name = f"deepep_portable.transports.{name}"
+        mod_name = f"deepep_portable.transports._fake_{name}"
         mod = types.ModuleType(mod_name)
         mod.__spec__ = importlib.machinery.ModuleSpec(mod_name, None)
         monkeypatch.setitem(sys.modules, mod_name, mod)
+        row = registry.BY_NAME[name]
+        monkeypatch.setitem(registry.BY_NAME, name, type(row)(row.name, f"._fake_{name}", "Fake", row.probe,
+                                                               row.spans_nodes))
     return make
 
 
@@ -166,28 +168,28 @@ def test_nvshmem_usable_path(fresh_probe, monkeypatch, tmp_path, fake_backend):
     lib = _fake_nvshmem(tmp_path)
     (lib / "libnvshmem_device.a").write_bytes(b"")
     monkeypatch.setenv("NVSHMEM_HOME", str(lib.parent))
-    monkeypatch.setattr(probe, "driver_status", lambda: (True, "test GPU", "test"))
+    monkeypatch.setattr(system, "driver_status", lambda: (True, "test GPU", "test"))
     gpus = [{"index": 0, "name": "Fake H200", "cc": "9.0", "sms": 132}]
-    monkeypatch.setattr(probe, "gpu_info", lambda: gpus)
+    monkeypatch.setattr(system, "gpu_info", lambda: gpus)
 
     if not _backend_exists("nvshmem"):
-        s = probe._probe_nvshmem()
+        s = probe.probe_nvshmem()
         assert not s.usable
         assert s.reason == (f"libraries found at {lib} but the nvshmem backend is not implemented "
                             "in this build yet")
     fake_backend("nvshmem")
-    s = probe._probe_nvshmem()
+    s = probe.probe_nvshmem()
     assert s.usable, s.reason
     assert s.details["device_libs"] == str(lib / "libnvshmem_device.a")
 
     gpus[0] = {"index": 0, "name": "Fake P100", "cc": "6.0", "sms": 56}
-    s = probe._probe_nvshmem()
+    s = probe.probe_nvshmem()
     assert not s.usable
     assert "GPU 0 (Fake P100) has compute capability 6.0; NVSHMEM needs >= 7.0" in s.reason
 
 
 def test_real_nvshmem_wheel_layout(fresh_probe):
-    info = probe.nvshmem_info()
+    info = libraries.nvshmem_info()
     if not info["pip"]:
         pytest.skip("nvidia-nvshmem-cu1x is not installed")
     if os.environ.get("NVSHMEM_HOME"):
@@ -200,9 +202,9 @@ def test_real_nvshmem_wheel_layout(fresh_probe):
 # ---------------------------------------------------------------------------------- NCCL
 
 def test_nccl_version_code():
-    assert probe._nccl_version_tuple(22803) == (2, 28, 3)
-    assert probe._nccl_version_tuple(23203) == (2, 32, 3)
-    assert probe._nccl_version_tuple(2708) == (2, 7, 8)
+    assert libraries._nccl_version_tuple(22803) == (2, 28, 3)
+    assert libraries._nccl_version_tuple(23203) == (2, 32, 3)
+    assert libraries._nccl_version_tuple(2708) == (2, 7, 8)
 
 
 def test_nccl_not_found_lists_search_path(fresh_probe, monkeypatch, tmp_path):
@@ -211,20 +213,20 @@ def test_nccl_not_found_lists_search_path(fresh_probe, monkeypatch, tmp_path):
     monkeypatch.setattr(libraries, "_SYSTEM_LIB_DIRS", [])
     monkeypatch.setattr(libraries, "_ldconfig_cache", lambda: {})
     monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
-    s = probe._probe_nccl_gin()
+    s = probe.probe_nccl_gin()
     assert not s.usable
     assert f"libnccl.so.2 not found (searched: {tmp_path / 'nccl' / 'lib' / 'libnccl.so.2'}" in s.reason
 
 
 def test_real_nccl_wheel(fresh_probe):
-    info = probe.nccl_info()
+    info = libraries.nccl_info()
     if not info["pip"] or os.environ.get("NCCL_HOME"):
         pytest.skip("nvidia-nccl-cu1x not installed or NCCL_HOME overrides it")
     assert info["lib"].endswith("nvidia/nccl/lib/libnccl.so.2")
     assert info["version"], info
-    s = probe._probe_nccl_gin()
+    s = probe.probe_nccl_gin()
     assert s.details["version"] == info["version"]
-    if probe._nccl_version_tuple(info["version_code"]) >= (2, 28, 0):
+    if libraries._nccl_version_tuple(info["version_code"]) >= (2, 28, 0):
         assert info["device_header"] and info["device_header"].endswith("nccl_device.h")
         if not _backend_exists("nccl_gin"):
             assert f"libraries found at {info['lib']} (NCCL {info['version']}" in s.reason
@@ -263,10 +265,10 @@ def test_sysfs_parsing(tmp_path):
     (tmp_path / "ib" / "drivers").rename(tmp_path / "drivers")  # keep only devices under root
     os.remove(root / "mlx5_0" / "device" / "driver")
     os.symlink(tmp_path / "drivers" / "mlx5_core", root / "mlx5_0" / "device" / "driver")
-    devs = probe.rdma_devices_sysfs(str(root))
+    devs = rdma.rdma_devices_sysfs(str(root))
     assert [d["name"] for d in devs] == ["mlx5_0"]
     d = devs[0]
-    assert d["driver"] == "mlx5_core" and d["fw_ver"] == "28.39.1002" and probe.is_mlx5(d)
+    assert d["driver"] == "mlx5_core" and d["fw_ver"] == "28.39.1002" and rdma.is_mlx5(d)
     (p,) = d["ports"]
     assert p["port"] == 1 and p["state"] == "4: ACTIVE" and p["link_layer"] == "Ethernet"
     assert [g["index"] for g in p["gids"]] == [0, 3]          # the all-zero entry is dropped
@@ -278,38 +280,38 @@ def test_ibgda_probe_with_fake_devices(tmp_path, fake_backend, monkeypatch):
     root = tmp_path / "ib"
     _fake_sysfs(root, name="rxe0", driver="rdma_rxe")
     os.rename(root / "drivers", tmp_path / "drivers")
-    s = probe._probe_ibgda(str(root))
+    s = probe.probe_ibgda(str(root))
     assert not s.usable
     assert "no RDMA device" not in s.reason
     assert "no mlx5 RDMA device (IBGDA writes mlx5 WQEs)" in s.reason and "rxe0" in s.reason
 
     root2 = tmp_path / "ib2"
     _fake_sysfs(root2, state="1: DOWN")
-    s = probe._probe_ibgda(str(root2))
+    s = probe.probe_ibgda(str(root2))
     assert "no mlx5 port is ACTIVE: mlx5_0:1 1: DOWN" in s.reason
 
     root3 = tmp_path / "ib3"
     _fake_sysfs(root3)
-    monkeypatch.setattr(probe, "driver_status", lambda: (True, "test GPU", "test"))
+    monkeypatch.setattr(system, "driver_status", lambda: (True, "test GPU", "test"))
     fake_backend("ibgda")
-    s = probe._probe_ibgda(str(root3))
+    s = probe.probe_ibgda(str(root3))
     libs_ok = "libibverbs.so.1" in s.details and "libmlx5.so.1" in s.details
     assert s.usable == libs_ok, s.reason
     assert s.details["active_mlx5_ports"] == "mlx5_0:1"
 
 
 def test_ibgda_no_sysfs_dir(tmp_path):
-    s = probe._probe_ibgda(str(tmp_path / "absent"))
+    s = probe.probe_ibgda(str(tmp_path / "absent"))
     assert not s.usable
     assert f"no RDMA device in {tmp_path / 'absent'} (directory does not exist)" in s.reason
 
 
 def test_pyverbs_answer():
-    mod, why = probe.pyverbs_module()
+    mod, why = rdma.pyverbs_module()
     assert (mod is None) == bool(why)
     if mod is None:
         assert why.startswith("pyverbs not importable")
-    devs, source = probe.rdma_devices()
+    devs, source = rdma.rdma_devices()
     assert isinstance(devs, list) and source
 
 
@@ -322,7 +324,7 @@ TOPO = ("\x1b[4mGPU0\tGPU1\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0
 
 
 def test_topology_parse():
-    links = probe._parse_topology(TOPO)
+    links = system.parse_topology(TOPO)
     assert links == {"GPU0": {"GPU1": "NV18", "NIC0": "PIX"},
                      "GPU1": {"GPU0": "NV18", "NIC0": "SYS"}}
 

@@ -15,13 +15,13 @@ import torch
 from .. import jit
 from .. import layout as L
 from ..contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult
-from ..device import forced_arch
 from ..errors import CommTimeoutError
 from ..handles import DispatchHandle
+from ..jit import forced_arch
 from ..profiling import PhaseProfile
 from ..windows.base import MappedWords
 from ..windows.ipc import IpcWindow
-from .launch import KernelCache, launch, params_struct, ptr, stream_handle
+from .launch import launch, params_struct, ptr, stream_handle
 
 DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
@@ -61,7 +61,6 @@ class IntranodeEngine:
         self.dev, self.base, self.peer_bases = self.window.dev, self.window.base, self.window.peer_bases
         self.profile = PhaseProfile(self.dev)   # DEEPEP_PORTABLE_PROFILE=1 (used by `bench`)
         self.errors = self.window.errors
-        self._kernel_cache = KernelCache(self.dev)
         self._plans: dict = {}   # per call shape: (kernels, filled params template); see _plan
         self._spares: dict = {}   # (cached, N) -> the next such dispatch's small outputs; see _small_outputs
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
@@ -116,7 +115,7 @@ class IntranodeEngine:
         params.timeout_ns = int(self.ctx.timeout_s * 1e9)
 
     def _kernel(self, source: str, name: str, defines: dict):
-        return self._kernel_cache.get(source, name, defines)
+        return self.window.kernel(source, name, defines)
 
     def _plan(self, key: tuple, build):
         """(kernels, params template) of one call shape, built once: the host path before the first

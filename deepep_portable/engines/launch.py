@@ -17,8 +17,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import jit
-from ..device import device_index, forced_arch
+from ..device import device_index
 
 Dim = Union[int, Sequence[int]]
 
@@ -50,22 +49,6 @@ def zero_async(t: torch.Tensor, stream: StreamLike) -> None:
     if nbytes:
         dev = device_index(t)
         _C.memset_d8_async(dev, t.data_ptr(), 0, nbytes, stream_handle(stream, dev))
-
-
-class KernelCache:
-    """jit.load memoized per (source, kernel, defines, forced arch) for one device: the hot path of
-    an op should not rebuild jit's cache keys on every call."""
-
-    def __init__(self, device: int) -> None:
-        self.device = device
-        self._fns: dict = {}
-
-    def get(self, source: str, name: str, defines: dict):
-        key = (source, name, tuple(sorted(defines.items())), forced_arch())
-        fn = self._fns.get(key)
-        if fn is None:
-            fn = self._fns[key] = jit.load(source, name, defines, self.device)
-        return fn
 
 
 def params_struct(name: str, fields: List[Union[str, Tuple[str, type]]]) -> type:

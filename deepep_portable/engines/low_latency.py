@@ -1,12 +1,12 @@
-"""Host side of the low-latency (LL) kernels, for the `nvlink` and `nvshmem` transports.
+"""Host side of the low-latency (LL) kernels, the same for every transport that has a window.
 
 `LowLatencyEngine` owns one LL buffer per rank (`num_rdma_bytes`; geometry in
-layout.LowLatencyLayout, protocol in csrc/common/kernels/low_latency/protocol.cuh), the table of the
-peers' base addresses and the mapped host words the kernels report errors through. The buffer is a
-window: shareable VMM memory or CUDA IPC (ipc.IpcWindow, transport "nvlink": kernels built with
-DEEPEP_TRANSPORT_NVLINK) or
-NVSHMEM's symmetric heap (nvshmem_window.NvshmemWindow, transport "nvshmem": kernels built with
-DEEPEP_TRANSPORT_NVSHMEM and device-linked). The kernels are the same source either way.
+layout.LowLatencyLayout, protocol in csrc/common/kernels/low_latency/protocol.cuh) on a window the
+transport makes (windows.base.Window): it knows how to build the kernels for that transport
+(Window.kernel: the backend's device header and Transport struct, see
+csrc/common/kernels/selected_transport.cuh) and fills the struct the kernels take
+(Window.transport_params). The engine never asks which transport it serves: the nvlink window (CUDA
+IPC / shareable VMM memory) and NVSHMEM's symmetric heap (kernels device-linked) look alike here.
 
 Every LL op is one *call*: a SEND phase, then a RECEIVE phase, both on `ctx.comm_stream` (Buffer
 orders that stream against the caller's): two kernels, or for a dispatch without a hook one kernel
@@ -28,7 +28,7 @@ receiver kErrorOverrun when a signal already carries a later call; the Buffer is
 
 The dispatch's output recv_x is a view of the half's dispatch area that the peers write directly
 (they reserve rows with fetch_add), when the window takes atomics at full speed: NVSHMEM's heap, and
-the nvlink transport's window, which is shareable VMM memory by default (ipc.IpcWindow(shareable=True)).
+the nvlink transport's window, which is shareable VMM memory by default (Window.cheap_fetch_add).
 With DEEPEP_PORTABLE_LL_VMM=0 the nvlink window is legacy CUDA IPC memory, where atomics measured
 slow, and the receive packs the rows into a fresh tensor instead.
 
@@ -39,7 +39,7 @@ The combine kernel checks it and reports a mismatch instead of silently racing.
 """
 from __future__ import annotations
 
-import os
+import functools
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -48,50 +48,49 @@ from .. import jit
 from .. import layout as L
 from ..contract import (BufferContext, LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult,
                         allocate_low_latency_outputs)
-from ..device import forced_arch
 from ..errors import CommTimeoutError
 from ..handles import LowLatencyHandle
 from ..profiling import PhaseProfile
-from ..windows.ipc import IpcWindow
-from .launch import KernelCache, launch, params_struct, ptr, stream_handle
+from ..jit import forced_arch
+from ..windows.base import Window
+from .launch import launch, params_struct, ptr, stream_handle
 
 DISPATCH_SOURCE = "common/kernels/low_latency/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
-TRANSPORT_DEFINES = {"nvlink": "DEEPEP_TRANSPORT_NVLINK", "nvshmem": "DEEPEP_TRANSPORT_NVSHMEM"}
 # send phase, receive phase (hook mode, in that order), and both in one launch (calls without a hook)
-_DISPATCH_KERNELS = ("ll_dispatch_send", "ll_dispatch_recv", "ll_dispatch")
-_COMBINE_KERNELS = ("ll_combine_send", "ll_combine_recv")
+DISPATCH_KERNELS = ("ll_dispatch_send", "ll_dispatch_recv", "ll_dispatch")
+COMBINE_KERNELS = ("ll_combine_send", "ll_combine_recv")
 THREADS = 512                      # kThreads in protocol.cuh
 TRACE_CALLS = 64                   # kTraceCalls in protocol.cuh
 TRACE_KERNELS = ("dispatch_stage", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")   # TraceKernel
 OP_NAMES = {3: "low_latency_dispatch", 4: "low_latency_combine"}
 ERROR_TIMEOUT, ERROR_OVERRUN, ERROR_OVERWRITE = 1, 3, 4   # ErrorCode / kErrorOverrun / kErrorOverwrite
 
-_COMMON = ["peer_bases", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_send_arrive", "ctrl_recv_arrive",
-           "ctrl_last", "dispatch_signal_offset", "combine_signal_offset", "signal_half_stride", "dispatch_recv_offset",
-           "dispatch_side_offset", "combine_send_offset", "combine_recv_offset", "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes",
-           "error_claim", "error_host", "timeout_ns", "trace"]
-LLDispatchParams = params_struct("LLDispatchParams", [
-    *_COMMON, "x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "ctrl_stage_arrive",
-    "ctrl_staged", "recv_x", "expect_half", "recv_scales", "src_info",
-    "layout_range", "recv_count", "cumulative_recv_stats", "wait_stats", "use_ue8m0"])
-LLCombineParams = params_struct("LLCombineParams", [
-    *_COMMON, "x", "src_info", "layout_range", "expect_half", "topk_idx", "topk_weights", "out", "num_tokens",
-    "wait_stats", "slot_table"])
+# Common (protocol.cuh) after its first field, the backend's Transport struct (a window's transport_params()).
+_COMMON = ["local_base", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_send_arrive", "ctrl_recv_arrive",
+           "ctrl_last", "dispatch_signal_offset", "combine_signal_offset", "signal_half_stride",
+           "dispatch_recv_offset", "dispatch_side_offset", "combine_send_offset", "combine_recv_offset",
+           "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes", "error_claim", "error_host",
+           "timeout_ns", "trace"]
+_DISPATCH = ["x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "ctrl_stage_arrive",
+             "ctrl_staged", "recv_x", "expect_half", "recv_scales", "src_info", "layout_range", "recv_count",
+             "cumulative_recv_stats", "wait_stats", "use_ue8m0"]
+_COMBINE = ["x", "src_info", "layout_range", "expect_half", "topk_idx", "topk_weights", "out", "num_tokens",
+            "wait_stats", "slot_table"]
 
 
-def kernel_defines(hidden: int, num_topk: int, transport: str = "nvlink", vmm: bool = True) -> dict:
-    """vmm (nvlink only): the windows are shareable VMM memory, where the dispatch's fetch_add is cheap."""
-    defines = {TRANSPORT_DEFINES[transport]: 1, "HIDDEN": hidden, "NUM_TOPK": num_topk}
-    if transport == "nvlink" and vmm:
-        defines["DEEPEP_WINDOW_VMM"] = 1
-    return defines
+@functools.lru_cache(maxsize=None)
+def params_types(transport_struct: type) -> Tuple[type, type]:
+    """(LLDispatchParams, LLCombineParams) mirrors for kernels built for the backend whose Transport
+    struct `transport_struct` mirrors (one pair of types per backend)."""
+    common = [("transport", transport_struct), *_COMMON]
+    return (params_struct("LLDispatchParams", [*common, *_DISPATCH]),
+            params_struct("LLCombineParams", [*common, *_COMBINE]))
 
 
-def _vmm_window_wanted() -> bool:
-    """DEEPEP_PORTABLE_LL_VMM=0: the nvlink transport's LL window as legacy CUDA IPC memory (the dispatch
-    then packs rows on receive: no fetch_add); default: shareable VMM memory."""
-    return os.environ.get("DEEPEP_PORTABLE_LL_VMM", "1") != "0"
+def kernel_defines(hidden: int, num_topk: int) -> dict:
+    """The shape a kernel is compiled for (the window's KernelBuild adds the backend's defines)."""
+    return {"HIDDEN": hidden, "NUM_TOPK": num_topk}
 
 
 class _DeviceView:
@@ -107,18 +106,11 @@ class _DeviceView:
 
 
 class LowLatencyEngine:
-    def __init__(self, ctx: BufferContext, transport: str = "nvlink") -> None:
-        if transport not in TRANSPORT_DEFINES:
-            raise ValueError(f"the low-latency kernels have no {transport!r} build; known: {sorted(TRANSPORT_DEFINES)}")
+    def __init__(self, ctx: BufferContext, make_window: Callable[[BufferContext, int], Window]) -> None:
+        """make_window(ctx, nbytes): the transport's window (collective), all zero, whose kernels are built
+        for that transport (Window.kernel) and take its Transport struct (Window.transport_params)."""
         self.ctx = ctx
-        self.transport = transport
-        # The dispatch's placement (low_latency/dispatch.cu, by the transport's kCheapFetchAdd): where
-        # the window's mapping takes atomics at full speed (NVSHMEM's heap; nvlink's shareable VMM
-        # window) the senders reserve rows and write recv_x in this buffer (the op returns a view of
-        # it); on a legacy CUDA IPC window (DEEPEP_PORTABLE_LL_VMM=0) the receive packs the rows into a
-        # fresh tensor.
-        self.vmm = transport == "nvlink" and _vmm_window_wanted()
-        self.recv_x_in_buffer = transport == "nvshmem" or self.vmm
+        self.recv_x_in_buffer = False
         self.base: Optional[int] = None
         self.broken: Optional[str] = None
         self._calls = 0                 # LL calls launched through this engine (host mirror of the device counter)
@@ -132,21 +124,21 @@ class LowLatencyEngine:
         if ctx.num_rdma_bytes == 0:
             return
         if ctx.device.type != "cuda":
-            raise RuntimeError(f"the {transport} transport's low-latency kernels need a CUDA device")
+            raise RuntimeError("the low-latency kernels need a CUDA device")
         if ctx.num_rdma_bytes <= L.LL_CONTROL_BYTES:
             raise ValueError(f"low-latency mode needs num_rdma_bytes > {L.LL_CONTROL_BYTES} "
                              f"(Buffer.get_low_latency_rdma_size_hint), got {ctx.num_rdma_bytes}")
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
         # Everything zero: counters, arrival words, error claim and every signal (seq 0 = never written).
-        if transport == "nvshmem":
-            from ..nvshmem_window import NvshmemWindow
-
-            self.window = NvshmemWindow(ctx, ctx.num_rdma_bytes, ctx.options.get("nvshmem"))
-        else:
-            self.window = IpcWindow(ctx, ctx.num_rdma_bytes, ctx.num_rdma_bytes, "num_rdma_bytes", shareable=self.vmm)
-        self.dev, self.base, self.peer_bases = self.window.dev, self.window.base, self.window.peer_bases
+        self.window = make_window(ctx, ctx.num_rdma_bytes)
+        self.dev, self.base = self.window.dev, self.window.base
         self.errors = self.window.errors
-        self._kernel_cache = KernelCache(self.dev)
+        self._params = params_types(type(self.window.transport_params()))
+        # The dispatch's placement (low_latency/dispatch.cu, by the transport's kCheapFetchAdd): where the
+        # window's mapping takes atomics at full speed (NVSHMEM's heap; nvlink's shareable VMM window) the
+        # senders reserve rows and write recv_x in this buffer (the op returns a view of it); otherwise
+        # (a legacy CUDA IPC window, DEEPEP_PORTABLE_LL_VMM=0) the receive packs the rows into a fresh tensor.
+        self.recv_x_in_buffer = self.window.cheap_fetch_add
         self.profile = PhaseProfile(self.dev)   # DEEPEP_PORTABLE_PROFILE=1 (used by `bench`)
         # With profiling, the kernels also stamp their start / end per call (see trace_report).
         self.trace = (torch.zeros(TRACE_CALLS * len(TRACE_KERNELS) * 2, dtype=torch.int64, device=ctx.device)
@@ -200,7 +192,8 @@ class LowLatencyEngine:
         return lay
 
     def _common(self, p, lay: L.LowLatencyLayout) -> None:
-        p.peer_bases = self.peer_bases.data_ptr()
+        p.transport = self.window.transport_params()
+        p.local_base = self.base
         p.rank, p.num_ranks = self.rank, self.num_ranks
         p.ctrl_sent, p.ctrl_recvd = L.LL_CTRL_SENT, L.LL_CTRL_RECVD
         p.ctrl_send_arrive, p.ctrl_recv_arrive = L.LL_CTRL_SEND_ARRIVE, L.LL_CTRL_RECV_ARRIVE
@@ -249,28 +242,23 @@ class LowLatencyEngine:
             spans["period"] = [(b - a) / 1e3 for a, b in zip(starts, starts[1:])]
         return {k: statistics.median(v) for k, v in spans.items()}
 
-    def _plan(self, params_type, source: str, names: Tuple[str, ...], num_max_tokens: int, hidden: int,
-              num_experts: int, num_topk: int):
-        """(kernels, params template) of one call shape, built once (the layout is checked then)."""
-        key = (params_type, num_max_tokens, hidden, num_experts, num_topk, forced_arch())
+    def _plan(self, op: str, num_max_tokens: int, hidden: int, num_experts: int, num_topk: int):
+        """(kernels, params template) of one call shape of `op` ("dispatch" / "combine"), built once (the
+        layout is checked then)."""
+        key = (op, num_max_tokens, hidden, num_experts, num_topk, forced_arch())
         plan = self._plans.get(key)
         if plan is None:
+            dispatch = op == "dispatch"
             lay = self._layout(num_max_tokens, hidden, num_experts)
-            template = params_type()
+            template = self._params[0 if dispatch else 1]()
             self._common(template, lay)
-            if params_type is LLDispatchParams:
+            if dispatch:
                 template.send_stage_offset = lay.send_stage_offset
                 template.ctrl_stage_arrive, template.ctrl_staged = L.LL_CTRL_STAGE_ARRIVE, L.LL_CTRL_STAGED
-            kernels = tuple(self._kernel(source, name, hidden, num_topk) for name in names)
+            source, names = (DISPATCH_SOURCE, DISPATCH_KERNELS) if dispatch else (COMBINE_SOURCE, COMBINE_KERNELS)
+            kernels = tuple(self.window.kernel(source, name, kernel_defines(hidden, num_topk)) for name in names)
             plan = self._plans[key] = (kernels, template)
         return plan
-
-    def _kernel(self, source: str, name: str, hidden: int, num_topk: int):
-        # Only the dispatch depends on the window's kind (the combine's cache entry stays shared).
-        defines = kernel_defines(hidden, num_topk, self.transport, vmm=self.vmm and source == DISPATCH_SOURCE)
-        if self.transport == "nvshmem":
-            return self.window.kernel(source, name, defines)
-        return self._kernel_cache.get(source, name, defines)
 
     def _grid(self, num_sms: int) -> int:
         """The caller's SM budget (Buffer.num_sms), capped so every rank sharing this GPU fits at once."""
@@ -365,8 +353,7 @@ class LowLatencyEngine:
         num_topk = idx.size(1)
         T, E, R = args.num_max_dispatch_tokens_per_rank, args.num_experts, self.num_ranks
         num_local = E // R
-        (send, recv, fused), template = self._plan(LLDispatchParams, DISPATCH_SOURCE, _DISPATCH_KERNELS, T, hidden,
-                                                   E, num_topk)
+        (send, recv, fused), template = self._plan("dispatch", T, hidden, E, num_topk)
         self._check_signal_geometry(E)
         self._check_aligned("x", x)
         dev = x.device
@@ -379,7 +366,7 @@ class LowLatencyEngine:
             recv_x = self._rows_view(template.dispatch_recv_offset + half * template.data_half_stride, T, hidden,
                                      E, args.use_fp8)
 
-        p = LLDispatchParams.from_buffer_copy(template)
+        p = type(template).from_buffer_copy(template)
         p.x, p.topk_idx, p.num_tokens = x.data_ptr(), idx.data_ptr(), num_tokens
         p.use_fp8, p.round_scale, p.use_ue8m0 = int(args.use_fp8), int(args.round_scale), int(args.use_ue8m0)
         p.recv_x = 0 if self.recv_x_in_buffer else recv_x.data_ptr()
@@ -399,8 +386,7 @@ class LowLatencyEngine:
         x, idx, w, handle = args.x, args.topk_idx, args.topk_weights, args.handle
         T, hidden, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         num_tokens, num_topk = idx.shape
-        (send, recv), template = self._plan(LLCombineParams, COMBINE_SOURCE, _COMBINE_KERNELS, T, hidden, E,
-                                            num_topk)
+        (send, recv), template = self._plan("combine", T, hidden, E, num_topk)
         out = args.out if args.out is not None else torch.empty(num_tokens, hidden, dtype=torch.bfloat16,
                                                                 device=x.device)
         if not out.is_contiguous():
@@ -408,7 +394,7 @@ class LowLatencyEngine:
         self._check_signal_geometry(E)
         self._check_aligned("x", x)
         self._check_aligned("out", out)
-        p = LLCombineParams.from_buffer_copy(template)
+        p = type(template).from_buffer_copy(template)
         p.x, p.src_info, p.layout_range = x.data_ptr(), handle.src_info.data_ptr(), handle.layout_range.data_ptr()
         p.expect_half = -1
         for half in (0, 1):   # the plan's offsets: no layout arithmetic per call
@@ -487,32 +473,14 @@ class LowLatencyEngine:
         self.base = None
 
 
-# Kernel families (what `python -m deepep_portable precompile` and CI compile; precompile_nvshmem
-# device-links the same variants for the nvshmem transport).
-_HIDDENS = (7168, 4096, 2048, 7680)
-jit.register_family("low_latency_dispatch", DISPATCH_SOURCE, list(_DISPATCH_KERNELS),
-                    variants=[kernel_defines(hidden, 8) for hidden in _HIDDENS])
-jit.register_family("low_latency_combine", COMBINE_SOURCE, list(_COMBINE_KERNELS),
-                    variants=[kernel_defines(hidden, 8, vmm=False) for hidden in _HIDDENS])
+# The shapes `python -m deepep_portable precompile` and CI compile for a backend (register_families).
+HIDDENS = (7168, 4096, 2048, 7680)
 
 
-def precompile_nvshmem(archs=("sm_90",), jobs: Optional[int] = None):
-    """Device-link the registered LL variants for the nvshmem transport (in parallel, `jobs` nvcc
-    processes). Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc is missing."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from .. import jit_link
-
-    nvlink, nvshmem = TRANSPORT_DEFINES["nvlink"], TRANSPORT_DEFINES["nvshmem"]
-    tasks = [(fam.source, {nvshmem if k == nvlink else k: v for k, v in variant if k != "DEEPEP_WINDOW_VMM"}, arch)
-             for fam in (jit.families()[n] for n in ("low_latency_dispatch", "low_latency_combine"))
-             for variant in fam.variants for arch in archs]
-
-    def run(task):
-        src, defines, arch = task
-        res = jit_link.compile_linked_cached(src, defines, arch)
-        label = f"{os.path.basename(src)}[nvshmem,HIDDEN={defines['HIDDEN']},NUM_TOPK={defines['NUM_TOPK']}]"
-        return label, arch, res.seconds, res.cache_hit
-
-    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
-        return list(pool.map(run, tasks))
+def register_families(build) -> None:
+    """Declare the LL kernel families for a backend's KernelBuild (windows.base): every HIDDENS at top-8."""
+    for name, source, kernels in (("low_latency_dispatch", DISPATCH_SOURCE, DISPATCH_KERNELS),
+                                  ("low_latency_combine", COMBINE_SOURCE, COMBINE_KERNELS)):
+        jit.register_family(name, source, list(kernels),
+                            variants=[build.kernel_defines(kernel_defines(h, 8)) for h in HIDDENS],
+                            extra_flags=build.flags)

@@ -76,12 +76,12 @@ def _python(o: _Out) -> None:
 
 
 def _driver_and_gpus(o: _Out) -> None:
-    from ..transports import probe
+    from ..transports import system
 
-    ok, reason, source = probe.driver_status()
+    ok, reason, source = system.driver_status()
     o.kv("driver", ("OK: " if ok else "") + reason)
     o.kv("checked via", source)
-    gpus = probe.gpu_info()
+    gpus = system.gpu_info()
     if not gpus:
         o.kv("GPUs", "none visible")
     for g in gpus:
@@ -91,7 +91,7 @@ def _driver_and_gpus(o: _Out) -> None:
                + (f"  [nvidia-smi {g['nvidia_smi_name']}]" if g.get("nvidia_smi_name") else ""))
         if g.get("links"):
             o.line("links: " + ", ".join(f"{k}={v}" for k, v in g["links"].items()), indent=4)
-    text, why = probe.nvidia_smi_topology()
+    text, why = system.nvidia_smi_topology()
     if text:
         o.line("nvidia-smi topo -m:")
         o.line(text.rstrip(), indent=4)
@@ -145,9 +145,9 @@ def _compiler(o: _Out) -> None:
 
 
 def _libraries(o: _Out) -> None:
-    from ..transports import probe
+    from ..transports import libraries
 
-    n = probe.nccl_info()
+    n = libraries.nccl_info()
     if n["lib"]:
         o.kv("NCCL", f"{n['version'] or 'version unknown: ' + str(n.get('version_error'))} "
                      f"at {n['lib']}")
@@ -162,7 +162,7 @@ def _libraries(o: _Out) -> None:
             o.kv("torch's NCCL", ".".join(map(str, torch.cuda.nccl.version())))
     except Exception:
         pass
-    s = probe.nvshmem_info()
+    s = libraries.nvshmem_info()
     if s["host_lib"]:
         o.kv("NVSHMEM", f"{s.get('version') or 'version unknown: ' + str(s.get('version_error'))} "
                         f"at {s['host_lib']}")
@@ -175,13 +175,13 @@ def _libraries(o: _Out) -> None:
 
 
 def _rdma(o: _Out) -> None:
-    from ..transports import probe
+    from ..transports import rdma
 
-    devs, source = probe.rdma_devices()
+    devs, source = rdma.rdma_devices()
     o.kv("source", source)
     if not devs:
-        o.kv("devices", f"none ({probe.SYSFS_INFINIBAND} "
-                        + ("is empty)" if os.path.isdir(probe.SYSFS_INFINIBAND) else "does not exist)"))
+        o.kv("devices", f"none ({rdma.SYSFS_INFINIBAND} "
+                        + ("is empty)" if os.path.isdir(rdma.SYSFS_INFINIBAND) else "does not exist)"))
     for d in devs:
         extra = ", ".join(f"{k} {d[k]}" for k in ("driver", "hca_type", "fw_ver") if d.get(k))
         o.line(f"{d['name']}" + (f" ({extra})" if extra else ""))

@@ -10,7 +10,7 @@ from typing import Dict, Sequence
 from .. import jit
 
 # Every module that declares kernel families (relative to the package).
-FAMILY_MODULES = (".engines.dispatch_layout", ".engines.intranode", ".engines.low_latency", ".tools.kernels")
+FAMILY_MODULES = (".engines.dispatch_layout", ".engines.intranode", ".transports.nvlink.transport", ".tools.kernels")
 
 
 def load_families() -> Dict[str, jit.KernelFamily]:
@@ -25,8 +25,8 @@ def main(archs: Sequence[str], nvshmem: bool) -> int:
     for name, arch, seconds, hit in jit.precompile(tuple(archs)):
         print(f"{name:40s} {arch:6s} {'cached' if hit else f'{seconds:.1f} s'}")
     if nvshmem:
-        from ..engines.low_latency import precompile_nvshmem
+        from ..transports.nvshmem.transport import precompile
 
-        for name, arch, seconds, hit in precompile_nvshmem(tuple(a for a in archs if a != "sm_80")):
+        for name, arch, seconds, hit in precompile(tuple(a for a in archs if a != "sm_80")):
             print(f"{name:40s} {arch:6s} {'cached' if hit else f'{seconds:.1f} s'}")
     return 0

@@ -1,21 +1,21 @@
-"""Transport registry: which backends exist, whether each can run here, and why not."""
+"""Transports: the backends, which of them can run here and why not (one table: registry.py).
+
+Each backend lives in its own module or folder (reference.py; nvlink/, nvshmem/, each with its window);
+kernel.py is what the kernel-running ones share, probe.py answers for each, system.py and libraries.py
+say what the machine has."""
 from __future__ import annotations
 
-from typing import Dict, List, Type
+import importlib
+from dataclasses import replace
+from typing import Dict, Type
 
-from ..contract import BufferContext, Capabilities, Transport, TransportStatus
-
-# Preference order for transport="auto": the first usable one wins.
-# "nvlink" (intranode CUDA IPC, no library needed) is ours, beside DESIGN.md's four.
-TRANSPORT_NAMES: List[str] = ["nvshmem", "nccl_gin", "ibgda", "nvlink", "reference"]
+from ..contract import Transport, TransportStatus
+from . import probe, registry
+from .registry import TRANSPORT_NAMES
 
 
 def available_transports() -> Dict[str, TransportStatus]:
     """For every transport: can it be used in this process, and if not, the exact reason."""
-    from dataclasses import replace
-
-    from . import probe
-
     out = {}
     for name in TRANSPORT_NAMES:
         status = probe.probe(name)
@@ -32,19 +32,16 @@ def resolve(name: str, single_node: bool = False) -> str:
 
     "auto": when every rank of the group is on one node (`single_node`, the caller knows) and the
     `nvlink` transport is usable, it wins: its load/store kernels are the ones measured fastest there
-    (docs/PERFORMANCE.md); otherwise the first usable of TRANSPORT_NAMES that can span nodes."""
+    (docs/PERFORMANCE.md); otherwise the first usable backend of the registry that can span nodes."""
     statuses = available_transports()
     if name == "auto":
         if single_node and statuses["nvlink"].usable:
             return "nvlink"
-        for candidate in TRANSPORT_NAMES:
-            if candidate == "nvlink" and not single_node:
-                continue   # CUDA IPC cannot reach another node
-            if statuses[candidate].usable:
-                return candidate
+        for backend in registry.BACKENDS:
+            if (single_node or backend.spans_nodes) and statuses[backend.name].usable:
+                return backend.name
         raise RuntimeError("no usable transport: " + "; ".join(str(s) for s in statuses.values()))
-    if name not in statuses:
-        raise ValueError(f"unknown transport {name!r}; choose one of {['auto'] + TRANSPORT_NAMES}")
+    registry.row(name)   # ValueError for an unknown name
     status = statuses[name]
     if not status.usable:
         raise RuntimeError(f"transport {name!r} is unavailable: {status.reason}")
@@ -52,20 +49,10 @@ def resolve(name: str, single_node: bool = False) -> str:
 
 
 def backend_class(name: str) -> Type[Transport]:
-    if name == "reference":
-        from .reference import ReferenceTransport
-
-        return ReferenceTransport
-    if name == "nvlink":
-        from .nvlink import NvlinkTransport
-
-        return NvlinkTransport
-    if name == "nvshmem":
-        from .nvshmem import NvshmemTransport
-
-        return NvshmemTransport
-    raise RuntimeError(f"transport {name!r} has no backend implementation in this build")
+    row = registry.row(name)
+    if row.module is None:
+        raise RuntimeError(f"transport {name!r} has no backend implementation in this build")
+    return getattr(importlib.import_module(row.module, __package__), row.cls)
 
 
-__all__ = ["BufferContext", "Capabilities", "Transport", "TransportStatus", "TRANSPORT_NAMES",
-           "available_transports", "resolve", "backend_class"]
+__all__ = ["TransportStatus", "TRANSPORT_NAMES", "available_transports", "resolve", "backend_class"]

@@ -1,10 +1,13 @@
-"""What every window gives the engines besides its memory: the grid cap for ranks sharing a GPU and
-the error record its kernels write (CUDA IPC in windows/ipc.py, NVSHMEM in transports/nvshmem)."""
+"""What every window gives the engines besides its memory: the grid cap for ranks sharing a GPU, the
+error record its kernels write, and the kernels built for its transport (CUDA IPC in windows/ipc.py;
+a backend's own window in transports/<name>/window.py)."""
 from __future__ import annotations
 
 import ctypes
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Mapping, Optional, Tuple
 
+from .. import jit
 from ..device import sm_count
 
 ERROR_WORDS = 8   # [code, op, rank, peer, channel, detail, -, -] (ErrorSink's host record)
@@ -30,13 +33,50 @@ class MappedWords:
             self.host = 0
 
 
+@dataclass(frozen=True)
+class KernelBuild:
+    """How kernels over the transport contract are compiled for one backend
+    (csrc/common/kernels/selected_transport.cuh): the backend's device header, pre-included with
+    nvcc's -include, the name of its Transport struct, and the backend's own compile-time settings.
+    This record is the only place a backend is chosen for a kernel: the kernel sources name none."""
+
+    header: str                                  # e.g. "backends/nvlink/device.cuh" (in the kernel tree)
+    struct: str                                  # e.g. "NvlinkTransport" (namespace deepep_portable::transport)
+    defines: Tuple[Tuple[str, int], ...] = ()    # e.g. (("DEEPEP_WINDOW_VMM", 1),)
+
+    def kernel_defines(self, defines: Mapping) -> dict:
+        return {**defines, **dict(self.defines), "DEEPEP_TRANSPORT": self.struct}
+
+    @property
+    def flags(self) -> Tuple[str, ...]:
+        return ("-include", self.header)
+
+
 class Window:
     """Base of every window. A subclass sets `dev`, `base`, `peer_bases`, `errors` (MappedWords of
-    ERROR_WORDS) and calls _cap_blocks once it knows which ranks share its GPU."""
+    ERROR_WORDS) and calls _cap_blocks once it knows which ranks share its GPU. A window that carries a
+    transport (the low-latency engine's) also sets `build` and implements transport_params()."""
 
     dev: int
     max_blocks: int
     errors: MappedWords
+    build: Optional[KernelBuild] = None   # None: kernels that use no transport (CUDA IPC peers by address)
+    cheap_fetch_add = False               # the build's Transport::kCheapFetchAdd (host mirror)
+    _kernels: Optional[jit.KernelCache] = None
+
+    def kernel(self, source: str, name: str, defines: Mapping):
+        """Kernel `name` of `source` (under csrc/) compiled for this window's transport and loaded on its
+        device (memoized)."""
+        if self._kernels is None:
+            self._kernels = jit.KernelCache(self.dev)
+        if self.build is None:
+            return self._kernels.get(source, name, defines)
+        return self._kernels.get(source, name, self.build.kernel_defines(defines), self.build.flags)
+
+    def transport_params(self) -> ctypes.Structure:
+        """The host mirror of the build's Transport struct, filled for this window: what kernels over
+        the contract receive in their params."""
+        raise NotImplementedError(f"{type(self).__name__} carries no transport")
 
     def _cap_blocks(self, my_uuid: str, peer_uuids) -> None:
         # Spinning blocks of every rank must be resident at once: ranks that share a GPU split its SMs.

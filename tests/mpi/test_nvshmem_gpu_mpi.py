@@ -23,7 +23,10 @@ import ctypes
 import pytest
 import torch
 
-from deepep_portable import jit, jit_link, nvshmem_runtime as nr
+from deepep_portable import jit
+from deepep_portable.transports.nvshmem import link as jit_link
+from deepep_portable.transports.nvshmem import runtime as nr
+from deepep_portable.transports.nvshmem.abi import NvshmemTransportParams
 from deepep_portable.comm import Comm
 
 DATA = 4096              # bytes put per PE (each of the window's two data zones)
@@ -86,8 +89,8 @@ def test_nvshmem_put_signal_ring_and_timeout(mpi_comm, pg, device):
             mod = rt.load_module(compiled)
             fn = mod.function(jit_link.SELFTEST_KERNEL)
             if fn.param_size >= 0:
-                assert fn.param_size == ctypes.sizeof(nr.SelftestParams), (fn.param_size,
-                                                                          ctypes.sizeof(nr.SelftestParams))
+                assert fn.param_size == ctypes.sizeof(jit_link.SelftestParams), (fn.param_size,
+                                                                          ctypes.sizeof(jit_link.SelftestParams))
         except Exception as e:  # noqa: BLE001
             err = f"{type(e).__name__}: {e}"
         errs = [e for e in mpi_comm.allgather(err) if e]
@@ -112,7 +115,7 @@ def test_nvshmem_put_signal_ring_and_timeout(mpi_comm, pg, device):
             host.zero_()
             torch.cuda.synchronize(device)
             rt.barrier_all()  # every PE's window is ready before anyone sends
-            p = nr.SelftestParams(nr.transport_params(rt, window), src, seq, int(timeout_s * 1e9),
+            p = jit_link.SelftestParams(NvshmemTransportParams(window, rt.my_pe, rt.n_pes, 0), src, seq, int(timeout_s * 1e9),
                                   claim.data_ptr(), host.data_ptr(), out.data_ptr(), skip_to, 0)
             fn.launch(1, 32, 0, 0, bytes(p))   # one warp, legacy default stream
             _C.stream_synchronize(dev, 0)

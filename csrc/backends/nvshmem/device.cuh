@@ -3,8 +3,8 @@
 // header under non_abi/ is named here (DeepEP broke when NVSHMEM's internals moved).
 //
 // Build: kernels that include this header must be compiled relocatable (-rdc=true) and device-linked
-// against libnvshmem_device.a (deepep_portable/jit_link.py does both), then the loaded module must
-// be registered with nvshmemx_cumodule_init (deepep_portable/nvshmem_runtime.py) before launch:
+// against libnvshmem_device.a (deepep_portable/transports/nvshmem/link.py does both), then the loaded module must
+// be registered with nvshmemx_cumodule_init (deepep_portable/transports/nvshmem/runtime.py) before launch:
 // that call fills the module's copy of NVSHMEM's device state.
 //
 // Windows. A window is a range of the symmetric heap (nvshmem_malloc, collective, same size on every

@@ -1,6 +1,6 @@
 // Small helpers shared by every kernel family.
 //
-// Conventions (see deepep_portable/jit.py and _kernels.py):
+// Conventions (see deepep_portable/jit.py and engines/launch.py):
 //  * sources are compiled with -I<csrc>, so include shared headers as "common/kernels/...";
 //  * compile-time parameters arrive as -D macros (NUM_RANKS, NUM_TOPK, ...); a kernel turns
 //    each into a constexpr, after `#ifndef NUM_RANKS / #error ...` so a missing one is named;

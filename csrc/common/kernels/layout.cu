@@ -11,7 +11,7 @@
 //   is_token_in_rank      [N, R] bool written completely here (0/1 for every element)
 // Entries outside [0, E) (normally -1) select nothing.
 //
-// Launch contract (see deepep_portable/_kernels.py): block = LAYOUT_THREADS threads, any grid of
+// Launch contract (see deepep_portable/engines/dispatch_layout.py): block = LAYOUT_THREADS threads, any grid of
 // >= 1 block (grid-stride over tokens), and both counter arrays zeroed on the same stream before
 // the launch (the kernel accumulates into them with atomics).
 //
@@ -41,7 +41,7 @@ static_assert(kNumRanks >= 1, "NUM_RANKS must be >= 1");
 static_assert(kNumExperts >= kNumRanks && kNumExperts % kNumRanks == 0,
               "NUM_EXPERTS must be a positive multiple of NUM_RANKS");
 
-constexpr int kThreads = 256;  // must match LAYOUT_THREADS in _kernels.py
+constexpr int kThreads = 256;  // must match LAYOUT_THREADS in engines/dispatch_layout.py
 constexpr int kExpertsPerRank = kNumExperts / kNumRanks;
 constexpr int kMaskWords = (kNumRanks + 31) / 32;
 constexpr int kNumCounters = kNumExperts + kNumRanks;

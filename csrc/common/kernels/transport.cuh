@@ -1,8 +1,9 @@
 // The transport contract: what kernel code may ask of a transport, and what each answer promises.
 //
-// Kernels are written once as templates over a transport type `T` (a backend's device.cuh provides
-// it: csrc/backends/<name>/device.cuh). A transport object is a small struct passed in the kernel's
-// parameter struct, so it lives in constant memory; its methods are __device__ and cheap to call.
+// Kernels are written once against a transport type (a backend's csrc/backends/<name>/device.cuh
+// provides it; the host picks which: selected_transport.cuh). A transport object is a small struct
+// passed in the kernel's parameter struct, so it lives in constant memory; its methods are
+// __device__ and cheap to call.
 //
 // Windows: every rank owns a window (a buffer the others can address) of the same size; all
 // offsets below are byte offsets inside the window, identical on every rank (symmetric layout).
@@ -51,7 +52,7 @@
 namespace deepep_portable::transport {
 
 // What a backend can do; the host fills the same record for `available_transports()`.
-// Host mirror: deepep_portable/transports/base.py (Capabilities); tests/test_transports.py checks each
+// Host mirror: deepep_portable/contract.py (Capabilities); tests/test_transports.py checks each
 // backend's record against its Python class.
 enum class Network : int { kNone = 0, kInfiniBand = 1, kRoCE = 2, kOther = 3 };
 

@@ -55,7 +55,7 @@ static_assert(HIDDEN_BYTES % 16 == 0, "payload rows must be 16-byte multiples");
 static_assert(kNumRanks >= 1 && kNumTopk >= 0 && kNumTopk <= 128, "bad compile-time shape");
 }  // namespace
 
-// All fields 64-bit so the ctypes mirror (deepep_portable/intranode.py) needs no padding rules.
+// All fields 64-bit so the ctypes mirror (deepep_portable/engines/intranode.py) needs no padding rules.
 struct DispatchParams {
     const uint64_t* peer_bases;
     int64_t rank;

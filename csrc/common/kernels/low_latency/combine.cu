@@ -18,7 +18,7 @@
 // write (one put over a network), on one or two pages. Page spread costs: a dispatch layout that
 // gave each message of a warp its own page measured 2x slower on the H200 emulation.
 //
-// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, DEEPEP_TRANSPORT_*.
+// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK; the transport (selected_transport.cuh).
 #include <cstdint>
 
 #include "common/kernels/low_latency/protocol.cuh"
@@ -32,6 +32,7 @@
 
 using namespace deepep_portable;
 using namespace deepep_portable::low_latency;
+using deepep_portable::fp8::kFp8Block;
 
 namespace {
 constexpr int kHidden = HIDDEN;
@@ -61,7 +62,7 @@ struct LLCombineParams {
 
 extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __grid_constant__ LLCombineParams p) {
     const Common& c = p.c;
-    const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
+    const Transport tr = c.transport;
     const Call call = begin_call(c, c.ctrl_sent, kTraceCombineSend, kKindCombine);
     const uint64_t seq = call.seq;
     const int half = static_cast<int>(seq & 1);
@@ -131,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
 
 extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __grid_constant__ LLCombineParams p) {
     const Common& c = p.c;
-    const Transport tr = make_transport(c.peer_bases, c.rank, c.num_ranks);
+    const Transport tr = c.transport;
     const uint64_t seq = begin_call(c, c.ctrl_recvd, kTraceCombineRecv).seq;
     const int half = static_cast<int>(seq & 1);
     const ErrorSink sink = sink_of(c, kOpCombine);

@@ -37,7 +37,7 @@
 // resident at once: the host caps the grid accordingly (Window.grid).
 // Either way a source's rows of an expert are contiguous and in its token order (the combine relies on it).
 //
-// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, DEEPEP_TRANSPORT_*.
+// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK; the transport (selected_transport.cuh).
 // Run-time: ranks, experts, T, FP8 flags.
 #include <cstdint>
 
@@ -52,6 +52,7 @@
 
 using namespace deepep_portable;
 using namespace deepep_portable::low_latency;
+using namespace deepep_portable::fp8;
 
 namespace {
 constexpr int kHidden = HIDDEN;
@@ -91,56 +92,6 @@ struct LLDispatchParams {
 };
 
 namespace {
-
-// FP8 cast of 128-channel blocks [b_begin, b_end) of one bf16 row by a warp (b_begin even): lanes
-// 0-15 handle block b, lanes 16-31 block b+1; each lane 8 channels (one 16-byte word). Writes the
-// blocks' fp8 bytes into `data` (the row's H bytes) and their float32 scales into `scales` (S).
-// The loads of kBatch block pairs are issued together (the stores in between would otherwise keep
-// the compiler from hoisting them: one memory round trip per pair).
-DEEPEP_DEVICE void cast_row_fp8(const int4* __restrict__ row, char* __restrict__ data, float* __restrict__ scales,
-                                bool round_scale, int lane, int b_begin, int b_end) {
-    constexpr int kBatch = 8;
-    const int half = lane / 16, l16 = lane % 16;
-    for (int b0 = b_begin; b0 < b_end; b0 += 2 * kBatch) {
-        int4 raw[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-            const int b = b0 + 2 * u + half;
-            raw[u] = b < b_end ? row[b * 16 + l16] : make_int4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-            if (b0 + 2 * u >= b_end)
-                break;   // uniform over the warp: the shuffles below stay converged
-            const int b = b0 + 2 * u + half;
-            const bool active = b < b_end;
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
-            float f[8];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float2 v = __bfloat1622float2(h[i]);
-                f[2 * i] = v.x;
-                f[2 * i + 1] = v.y;
-            }
-            float amax = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-            for (int off = 8; off >= 1; off /= 2)
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));   // stays within each 16-lane half
-            const float scale = fp8_scale(amax, round_scale);
-            if (active) {
-                uint2 out;
-                out.x = static_cast<uint32_t>(fp8x2(f[0], f[1], scale)) | (static_cast<uint32_t>(fp8x2(f[2], f[3], scale)) << 16);
-                out.y = static_cast<uint32_t>(fp8x2(f[4], f[5], scale)) | (static_cast<uint32_t>(fp8x2(f[6], f[7], scale)) << 16);
-                reinterpret_cast<uint2*>(data + b * kFp8Block)[l16] = out;
-                if (l16 == 0)
-                    scales[b] = scale;
-            }
-        }
-    }
-}
 
 // A message's two parts (multiples of 16): the side message, and the payload (one recv_x row).
 DEEPEP_DEVICE int64_t side_bytes(bool use_fp8) {
@@ -446,11 +397,11 @@ DEEPEP_DEVICE void receive(const LLDispatchParams& p, const Transport& tr) {
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __grid_constant__ LLDispatchParams p) {
-    stage_and_send(p, make_transport(p.c.peer_bases, p.c.rank, p.c.num_ranks));
+    stage_and_send(p, p.c.transport);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(const __grid_constant__ LLDispatchParams p) {
-    receive(p, make_transport(p.c.peer_bases, p.c.rank, p.c.num_ranks));
+    receive(p, p.c.transport);
 }
 
 // Without a hook the receive phase follows in the same launch: a warp's receive waits overlap the
@@ -458,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(const __
 // call (the host allows no hook-less op while a hook is pending), and a block reads RECVD before it
 // can arrive at the receive phase's end (end_call), so the sequence numbers agree.
 extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch(const __grid_constant__ LLDispatchParams p) {
-    const Transport tr = make_transport(p.c.peer_bases, p.c.rank, p.c.num_ranks);
+    const Transport tr = p.c.transport;
     stage_and_send(p, tr);
     receive(p, tr);
 }

@@ -57,38 +57,19 @@
 #pragma once
 
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 
 #include <cstdint>
 
 #include "common/kernels/common.cuh"
+#include "common/kernels/fp8.cuh"
+#include "common/kernels/selected_transport.cuh"
 #include "common/kernels/signal.cuh"
-#include "common/kernels/transport.cuh"
 
-#if defined(DEEPEP_TRANSPORT_NVLINK)
-#include "backends/nvlink/device.cuh"
-namespace deepep_portable::low_latency {
-using Transport = transport::NvlinkTransport;
-DEEPEP_DEVICE Transport make_transport(const uint64_t* peer_bases, int64_t rank, int64_t num_ranks) {
-    return Transport{peer_bases, static_cast<int>(rank), static_cast<int>(num_ranks)};
-}
-}  // namespace deepep_portable::low_latency
-#elif defined(DEEPEP_TRANSPORT_NVSHMEM)
-// The window is a symmetric-heap allocation; peer_bases[r] is nvshmem_ptr of it on PE r (0 when PE r is
-// not P2P-reachable): the kernels only dereference their own entry, every remote access goes through
-// the transport (which writes P2P peers with stores and reaches the others with NVSHMEM routines).
-#include "backends/nvshmem/device.cuh"
-namespace deepep_portable::low_latency {
-using Transport = transport::NvshmemTransport;
-DEEPEP_DEVICE Transport make_transport(const uint64_t* peer_bases, int64_t rank, int64_t num_ranks) {
-    return Transport{peer_bases[rank], static_cast<int>(rank), static_cast<int>(num_ranks), peer_bases};
-}
-}  // namespace deepep_portable::low_latency
-#else
-#error "low_latency kernels need a transport: -DDEEPEP_TRANSPORT_NVLINK or -DDEEPEP_TRANSPORT_NVSHMEM"
-#endif
 
 namespace deepep_portable::low_latency {
+
+// The backend these kernels are built for (chosen by the host, see selected_transport.cuh).
+using Transport = transport::Selected;
 
 constexpr int kThreads = 512;          // __launch_bounds__ of every LL kernel (host: low_latency.THREADS)
 constexpr int kOpDispatch = 3;         // ErrorSink op codes (host: low_latency.OP_NAMES)
@@ -97,12 +78,13 @@ constexpr int kErrorOverrun = 3;       // a signal already carries a later call:
 constexpr int kErrorOverwrite = 4;     // a send found its destination still receiving the half's previous call
 constexpr int kKindDispatch = 0;       // index of ctrl_last[kind][half]
 constexpr int kKindCombine = 1;
-constexpr int kFp8Block = 128;         // channels per FP8 scale
 constexpr int kMsgHeader = 16;         // head of a dispatch side message (int32 source token), before its scales
 
-// Fields shared by every LL params struct (all 64-bit; mirrored in deepep_portable/low_latency.py).
+// Fields shared by every LL params struct (the backend's Transport, then 64-bit words; mirrored in
+// deepep_portable/engines/low_latency.py).
 struct Common {
-    const uint64_t* peer_bases;      // [R] base of every rank's LL buffer, mapped here
+    Transport transport;             // the backend's struct, filled by the window (Window.transport_params)
+    uint64_t local_base;             // my window's address here: the kernels' own control words and outputs
     int64_t rank;
     int64_t num_ranks;
     int64_t ctrl_sent;               // byte offsets in my buffer (control area)
@@ -152,7 +134,7 @@ DEEPEP_DEVICE void trace_mark(uint64_t* trace, uint64_t seq, int kernel, bool en
 
 template <typename U>
 DEEPEP_DEVICE U* own(const Common& c, int64_t off) {
-    return reinterpret_cast<U*>(c.peer_bases[c.rank] + static_cast<uint64_t>(off));
+    return reinterpret_cast<U*>(c.local_base + static_cast<uint64_t>(off));
 }
 
 DEEPEP_DEVICE int64_t last_off(const Common& c, int kind, int half) {
@@ -304,41 +286,6 @@ DEEPEP_DEVICE bool token_selects(const int64_t* topk_idx, int64_t num_tokens, in
             hit |= topk_idx[t * kNumTopk + k] == g;
     }
     return hit;
-}
-
-// ---- FP8 cast (bit-exact with tests/oracle.py fp8_cast on the CPU) ------------------------------------
-// amax = max |x| over 128 channels, clamped to >= 1e-4f; scale = amax / 448 (correctly rounded);
-// round_scale: the smallest power of two >= scale (from the bits: scale is a positive normal float);
-// data = e4m3(x / scale), round to nearest even. Saturation modes differ (torch's .to(float8_e4m3fn)
-// gives NaN from 464 up, __NV_SATFINITE clamps to 448) but are never reached: |x| <= amax and scale >=
-// amax / 448 correctly rounded, so |x / scale| <= 448 * (1 + 2^-23), which rounds to 448. Bit-exact for
-// finite inputs; NaN/Inf inputs are outside the contract (fmaxf drops NaN, torch's amax keeps it).
-DEEPEP_HOST_DEVICE float fp8_scale(float amax, bool round_scale) {
-    amax = amax < 1e-4f ? 1e-4f : amax;
-#ifdef __CUDA_ARCH__
-    float scale = __fdiv_rn(amax, 448.0f);
-#else
-    float scale = amax / 448.0f;
-#endif
-    if (round_scale) {
-        uint32_t bits;
-        memcpy(&bits, &scale, 4);
-        uint32_t e = (bits >> 23) & 0xffu;
-        if (bits & 0x7fffffu)
-            e += 1;
-        bits = e << 23;
-        memcpy(&scale, &bits, 4);
-    }
-    return scale;
-}
-
-DEEPEP_HOST_DEVICE uint16_t fp8x2(float a, float b, float scale) {
-#ifdef __CUDA_ARCH__
-    const float2 q = make_float2(__fdiv_rn(a, scale), __fdiv_rn(b, scale));
-#else
-    const float2 q = make_float2(a / scale, b / scale);
-#endif
-    return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3));
 }
 
 }  // namespace deepep_portable::low_latency

@@ -12,7 +12,7 @@ Step 2 makes nvlink resolve the NVSHMEM device symbols and emit one executable E
 `ET_EXEC`, SASS for sm_XX only) that cuModuleLoadData accepts. (`nvlink -cubin` is not an option of
 nvlink 13; `nvcc -dlink -cubin` drives it correctly.) The cubin holds NVSHMEM's device state
 (`nvshmemi_device_state_d` ...) uninitialised: load it with
-nvshmem_runtime.NvshmemRuntime.load_module(result), which also calls nvshmemx_cumodule_init, before
+runtime.NvshmemRuntime.load_module(result), which also calls nvshmemx_cumodule_init, before
 the first launch.
 
 No PTX variant: a device-linked image is SASS for one architecture, so DEEPEP_PORTABLE_FORCE_ARCH
@@ -21,10 +21,10 @@ No PTX variant: a device-linked image is SASS for one architecture, so DEEPEP_PO
 One installation: the headers, libnvshmem_device.a and libnvshmem_host.so.3 must be the same NVSHMEM
 release (the device library's code and the host library's device-state layout that
 nvshmemx_cumodule_init copies in must agree). nvshmem_build_paths() takes all three from the one
-installation probe.nvshmem_info() finds (the one nvshmem_runtime loads) and refuses headers whose
+installation libraries.nvshmem_info() finds (the one runtime.py loads) and refuses headers whose
 NVSHMEM_VENDOR_*_VERSION differ from the host library's version; every cubin comes back as a
-LinkedCompileResult naming that installation, and nvshmem_runtime.NvshmemRuntime.load_module
-refuses a cubin linked against another one.
+LinkedCompileResult naming that installation, and runtime.NvshmemRuntime.load_module refuses a cubin
+linked against another one.
 
 Cache: like jit.compile_cached, under jit.cache_dir(), atomic writes, per-key lock. The key is
 jit's (source, every file under csrc/common/kernels and csrc/backends, defines, flags, nvcc version)
@@ -32,6 +32,7 @@ plus the NVSHMEM version, the device library's path, size and mtime, and the inc
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shlex
@@ -41,8 +42,10 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from . import jit
-from .jit import (BASE_FLAGS, CompileResult, Defines, JitCompileError, cache_dir, find_nvcc, kernel_root,
+from ... import jit
+from .. import libraries
+from .abi import NvshmemTransportParams
+from ...jit import (BASE_FLAGS, CompileResult, Defines, JitCompileError, cache_dir, find_nvcc, kernel_root,
                   nvcc_version)
 
 __all__ = ["NvshmemBuildPaths", "LinkedCompileResult", "nvshmem_build_paths", "header_version",
@@ -97,9 +100,7 @@ def nvshmem_build_paths() -> NvshmemBuildPaths:
     $NVSHMEM_HOME, the pip package nvidia-nvshmem-cu13/cu12, LD_LIBRARY_PATH, system dirs).
     Raises JitCompileError naming what was searched when something is missing, and when the
     headers are another NVSHMEM release than the host library (see the module docstring)."""
-    from .transports import probe
-
-    info = probe.nvshmem_info()
+    info = libraries.nvshmem_info()
     host = info.get("host_lib")
     if host is None:
         raise JitCompileError("NVSHMEM not found: libnvshmem_host.so.3 is in none of "
@@ -248,7 +249,7 @@ def command_lines(source: str, arch: str = "sm_90") -> List[str]:
 
 # ---- self-test kernel: every primitive of NvshmemTransport once --------------------------------
 # Used by tests/test_nvshmem_backend.py (compile + link on the CPU) and tests/mpi/
-# test_nvshmem_gpu_mpi.py (run on PEs). Host mirror: nvshmem_runtime.SelftestParams.
+# test_nvshmem_gpu_mpi.py (run on PEs). Host mirror: SelftestParams below.
 #
 # Window layout (bytes): [0, DATA) data landing zone written by the previous PE;
 # DATA + 0: put_signal_warp's signal (value `seq`), DATA + 8: signal() (value seq + 1),
@@ -333,3 +334,10 @@ def compile_selftest(arch: str = "sm_90", data_bytes: int = 4096,
     if data_bytes <= 0 or data_bytes % 16:
         raise ValueError(f"data_bytes must be a positive multiple of 16, got {data_bytes}")
     return compile_linked_cached(selftest_source_path(cache), {"DATA_BYTES": data_bytes}, arch, cache=cache)
+
+
+class SelftestParams(ctypes.Structure):
+    """Host mirror of SelftestParams in SELFTEST_SOURCE."""
+    _fields_ = [("t", NvshmemTransportParams), ("src", ctypes.c_uint64), ("seq", ctypes.c_uint64),
+                ("timeout_ns", ctypes.c_uint64), ("claim", ctypes.c_uint64), ("host", ctypes.c_uint64),
+                ("out", ctypes.c_uint64), ("skip_signal_to", ctypes.c_int32), ("probe_timeout", ctypes.c_int32)]

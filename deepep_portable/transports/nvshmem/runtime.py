@@ -1,9 +1,5 @@
 """Host side of the `nvshmem` backend: ctypes over libnvshmem_host.so.3, opened at run time.
 
-NOT a registered transport yet (the name deepep_portable/transports/nvshmem.py is what makes the
-probe report the backend as present; this module deliberately lives elsewhere until its kernels
-have run on a GPU).
-
 Only NVSHMEM's public, exported host API is called:
   nvshmemx_vendor_get_version_info, nvshmemx_get_uniqueid, nvshmemx_set_attr_uniqueid_args,
   nvshmemx_hostlib_init_attr, nvshmemx_init_status, nvshmem_my_pe, nvshmem_n_pes, nvshmem_malloc,
@@ -30,8 +26,8 @@ NvshmemRuntime checks, before init and before each cumodule_init, that the curre
 `device`'s primary context; with no current context it makes the primary context current itself
 (what cudaSetDevice does); another context current raises.
 
-One installation: the library loaded here is the one probe.nvshmem_info finds, the same that
-jit_link.nvshmem_build_paths links against; load_module refuses a cubin linked against another
+One installation: the library loaded here is the one libraries.nvshmem_info finds, the same that
+link.nvshmem_build_paths links against; load_module refuses a cubin linked against another
 version or installation, and loading refuses when another libnvshmem_host.so is already mapped in
 the process (two NVSHMEM host libraries in one process would mix their global symbols).
 
@@ -53,10 +49,13 @@ import os
 import threading
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from .. import libraries
+from ..system import ensure_primary_context, release_primary_context
+
 __all__ = ["NvshmemUnavailable", "load_library", "library_path", "version", "SYMBOLS", "UniqueId",
            "UniqueIdArgs", "InitArgsV1", "InitArgsV2", "InitAttrV1", "InitAttrV2", "INIT_WITH_UNIQUEID",
-           "nvshmem_environment", "apply_environment", "NvshmemRuntime", "SelftestParams", "TransportParams",
-           "check_linked_against_loaded"]
+           "nvshmem_environment", "apply_environment", "NvshmemRuntime", "check_linked_against_loaded",
+           "ensure_primary_context", "release_primary_context"]
 
 INIT_WITH_UNIQUEID = 1 << 3          # NVSHMEMX_INIT_WITH_UNIQUEID (host/nvshmemx_api.h, enum flags)
 UNIQUEID_PADDING = 124               # bootstrap_device_host/nvshmem_uniqueid.h
@@ -177,9 +176,7 @@ def _other_nvshmem_host_libs(path: str) -> List[str]:
 
 @functools.lru_cache(maxsize=None)
 def _load() -> Tuple[Optional[ctypes.CDLL], str, Optional[str]]:
-    from .transports import probe
-
-    info = probe.nvshmem_info()
+    info = libraries.nvshmem_info()
     path = info.get("host_lib")
     if path is None:
         return None, ("libnvshmem_host.so.3 not found (searched: " + ", ".join(info.get("searched", []))
@@ -279,60 +276,10 @@ def apply_environment(options: Optional[Mapping[str, Any]] = None) -> Dict[str, 
     return env
 
 
-# ---- CUDA context and installation checks --------------------------------------------------------
-
-def _libcuda():
-    """The initialised libcuda handle (probe's), or NvshmemUnavailable with the reason."""
-    from .transports import probe
-
-    lib, why = probe._libcuda()
-    if lib is None:
-        raise NvshmemUnavailable(why)
-    return lib
-
-
-def _cu(lib, fn: str, *args) -> None:
-    rc = getattr(lib, fn)(*args)
-    if rc != 0:
-        raise RuntimeError(f"{fn} failed with CUresult {rc}")
-
-
-def _primary_release(lib, dev: int) -> None:
-    fn = getattr(lib, "cuDevicePrimaryCtxRelease_v2", None) or lib.cuDevicePrimaryCtxRelease
-    fn(ctypes.c_int(dev))
-
-
-def ensure_primary_context(device: int) -> bool:
-    """Make sure `device`'s primary context is current on this thread. True when this call made it
-    current (and holds a retain the caller releases with release_primary_context), False when it
-    already was. Raises RuntimeError when another context is current."""
-    lib = _libcuda()
-    dev = ctypes.c_int()
-    _cu(lib, "cuDeviceGet", ctypes.byref(dev), ctypes.c_int(int(device)))
-    primary = ctypes.c_void_p()
-    _cu(lib, "cuDevicePrimaryCtxRetain", ctypes.byref(primary), dev)
-    current = ctypes.c_void_p()
-    _cu(lib, "cuCtxGetCurrent", ctypes.byref(current))
-    if not current.value:
-        _cu(lib, "cuCtxSetCurrent", primary)
-        return True  # keep the retain while we rely on the context
-    _primary_release(lib, dev.value)
-    if current.value != primary.value:
-        raise RuntimeError(f"the CUDA context current on this thread is not device {device}'s primary context; "
-                           "NVSHMEM and the kernels must share it (torch.cuda.set_device(device) before "
-                           "creating NvshmemRuntime)")
-    return False
-
-
-def release_primary_context(device: int) -> None:
-    lib = _libcuda()
-    dev = ctypes.c_int()
-    _cu(lib, "cuDeviceGet", ctypes.byref(dev), ctypes.c_int(int(device)))
-    _primary_release(lib, dev.value)
-
+# ---- installation checks ----------------------------------------------------------------------
 
 def check_linked_against_loaded(paths) -> None:
-    """Raise NvshmemUnavailable unless `paths` (jit_link.NvshmemBuildPaths a cubin was linked with)
+    """Raise NvshmemUnavailable unless `paths` (link.NvshmemBuildPaths a cubin was linked with)
     names the NVSHMEM installation and version this process loaded."""
     loaded_path = library_path()
     lib = load_library()
@@ -447,15 +394,15 @@ class NvshmemRuntime:
 
     # JIT modules
     def load_module(self, compiled: Any) -> Any:
-        """Load a jit_link.LinkedCompileResult as a deepep_portable._C.Module on this runtime's device
+        """Load a link.LinkedCompileResult as a deepep_portable._C.Module on this runtime's device
         and register it with nvshmemx_cumodule_init. Refuses a cubin linked against another NVSHMEM
         version or installation. The runtime keeps the Module alive until finalize()."""
         paths = getattr(compiled, "nvshmem", None)
         if paths is None:
-            raise TypeError("load_module takes a jit_link.LinkedCompileResult (the cubin and the NVSHMEM "
+            raise TypeError("load_module takes a link.LinkedCompileResult (the cubin and the NVSHMEM "
                             f"installation it was linked against), got {type(compiled).__name__}")
         check_linked_against_loaded(paths)
-        from . import _C
+        from ... import _C
 
         module = _C.Module(compiled.image, self.device)
         self.cumodule_init(module)
@@ -535,21 +482,3 @@ def _parse_size(text: str) -> int:
         return int(float(text[:-1] if scale > 1 else text) * scale)
     except ValueError:
         return 0
-
-
-def transport_params(rt: NvshmemRuntime, window_base: int, peer_bases: int = 0) -> "TransportParams":
-    """peer_bases: device address of the [n_pes] nvshmem_ptr table (0: NVSHMEM routines for every peer)."""
-    return TransportParams(window_base, rt.my_pe, rt.n_pes, peer_bases)
-
-
-class TransportParams(ctypes.Structure):
-    """Host mirror of transport::NvshmemTransport (csrc/backends/nvshmem/device.cuh)."""
-    _fields_ = [("base", ctypes.c_uint64), ("rank", ctypes.c_int32), ("num_ranks", ctypes.c_int32),
-                ("peer_bases", ctypes.c_uint64)]
-
-
-class SelftestParams(ctypes.Structure):
-    """Host mirror of SelftestParams in jit_link.SELFTEST_SOURCE."""
-    _fields_ = [("t", TransportParams), ("src", ctypes.c_uint64), ("seq", ctypes.c_uint64),
-                ("timeout_ns", ctypes.c_uint64), ("claim", ctypes.c_uint64), ("host", ctypes.c_uint64),
-                ("out", ctypes.c_uint64), ("skip_signal_to", ctypes.c_int32), ("probe_timeout", ctypes.c_int32)]

@@ -1,14 +1,15 @@
 """A window on NVSHMEM's symmetric heap: what the low-latency engine stands on with transport="nvshmem".
 
-Same surface as ipc.IpcWindow (ipc.Window's grid and recorded_error; base, peer_bases, errors, close),
-so the engine does not care which one it holds. Differences:
+Same surface as the nvlink window (windows.base.Window: grid, recorded_error, kernel,
+transport_params; base, peer_bases, errors, close), so the engine does not care which one it holds.
+Differences:
   * the memory is one nvshmem_malloc (collective, same size on every PE) in the process's shared
-    NVSHMEM runtime (nvshmem_runtime.shared_runtime: initialised by unique id over the Buffer's
-    group the first time);
+    NVSHMEM runtime (runtime.shared_runtime: initialised by unique id over the Buffer's group the
+    first time);
   * peer_bases[r] = nvshmem_ptr(base, r): a load/store address for P2P-reachable PEs (same node or
     same GPU) and 0 for PEs behind a network; the kernels reach every peer through the transport
-    (csrc/backends/nvshmem/device.cuh) and dereference only their own entry;
-  * kernels are device-linked against libnvshmem_device.a (jit_link) and registered with
+    (csrc/backends/nvshmem/device.cuh), whose struct carries that table;
+  * kernels are device-linked against libnvshmem_device.a (link.py) and registered with
     nvshmemx_cumodule_init before their first launch (kernel()).
 """
 from __future__ import annotations
@@ -17,11 +18,16 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import jit, jit_link
-from . import nvshmem_runtime as nr
-from .contract import BufferContext
-from .device import device_index, device_uuid
-from .windows.base import ERROR_WORDS, MappedWords, Window
+from ... import jit
+from ...contract import BufferContext
+from ...device import device_index, device_uuid
+from ...windows.base import ERROR_WORDS, KernelBuild, MappedWords, Window
+from . import link
+from . import runtime as nr
+from .abi import NvshmemTransportParams
+
+# Kernels over the contract for this backend (selected_transport.cuh); fetch_add is cheap (kCheapFetchAdd).
+NVSHMEM_BUILD = KernelBuild("backends/nvshmem/device.cuh", "NvshmemTransport")
 
 # Heap headroom beyond the first window: later Buffers of the job allocate from the same heap (8 PEs
 # sharing one GPU each reserve it, so not more). NVSHMEM_SYMMETRIC_SIZE / nvshmem_options override.
@@ -30,9 +36,12 @@ HEAP_MIN = 1 << 30
 
 
 class NvshmemWindow(Window):
+    build = NVSHMEM_BUILD
+    cheap_fetch_add = True
+
     def __init__(self, ctx: BufferContext, nbytes: int, options: Optional[dict] = None) -> None:
         """Collective over ctx.comm (the runtime's PEs are that group's ranks)."""
-        from . import _C
+        from ... import _C
 
         self.ctx = ctx
         self.dev = device_index(ctx.device)
@@ -48,6 +57,7 @@ class NvshmemWindow(Window):
         self.network_peers = [pe for pe, b in enumerate(self.bases) if b == 0]
         self.peer_bases = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
         self.errors = MappedWords(self.dev, ERROR_WORDS)
+        self._params = NvshmemTransportParams(self.base, self.rt.my_pe, self.rt.n_pes, self.peer_bases.data_ptr())
         self._modules: Dict[Tuple, object] = {}
         torch.cuda.synchronize(self.dev)
         self.rt.barrier_all()   # every PE's window is zeroed before any kernel runs
@@ -57,9 +67,13 @@ class NvshmemWindow(Window):
         key = (source, tuple(sorted(defines.items())))
         mod = self._modules.get(key)
         if mod is None:
-            compiled = jit_link.compile_linked_cached(source, defines, jit.device_arch(self.dev))
+            compiled = link.compile_linked_cached(source, self.build.kernel_defines(defines), jit.device_arch(self.dev),
+                                                  extra_flags=self.build.flags)
             mod = self._modules[key] = self.rt.load_module(compiled)
         return mod.function(name)
+
+    def transport_params(self) -> NvshmemTransportParams:
+        return self._params
 
     def close(self) -> None:
         """Collective: wait until no PE can still touch this window, then free it (the runtime stays)."""

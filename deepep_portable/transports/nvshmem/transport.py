@@ -1,0 +1,61 @@
+"""`nvshmem` transport: the low-latency kernels over NVSHMEM's symmetric heap.
+
+Low-latency ops run the same kernels as the `nvlink` transport (csrc/common/kernels/low_latency),
+built for csrc/backends/nvshmem/device.cuh and device-linked with libnvshmem_device: the LL buffer
+(`num_rdma_bytes`) is a symmetric allocation (window.NvshmemWindow), peers that are P2P-reachable (same
+node, same GPU) are reached by NVSHMEM's load/store path and the others by NVSHMEM puts (IBGDA when
+`nvshmem_options={"ibgda": True}`; RoCE/QoS settings through the other options of
+runtime.PASS_THROUGH). NVSHMEM is initialised once per process, by unique id over the first such
+Buffer's group.
+
+Normal-mode ops (`num_nvl_bytes`) run the intranode kernels over CUDA IPC, as in `nvlink` (every rank
+on one node). What was run where: docs/PERFORMANCE.md and the closing notes; the network path
+(non-P2P peers) has not run (no RDMA NIC on the machines used so far).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Optional
+
+from ... import jit
+from ...contract import BufferContext, Capabilities
+from ...engines import low_latency
+from ..kernel import KernelTransport
+from . import link
+from .window import NVSHMEM_BUILD, NvshmemWindow
+
+
+class NvshmemTransport(KernelTransport):
+    name = "nvshmem"
+    # backends/nvshmem/device.cuh: peer load/store is known only at run time (nvshmem_ptr per PE)
+    capabilities = Capabilities(peer_load_store=False, remote_atomics=True, ordered_delivery=False, max_channels=1,
+                                graph_safe=True, network="other")
+
+    def make_ll_window(self, ctx: BufferContext, nbytes: int) -> NvshmemWindow:
+        return NvshmemWindow(ctx, nbytes, ctx.options.get("nvshmem"))
+
+    def runtime_capabilities(self) -> Capabilities:
+        window = getattr(self.ll_engine, "window", None)
+        if window is None or getattr(window, "base", None) is None:
+            return self.capabilities
+        return replace(self.capabilities, peer_load_store=not window.network_peers)
+
+
+def precompile(archs=("sm_90",), jobs: Optional[int] = None):
+    """Device-link the low-latency kernel families' variants for this backend (in parallel, `jobs` nvcc
+    processes). Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc is missing."""
+    tasks = [(source, defines, arch) for source in (low_latency.DISPATCH_SOURCE, low_latency.COMBINE_SOURCE)
+             for defines in (low_latency.kernel_defines(h, 8) for h in low_latency.HIDDENS) for arch in archs]
+
+    def run(task):
+        source, defines, arch = task
+        res = link.compile_linked_cached(source, NVSHMEM_BUILD.kernel_defines(defines), arch,
+                                         extra_flags=NVSHMEM_BUILD.flags)
+        label = f"{os.path.basename(source)}[nvshmem,HIDDEN={defines['HIDDEN']},NUM_TOPK={defines['NUM_TOPK']}]"
+        return label, arch, res.seconds, res.cache_hit
+
+    jit.find_nvcc()   # raises naming where it looked
+    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
+        return list(pool.map(run, tasks))

@@ -1,0 +1,37 @@
+"""The list of backends: one row each. Everything that needs to know which backends exist reads this
+table (`available_transports`, `resolve`, `Buffer(transport=...)`, the probes, `doctor`), so a new
+backend is its folders (csrc/backends/<name>/, transports/<name>/), its probe function and one row here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    module: Optional[str]     # module of its Transport class, relative to deepep_portable.transports (None: not built yet)
+    cls: Optional[str]        # the Transport class in that module
+    probe: str                # its probe function in transports/probe.py (never raises: reasons, not exceptions)
+    spans_nodes: bool         # can serve ranks on several nodes ("auto" skips it otherwise)
+
+
+# In the order transport="auto" prefers them (nvlink first when every rank is on one node: see resolve).
+BACKENDS: Tuple[Backend, ...] = (
+    Backend("nvshmem", ".nvshmem.transport", "NvshmemTransport", "probe_nvshmem", spans_nodes=True),
+    Backend("nccl_gin", None, None, "probe_nccl_gin", spans_nodes=True),
+    Backend("ibgda", None, None, "probe_ibgda", spans_nodes=True),
+    Backend("nvlink", ".nvlink.transport", "NvlinkTransport", "probe_nvlink", spans_nodes=False),
+    Backend("reference", ".reference", "ReferenceTransport", "probe_reference", spans_nodes=True),
+)
+
+BY_NAME: Dict[str, Backend] = {b.name: b for b in BACKENDS}
+TRANSPORT_NAMES = [b.name for b in BACKENDS]
+
+
+def row(name: str) -> Backend:
+    """The row of backend `name`; ValueError naming the known ones otherwise."""
+    if name not in BY_NAME:
+        raise ValueError(f"unknown transport {name!r}; choose one of {['auto'] + TRANSPORT_NAMES}")
+    return BY_NAME[name]
