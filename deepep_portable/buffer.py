@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from . import _validate as check
-from .comm import Comm, node_identity
+from .comm import Comm
 from .config import Config
 from .event import EventOverlap
 from .handles import DispatchHandle, LowLatencyHandle
@@ -23,6 +23,7 @@ from .contract import (BufferContext, CachedDispatchArgs, CombineArgs, DispatchA
                        LowLatencyDispatchArgs, Transport)
 from .engines.dispatch_layout import dispatch_layout
 from .layout import NormalLayout, low_latency_rdma_size_hint
+from .topology import on_one_node
 from .transports import backend_class, resolve
 
 topk_idx_t = torch.int64
@@ -73,7 +74,7 @@ class Buffer:
 
         single_node = False
         if transport == "auto":   # collective, like the rest of the constructor
-            single_node = len(set(self._comm.allgather_object(node_identity()))) == 1
+            single_node = on_one_node(self._comm)
         self.transport = resolve(transport, single_node)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device

@@ -99,19 +99,6 @@ class Comm:
         return [rows[src][self.rank] for src in range(self.size)]
 
 
-def node_identity() -> str:
-    """Which machine this process runs on: the host name and the kernel's boot id (containers on
-    different nodes may share a host name; two processes of one kernel always share the boot id)."""
-    import socket
-
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
-
-
 def _mpi_alltoallv(comm, host: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
     import numpy as np
     from mpi4py import MPI

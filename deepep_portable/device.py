@@ -30,4 +30,3 @@ def sm_count(device: int) -> int:
 
 def device_uuid(device: int) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
-

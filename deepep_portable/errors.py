@@ -2,9 +2,16 @@
 
 Kernels report a failed wait (or another fault they detect) through an ErrorSink
 (csrc/common/kernels/signal.cuh): the first report claims a word in device memory and writes a
-record [code, op, rank, peer, channel, detail] into mapped host memory, which the engines poll.
+record [code, op, rank, peer, channel, detail] into mapped host memory, which the engines poll. The
+codes and op ids are one table, csrc/common/kernels/errors.cuh; `table()` reads it from there (the
+kernel tree ships with the package), and `from_record` is the one decoder.
 """
 from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import Dict, Tuple
 
 
 class CommTimeoutError(RuntimeError):
@@ -19,3 +26,57 @@ class CommTimeoutError(RuntimeError):
                    f"the same call (or is stuck)")
         super().__init__(f"{op} timed out on rank {rank} {why}; this Buffer cannot be used again, create a new one")
         self.op, self.rank, self.peer, self.channel = op, rank, peer, channel
+
+
+ERRORS_HEADER = "common/kernels/errors.cuh"
+
+
+def _enum(text: str, name: str) -> Dict[str, int]:
+    body = re.search(rf"enum {name} : int \{{(.*?)\}};", text, re.S)
+    if body is None:
+        raise RuntimeError(f"{ERRORS_HEADER}: enum {name} not found")
+    return {k: int(v) for k, v in re.findall(r"^\s*(k\w+)\s*=\s*(\d+)\s*,", body.group(1), re.M)}
+
+
+def _snake(camel: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", camel).lower()
+
+
+@functools.lru_cache(maxsize=None)
+def table() -> Tuple[Dict[str, int], Dict[int, str]]:
+    """(codes: {"timeout": 1, ...}, ops: {1: "dispatch", 3: "low_latency_dispatch", ...}) from errors.cuh."""
+    from .jit import kernel_root
+
+    with open(os.path.join(kernel_root(), ERRORS_HEADER)) as f:
+        text = f.read()
+    codes = {_snake(k[len("kError"):]): v for k, v in _enum(text, "ErrorCode").items()}
+    ops = {v: _snake(k[len("kOp"):]) for k, v in _enum(text, "OpId").items()}
+    return codes, ops
+
+
+def from_record(record: Tuple[int, int, int, int, int, int], timeout_s: float) -> Exception:
+    """The exception for a kernel's error record (code, op, rank, peer, channel, detail)."""
+    code, op_id, rank, peer, channel, detail = record
+    codes, ops = table()
+    op = ops.get(op_id, f"op {op_id}")
+    name = {v: k for k, v in codes.items()}.get(code)
+    gone = "this Buffer cannot be used again"
+    if name == "timeout":
+        return CommTimeoutError(op, rank, peer, channel, timeout_s)
+    if name == "capacity":
+        return RuntimeError(f"{op} on rank {rank}: {detail} rows arrived but the output holds fewer "
+                            f"(num_worst_tokens too small); {gone}")
+    if name == "overrun" and peer < 0:
+        what = "recv_x it returned" if op == "low_latency_dispatch" else "zero-copy combine buffer"
+        return RuntimeError(f"{op} on rank {rank}: the {what} belongs to the other buffer half than the one "
+                            f"the device used (half {detail}): a CUDA graph with an odd number of "
+                            f"low-latency calls? {gone}")
+    if name == "overwrite":
+        return RuntimeError(f"{op} on rank {rank}: call {detail} found peer {peer} still receiving the previous "
+                            f"call of the same kind in that buffer half (its data was being overwritten): a "
+                            f"receive hook was called after the next-but-one low-latency op of the same kind; "
+                            f"{gone}")
+    if name == "overrun":
+        return RuntimeError(f"{op} on rank {rank}: peer {peer} is already at call {detail}, two calls ahead: "
+                            f"a receive hook was called after the next-but-one low-latency op; {gone}")
+    return RuntimeError(f"{op} on rank {rank}: kernel error code {code} (peer {peer}, detail {detail})")

@@ -5,9 +5,18 @@ Both are tuples (so code that passes DeepEP handles around keeps working) with n
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
+
+
+class IntranodeState(NamedTuple):
+    """What the intranode engine keeps of a dispatch for its cached dispatch and combine (device
+    tensors on the comm stream; only the GPU knows the receive count without a host sync)."""
+
+    send_pos: torch.Tensor              # [num_tokens, R] int32: slot of each of my tokens in my send list to R
+    num_tokens_per_rank: torch.Tensor   # [R] int32: the dispatch's layout
+    num_recv: torch.Tensor              # [1] int32: rows received (the combine's row count)
 
 
 class DispatchHandle(NamedTuple):
@@ -25,7 +34,7 @@ class DispatchHandle(NamedTuple):
     num_tokens: int
     hidden: int
     buffer_uid: int
-    transport_state: Optional[Any] = None   # backend-private extras (device counters etc.)
+    transport_state: Optional[IntranodeState] = None   # the kernels' extras (None: reference transport)
 
 
 class LowLatencyHandle(NamedTuple):

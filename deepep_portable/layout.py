@@ -273,3 +273,56 @@ class LowLatencyLayout:
 def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                num_ranks: int, num_experts: int) -> int:
     return LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).total_bytes
+
+
+@dataclass(frozen=True)
+class SelftestLayout:
+    """The window of the transport conformance kernel (csrc/common/kernels/transport_selftest.cu):
+
+        [ id word | counter | silent word | sigA [R] | sigB [R] | value [R] | A [R][B] | B [R][B] |
+          C0 [R][B/2] | C1 [R][B/2] | stage [R][B] ]
+
+    (B = bytes per put). Slot s of the signals, values and zones is written by rank s only."""
+
+    num_ranks: int
+    bytes: int                 # per put: a multiple of 32
+
+    id_offset = 0
+    counter_offset = 8
+    silent_offset = 16
+
+    @property
+    def sig_a_offset(self) -> int:
+        return 64
+
+    @property
+    def sig_b_offset(self) -> int:
+        return self.sig_a_offset + 8 * self.num_ranks
+
+    @property
+    def value_offset(self) -> int:
+        return self.sig_b_offset + 8 * self.num_ranks
+
+    @property
+    def zone_a_offset(self) -> int:
+        return align_up(self.value_offset + 8 * self.num_ranks, 128)
+
+    @property
+    def zone_b_offset(self) -> int:
+        return self.zone_a_offset + self.num_ranks * self.bytes
+
+    @property
+    def zone_c0_offset(self) -> int:
+        return self.zone_b_offset + self.num_ranks * self.bytes
+
+    @property
+    def zone_c1_offset(self) -> int:
+        return self.zone_c0_offset + self.num_ranks * self.bytes // 2
+
+    @property
+    def stage_offset(self) -> int:
+        return self.zone_c1_offset + self.num_ranks * self.bytes // 2
+
+    @property
+    def total_bytes(self) -> int:
+        return self.stage_offset + self.num_ranks * self.bytes

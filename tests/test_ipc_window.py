@@ -8,7 +8,7 @@ import torch
 
 from deepep_portable.windows import base as window_base
 from deepep_portable.windows import ipc
-from deepep_portable.comm import node_identity
+from deepep_portable.topology import node_identity
 from deepep_portable.contract import BufferContext
 
 

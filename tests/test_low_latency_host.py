@@ -52,31 +52,6 @@ def test_param_struct_size_matches_ptx(tmp_path, arch, source, kernel, struct):
     assert sizes == [str(ctypes.sizeof(struct))]
 
 
-def _c_fields(text: str, struct: str) -> list:
-    body = re.search(rf"struct {struct} \{{(.*?)\n\}};", text, re.S).group(1)
-    body = re.sub(r"//[^\n]*", "", body)
-    names = []
-    for decl in body.split(";"):
-        decl = decl.strip()
-        if decl:
-            names.append(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", decl)[-1])
-    return names
-
-
-@pytest.mark.parametrize("source,cstruct,struct", [
-    (ll.DISPATCH_SOURCE, "LLDispatchParams", LLDispatchParams),
-    (ll.COMBINE_SOURCE, "LLCombineParams", LLCombineParams)])
-def test_param_struct_field_order_matches_source(source, cstruct, struct):
-    """Same names in the same order (sizes alone would not catch two swapped 64-bit fields)."""
-    root = jit.kernel_root()
-    with open(os.path.join(root, "common/kernels/low_latency/protocol.cuh")) as f:
-        common = _c_fields(f.read(), "Common")
-    with open(os.path.join(root, source)) as f:
-        own = _c_fields(f.read(), cstruct)
-    assert own[0] == "c" and common[0] == "transport"   # the backend's struct, then 64-bit words
-    assert common + own[1:] == [name for name, _ in struct._fields_]
-
-
 @needs_nvcc
 @pytest.mark.parametrize("hidden,topk", [(128, 1), (7168, 8), (7680, 9), (2048, 8)])
 @pytest.mark.parametrize("source", [ll.DISPATCH_SOURCE, ll.COMBINE_SOURCE])

@@ -21,7 +21,8 @@ from deepep_portable import jit
 from deepep_portable.transports import libraries, probe, system
 from deepep_portable.transports.nvshmem import link as jit_link
 from deepep_portable.transports.nvshmem import runtime as nr
-from deepep_portable.transports.nvshmem.abi import NvshmemTransportParams
+from deepep_portable.engines import transport_selftest as selftest
+from deepep_portable.transports.nvshmem.window import NVSHMEM_BUILD as BUILD
 
 ARCHS = ("sm_80", "sm_90")
 EM_CUDA = 190
@@ -79,17 +80,23 @@ def _elf_symbols(image: bytes):
 
 # ---- device side: compile + device link ---------------------------------------------------------
 
+def _selftest(arch: str, cache: str, nvshmem=None):
+    """The transport conformance kernel built for this backend (what engines/transport_selftest.py loads)."""
+    return jit_link.compile_linked_cached(selftest.SOURCE, BUILD.kernel_defines({}), arch, cache=cache,
+                                          extra_flags=BUILD.flags, nvshmem=nvshmem)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_selftest_kernel_links_into_a_cubin(arch, cache):
     _nvcc_or_skip()
     paths = _nvshmem_or_skip()
-    res = jit_link.compile_selftest(arch, data_bytes=4096, cache=cache)
+    res = _selftest(arch, cache)
     assert res.path.startswith(cache) and res.path.endswith(".cubin") and os.path.isfile(res.path)
     e_type, e_machine, e_flags, syms = _elf_symbols(res.image)
     assert e_machine == EM_CUDA
     assert e_type == ET_EXEC, "a device-linked cubin is an executable ELF (relocatable = not linked)"
     assert (e_flags >> 8) & 0xFF == int(arch[3:]), f"cubin is for another architecture (e_flags {e_flags:#x})"
-    kind, bind, size = syms[jit_link.SELFTEST_KERNEL]
+    kind, bind, size = syms[selftest.KERNEL]
     assert (kind, bind) == (2, 1) and size > 0, "kernel must be a global, non-empty FUNC"
     # NVSHMEM's device state came in from libnvshmem_device.a: what nvshmemx_cumodule_init fills.
     assert "nvshmemi_device_state_d" in syms, f"not linked against {paths.device_lib}?"
@@ -97,37 +104,20 @@ def test_selftest_kernel_links_into_a_cubin(arch, cache):
     undefined = [n for n, (k, b, s) in syms.items() if "nvshmem" in n and k == 0 and s == 0 and b == 1]
     assert not undefined, undefined
     # second call: a cache hit with the same bytes
-    again = jit_link.compile_selftest(arch, data_bytes=4096, cache=cache)
+    again = _selftest(arch, cache)
     assert again.cache_hit and again.image == res.image
 
 
 def test_cache_key_covers_defines_and_nvshmem(cache):
     _nvcc_or_skip()
     paths = _nvshmem_or_skip()
-    a = jit_link.compile_selftest("sm_90", data_bytes=4096, cache=cache)
-    b = jit_link.compile_selftest("sm_90", data_bytes=8192, cache=cache)
+    a = _selftest("sm_90", cache)
+    b = jit_link.compile_linked_cached(selftest.SOURCE, {**BUILD.kernel_defines({}), "UNUSED_DEFINE": 1}, "sm_90",
+                                       cache=cache, extra_flags=BUILD.flags)
     assert a.path != b.path
     other = jit_link.NvshmemBuildPaths(paths.include_dir, paths.lib_dir, paths.device_lib, paths.version + "-x")
-    src = jit_link.selftest_source_path(cache)
-    c = jit_link.compile_linked_cached(src, {"DATA_BYTES": 4096}, "sm_90", cache=cache, nvshmem=other)
+    c = _selftest("sm_90", cache, nvshmem=other)
     assert c.path != a.path and not c.cache_hit, "the NVSHMEM version must be part of the key"
-
-
-def test_selftest_param_struct_matches_kernel(cache, tmp_path):
-    """SelftestParams (ctypes) has the kernel parameter's size (read from the PTX)."""
-    nvcc = _nvcc_or_skip()
-    paths = _nvshmem_or_skip()
-    src = jit_link.selftest_source_path(cache)
-    ptx = tmp_path / "k.ptx"
-    cmd = [nvcc, *jit.BASE_FLAGS, "-rdc=true", "-ptx", "-arch=sm_90", f"-I{jit.kernel_root()}",
-           f"-I{paths.include_dir}", "-DDATA_BYTES=4096", src, "-o", str(ptx)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    m = re.search(rf"\.entry {jit_link.SELFTEST_KERNEL}\(\s*\.param\s+\.align\s+(\d+)\s+\.b8\s+\w+\[(\d+)\]",
-                  ptx.read_text())
-    assert m, "kernel parameter not found in the PTX"
-    assert int(m.group(2)) == ctypes.sizeof(jit_link.SelftestParams)
-    assert ctypes.sizeof(NvshmemTransportParams) == 24
 
 
 def test_compile_errors_are_reported(tmp_path, cache):
@@ -295,26 +285,6 @@ def test_reimplemented_structs_match_the_headers(tmp_path):
         assert a1.args.uid_args.myrank == got[("value", "attr_v1.args.uid_args.myrank")]
     assert nr.INIT_WITH_UNIQUEID == got[("value", "flag.uniqueid")]
     assert got[("value", "signal.set")] == 9
-
-
-def test_kernel_param_structs_match_field_by_field(cache, tmp_path):
-    """Every field offset of the ctypes mirrors TransportParams / SelftestParams equals the device
-    struct's (static_asserts generated from the mirrors, compiled with the kernel source)."""
-    nvcc = _nvcc_or_skip()
-    paths = _nvshmem_or_skip()
-    lines = [jit_link.SELFTEST_SOURCE, "#include <cstddef>"]
-    for host, dev in ((NvshmemTransportParams, "NvshmemTransport"), (jit_link.SelftestParams, "SelftestParams")):
-        lines.append(f"static_assert(sizeof({dev}) == {ctypes.sizeof(host)}, \"sizeof {dev}\");")
-        for name, *_ in host._fields_:
-            off = getattr(host, name).offset
-            lines.append(f"static_assert(offsetof({dev}, {name}) == {off}, \"{dev}.{name} offset\");")
-    src = tmp_path / "layout_check.cu"
-    src.write_text("\n".join(lines) + "\n")
-    cmd = [nvcc, *jit.BASE_FLAGS, "-rdc=true", "-dc", "-arch=sm_90", f"-I{jit.kernel_root()}",
-           f"-I{paths.include_dir}", *(f"-I{d}" for d in jit_link.cuda_include_dirs(nvcc)),
-           "-DDATA_BYTES=4096", str(src), "-o", str(tmp_path / "layout_check.o")]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_wait_ge_uses_the_point_to_point_test_routine():
@@ -541,7 +511,7 @@ def test_context_check(monkeypatch):
 def test_compiled_cubin_names_its_installation(cache):
     _nvcc_or_skip()
     paths = _nvshmem_or_skip()
-    res = jit_link.compile_selftest("sm_90", data_bytes=4096, cache=cache)
+    res = _selftest("sm_90", cache)
     assert isinstance(res, jit_link.LinkedCompileResult) and res.nvshmem == paths
     assert paths.host_lib and os.path.dirname(paths.host_lib) == paths.lib_dir
 

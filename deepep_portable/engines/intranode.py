@@ -16,17 +16,17 @@ from .. import jit
 from .. import layout as L
 from ..contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult
 from ..errors import CommTimeoutError
-from ..handles import DispatchHandle
+from ..handles import DispatchHandle, IntranodeState
 from ..jit import forced_arch
 from ..profiling import PhaseProfile
 from ..windows.base import MappedWords
 from ..windows.ipc import IpcWindow
+from .base import Engine
 from .launch import launch, params_struct, ptr, stream_handle
 
 DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
 THREADS = 512   # __launch_bounds__ of the intranode kernels
-OP_NAMES = {1: "dispatch", 2: "combine"}
 MAX_SPARES = 4   # (kind, tokens) shapes whose next dispatch finds its small outputs ready
 
 
@@ -47,7 +47,7 @@ CombineParams = params_struct("CombineParams", [
     "bias_0", "bias_1", "out", "out_topk_weights", "num_tokens", "error_claim", "error_host", "timeout_ns"])
 
 
-class IntranodeEngine:
+class IntranodeEngine(Engine):
     def __init__(self, ctx: BufferContext) -> None:
         if ctx.device.type != "cuda":
             raise RuntimeError("the nvlink transport needs a CUDA device")
@@ -70,25 +70,6 @@ class IntranodeEngine:
                      L.CTRL_STAGE_TICKET]
 
     # ---- errors --------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Raise what a kernel reported (or what made this Buffer unusable before)."""
-        if self.broken is not None:
-            raise RuntimeError(self.broken)
-        rec = self.window.recorded_error()
-        if rec is None:
-            return
-        code, op_id, rank, peer, channel, detail = rec
-        op = OP_NAMES.get(op_id, "?")
-        if code == 1:
-            err: Exception = CommTimeoutError(op, rank, peer, channel, self.ctx.timeout_s)
-        elif code == 2:
-            err = RuntimeError(f"{op} on rank {rank}: {detail} rows arrived but the output holds fewer "
-                               f"(num_worst_tokens too small); this Buffer cannot be used again")
-        else:
-            err = RuntimeError(f"{op} on rank {rank}: kernel error code {code}")
-        self.broken = str(err)
-        raise err
-
     def _wait_notify(self, op: str) -> int:
         """Spin (GIL held, no sleep: this is the latency-critical path) until the stage kernel
         published the receive count, a kernel reported an error, or the timeout passed."""
@@ -227,8 +208,7 @@ class IntranodeEngine:
 
         dev = self.ctx.device
         if cached:
-            state = handle.transport_state
-            send_pos, per_rank = state["send_pos"], state["num_tokens_per_rank"]
+            send_pos, per_rank = handle.transport_state.send_pos, handle.transport_state.num_tokens_per_rank
         else:
             per_rank = fresh.num_tokens_per_rank
         views = self._small_outputs(cached, N)
@@ -302,7 +282,7 @@ class IntranodeEngine:
             rank_prefix_matrix=rank_prefix, recv_src_idx=recv_src, is_token_in_rank=fresh.is_token_in_rank,
             send_rows=send_rows, num_recv_tokens=num_recv, num_recv_rows=rows, num_tokens=N, hidden=hidden,
             buffer_uid=self.ctx.uid,
-            transport_state=dict(send_pos=send_pos, num_tokens_per_rank=per_rank, num_recv=num_recv_dev))
+            transport_state=IntranodeState(send_pos=send_pos, num_tokens_per_rank=per_rank, num_recv=num_recv_dev))
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_list, new_handle)
 
     # ---- combine ----------------------------------------------------------------------------------
@@ -315,7 +295,7 @@ class IntranodeEngine:
         (stage, pull), template = self._plan(("combine", hidden, topk), lambda: self._combine_plan(hidden, topk))
         p = CombineParams.from_buffer_copy(template)
         p.x, p.topk_weights = x.data_ptr(), ptr(topk_weights)
-        p.num_rows = handle.transport_state["num_recv"].data_ptr()
+        p.num_rows = handle.transport_state.num_recv.data_ptr()
         p.send_rows = handle.send_rows.data_ptr()
         p.bias_0, p.bias_1 = ptr(bias_0), ptr(bias_1)
         out = torch.empty(handle.num_tokens, hidden, dtype=torch.bfloat16, device=x.device)

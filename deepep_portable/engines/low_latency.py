@@ -48,11 +48,11 @@ from .. import jit
 from .. import layout as L
 from ..contract import (BufferContext, LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult,
                         allocate_low_latency_outputs)
-from ..errors import CommTimeoutError
 from ..handles import LowLatencyHandle
 from ..profiling import PhaseProfile
 from ..jit import forced_arch
 from ..windows.base import Window
+from .base import Engine
 from .launch import launch, params_struct, ptr, stream_handle
 
 DISPATCH_SOURCE = "common/kernels/low_latency/dispatch.cu"
@@ -63,8 +63,6 @@ COMBINE_KERNELS = ("ll_combine_send", "ll_combine_recv")
 THREADS = 512                      # kThreads in protocol.cuh
 TRACE_CALLS = 64                   # kTraceCalls in protocol.cuh
 TRACE_KERNELS = ("dispatch_stage", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")   # TraceKernel
-OP_NAMES = {3: "low_latency_dispatch", 4: "low_latency_combine"}
-ERROR_TIMEOUT, ERROR_OVERRUN, ERROR_OVERWRITE = 1, 3, 4   # ErrorCode / kErrorOverrun / kErrorOverwrite
 
 # Common (protocol.cuh) after its first field, the backend's Transport struct (a window's transport_params()).
 _COMMON = ["local_base", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_send_arrive", "ctrl_recv_arrive",
@@ -93,19 +91,7 @@ def kernel_defines(hidden: int, num_topk: int) -> dict:
     return {"HIDDEN": hidden, "NUM_TOPK": num_topk}
 
 
-class _DeviceView:
-    """A raw device range as something torch.as_tensor can wrap without a copy (int16 elements).
-
-    __cuda_array_interface__ v2: data (ptr, read_only=False), C-contiguous (strides None), no
-    stream (nothing to synchronize: the memory is not produced by a torch stream). The tensor owns
-    nothing: it must not be used after the Buffer that owns the memory is destroyed."""
-
-    def __init__(self, ptr: int, numel: int) -> None:
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (numel,), "typestr": "<i2",
-                                         "version": 2, "strides": None}
-
-
-class LowLatencyEngine:
+class LowLatencyEngine(Engine):
     def __init__(self, ctx: BufferContext, make_window: Callable[[BufferContext, int], Window]) -> None:
         """make_window(ctx, nbytes): the transport's window (collective), all zero, whose kernels are built
         for that transport (Window.kernel) and take its Transport struct (Window.transport_params)."""
@@ -143,39 +129,6 @@ class LowLatencyEngine:
         # With profiling, the kernels also stamp their start / end per call (see trace_report).
         self.trace = (torch.zeros(TRACE_CALLS * len(TRACE_KERNELS) * 2, dtype=torch.int64, device=ctx.device)
                       if self.profile.enabled else None)
-
-    # ---- errors ----------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Raise what a kernel reported (or what made this engine unusable before)."""
-        if self.broken is not None:
-            raise RuntimeError(self.broken)
-        if self.base is None:
-            return
-        rec = self.window.recorded_error()
-        if rec is None:
-            return
-        code, op_id, rank, peer, channel, detail = rec
-        op = OP_NAMES.get(op_id, "?")
-        if code == ERROR_TIMEOUT:
-            err: Exception = CommTimeoutError(op, rank, peer, channel, self.ctx.timeout_s)
-        elif code == ERROR_OVERRUN and peer < 0:
-            what = "recv_x it returned" if op_id == 3 else "zero-copy combine buffer"
-            err = RuntimeError(f"{op} on rank {rank}: the {what} belongs to the other buffer half than the one "
-                               f"the device used (half {detail}): a CUDA graph with an odd number of "
-                               f"low-latency calls? this Buffer cannot be used again")
-        elif code == ERROR_OVERWRITE:
-            err = RuntimeError(f"{op} on rank {rank}: call {detail} found peer {peer} still receiving the previous "
-                               f"call of the same kind in that buffer half (its data was being overwritten): a "
-                               f"receive hook was called after the next-but-one low-latency op of the same kind; "
-                               f"this Buffer cannot be used again")
-        elif code == ERROR_OVERRUN:
-            err = RuntimeError(f"{op} on rank {rank}: peer {peer} is already at call {detail}, two calls ahead: "
-                               f"a receive hook was called after the next-but-one low-latency op; this Buffer "
-                               f"cannot be used again")
-        else:
-            err = RuntimeError(f"{op} on rank {rank}: kernel error code {code} (peer {peer}, detail {detail})")
-        self.broken = str(err)
-        raise err
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _require(self) -> None:
@@ -423,7 +376,7 @@ class LowLatencyEngine:
         not be used after the Buffer is destroyed."""
         shape = (num_experts // self.num_ranks, self.num_ranks * num_max_tokens, hidden)
         numel = shape[0] * shape[1] * shape[2] // (2 if use_fp8 else 1)   # int16 elements (hidden is even)
-        flat = torch.as_tensor(_DeviceView(self.base + offset, numel), device=self.ctx.device)
+        flat = self.window.view(offset, numel, torch.int16, self.ctx.device)
         return flat.view(torch.float8_e4m3fn if use_fp8 else torch.bfloat16).view(shape)
 
     def next_dispatch_recv_x(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,

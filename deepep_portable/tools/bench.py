@@ -268,7 +268,7 @@ def _ranks_span_gpus(group) -> bool:
     links; across nodes the pattern copy cannot map the peers' memory, so the plain copy stays)."""
     if not torch.cuda.is_available():
         return False
-    from ..comm import node_identity
+    from ..topology import node_identity
     from ..device import device_uuid
 
     where = [None] * dist.get_world_size(group)

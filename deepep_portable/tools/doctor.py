@@ -56,11 +56,12 @@ def _python(o: _Out) -> None:
     except Exception as e:
         o.kv("torch", f"not importable: {type(e).__name__}: {e}")
     try:
-        import deepep_portable
-        o.kv("deepep_portable", f"{getattr(deepep_portable, '__version__', '?')} "
-                                f"({os.path.dirname(deepep_portable.__file__)})")
-    except Exception as e:
-        o.kv("deepep_portable", f"import failed: {type(e).__name__}: {e}")
+        from importlib import metadata
+
+        version = metadata.version("deepep_portable")
+    except Exception as e:   # a source tree on sys.path without an install
+        version = f"not installed ({type(e).__name__})"
+    o.kv("deepep_portable", f"{version} ({os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})")
     try:
         from .. import _C  # type: ignore[attr-defined]
         o.kv("deepep_portable._C", getattr(_C, "__file__", "imported"))

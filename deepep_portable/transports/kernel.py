@@ -20,7 +20,7 @@ from ..contract import (BufferContext, CachedDispatchArgs, CombineArgs, Dispatch
                         LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult, Transport)
 from ..engines.intranode import IntranodeEngine
 from ..engines.low_latency import LowLatencyEngine
-from ..handles import LowLatencyHandle
+from ..handles import IntranodeState, LowLatencyHandle
 from ..windows.base import Window
 from .reference import ReferenceTransport
 
@@ -30,9 +30,11 @@ def low_latency_kernels_enabled() -> bool:
 
 
 class KernelTransport(Transport):
+    @classmethod
     @abc.abstractmethod
-    def make_ll_window(self, ctx: BufferContext, nbytes: int) -> Window:
-        """Collective: this backend's window of `nbytes` for the low-latency kernels, all zero."""
+    def make_ll_window(cls, ctx: BufferContext, nbytes: int) -> Window:
+        """Collective: this backend's window of `nbytes` for the kernels over the contract, all zero
+        (the low-latency engine's; the conformance self-test's)."""
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
@@ -50,8 +52,7 @@ class KernelTransport(Transport):
         return self.normal_engine.dispatch(args)
 
     def cached_dispatch(self, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        state = args.handle.transport_state
-        if not isinstance(state, dict) or "send_pos" not in state:
+        if not isinstance(args.handle.transport_state, IntranodeState):
             raise ValueError(f"handle was not produced by the {self.name} transport")
         return self.normal_engine.cached_dispatch(args)
 

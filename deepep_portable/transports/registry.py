@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 @dataclass(frozen=True)
 class Backend:
     name: str
-    module: Optional[str]     # module of its Transport class, relative to deepep_portable.transports (None: not built yet)
+    module: Optional[str]     # its Transport class's module, relative to this package (None: not built yet)
     cls: Optional[str]        # the Transport class in that module
     probe: str                # its probe function in transports/probe.py (never raises: reasons, not exceptions)
     spans_nodes: bool         # can serve ranks on several nodes ("auto" skips it otherwise)

@@ -13,6 +13,16 @@ from ..device import sm_count
 ERROR_WORDS = 8   # [code, op, rank, peer, channel, detail, -, -] (ErrorSink's host record)
 
 
+class _DeviceRange:
+    """A raw device range as something torch.as_tensor wraps without a copy (uint8 elements):
+    __cuda_array_interface__ v2, data (ptr, read_only=False), C-contiguous (strides None), no stream
+    (nothing to synchronize: the memory is not produced by a torch stream)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1",
+                                         "version": 2, "strides": None}
+
+
 class MappedWords:
     """Pinned host int32 words the GPU writes and the host polls."""
 
@@ -72,6 +82,15 @@ class Window:
         if self.build is None:
             return self._kernels.get(source, name, defines)
         return self._kernels.get(source, name, self.build.kernel_defines(defines), self.build.flags)
+
+    def view(self, offset: int, numel: int, dtype, device):
+        """A torch tensor over `numel` elements of `dtype` at `offset` of this window (no copy, no
+        ownership: it must not be used after the window is closed)."""
+        import torch
+
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        view = _DeviceRange(self.base + offset, numel * itemsize)
+        return torch.as_tensor(view, device=device).view(dtype)
 
     def transport_params(self) -> ctypes.Structure:
         """The host mirror of the build's Transport struct, filled for this window: what kernels over

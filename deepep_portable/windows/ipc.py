@@ -18,9 +18,9 @@ from typing import List, Optional
 
 import torch
 
-from ..comm import node_identity
 from ..contract import BufferContext
 from ..device import device_index, device_uuid
+from ..topology import node_identity
 from .base import ERROR_WORDS, MappedWords, Window
 
 

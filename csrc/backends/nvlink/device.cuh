@@ -9,15 +9,15 @@
 #include <cstdint>
 
 #include "common/kernels/common.cuh"
+#include "common/kernels/peers.cuh"
 #include "common/kernels/signal.cuh"
 #include "common/kernels/transport.cuh"
 
 namespace deepep_portable::transport {
 
-struct NvlinkTransport {
-    const uint64_t* bases;   // [num_ranks] window base of every rank, mapped in this process
-    int rank;
-    int num_ranks;
+// {bases, rank, num_ranks}: every rank's window base, mapped in this process (host mirror:
+// deepep_portable/transports/nvlink/window.py NvlinkTransportParams).
+struct NvlinkTransport : PeerBuffers {
 
     static constexpr Capabilities capabilities() {
         return Capabilities{true, false, true, 1, true, Network::kNone};
@@ -36,7 +36,7 @@ struct NvlinkTransport {
 
     template <typename U = void>
     DEEPEP_DEVICE U* peer_ptr(int64_t off, int peer) const {
-        return reinterpret_cast<U*>(bases[peer] + static_cast<uint64_t>(off));
+        return at<U>(peer, off);
     }
 
     DEEPEP_DEVICE void put_warp(int /*ch*/, int peer, int64_t dst_off, const void* src, int64_t bytes, int lane) const {

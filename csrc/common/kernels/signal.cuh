@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "common/kernels/common.cuh"
+#include "common/kernels/errors.cuh"
 
 namespace deepep_portable {
 
@@ -41,18 +42,13 @@ DEEPEP_DEVICE uint64_t globaltimer_ns() {
 }
 
 // Where a failed wait is reported. `claim` is a word in device memory (first writer wins);
-// `host` is mapped pinned memory the host polls: [code, op, rank, peer, channel, detail].
+// `host` is mapped pinned memory the host polls: [code, op, rank, peer, channel, detail] (codes and
+// op ids: errors.cuh).
 struct ErrorSink {
     unsigned int* claim;
     int* host;
     int op;
     int rank;
-};
-
-enum ErrorCode : int {
-    kErrorNone = 0,
-    kErrorTimeout = 1,
-    kErrorCapacity = 2,   // more rows than the output can hold (e.g. num_worst_tokens too small)
 };
 
 DEEPEP_DEVICE void report_error(const ErrorSink& sink, int code, int peer, int detail) {

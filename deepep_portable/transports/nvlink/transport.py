@@ -14,7 +14,8 @@ class NvlinkTransport(KernelTransport):
     capabilities = Capabilities(peer_load_store=True, remote_atomics=False, ordered_delivery=True, max_channels=1,
                                 graph_safe=True, network="none")   # backends/nvlink/device.cuh
 
-    def make_ll_window(self, ctx: BufferContext, nbytes: int) -> NvlinkWindow:
+    @classmethod
+    def make_ll_window(cls, ctx: BufferContext, nbytes: int) -> NvlinkWindow:
         return NvlinkWindow(ctx, nbytes, shareable=vmm_window_wanted())
 
 

@@ -32,7 +32,6 @@ plus the NVSHMEM version, the device library's path, size and mtime, and the inc
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shlex
@@ -44,14 +43,11 @@ from typing import List, Optional, Sequence
 
 from ... import jit
 from .. import libraries
-from .abi import NvshmemTransportParams
 from ...jit import (BASE_FLAGS, CompileResult, Defines, JitCompileError, cache_dir, find_nvcc, kernel_root,
                   nvcc_version)
 
 __all__ = ["NvshmemBuildPaths", "LinkedCompileResult", "nvshmem_build_paths", "header_version",
-           "cuda_include_dirs", "compile_linked_cached",
-           "compile_linked", "command_lines", "SELFTEST_SOURCE", "SELFTEST_KERNEL",
-           "selftest_source_path", "compile_selftest"]
+           "cuda_include_dirs", "compile_linked_cached", "compile_linked", "command_lines"]
 
 
 @dataclass(frozen=True)
@@ -245,99 +241,3 @@ def command_lines(source: str, arch: str = "sm_90") -> List[str]:
     return [shlex.join([nvcc, *BASE_FLAGS, "-rdc=true", "-dc", f"-arch={arch}", *inc, source, "-o", "kernel.o"]),
             shlex.join([nvcc, "-dlink", "-cubin", f"-arch={arch}", "kernel.o", paths.device_lib,
                         "-o", "kernel.cubin"])]
-
-
-# ---- self-test kernel: every primitive of NvshmemTransport once --------------------------------
-# Used by tests/test_nvshmem_backend.py (compile + link on the CPU) and tests/mpi/
-# test_nvshmem_gpu_mpi.py (run on PEs). Host mirror: SelftestParams below.
-#
-# Window layout (bytes): [0, DATA) data landing zone written by the previous PE;
-# DATA + 0: put_signal_warp's signal (value `seq`), DATA + 8: signal() (value seq + 1),
-# DATA + 16: put_value target (value seq + 2), DATA + 24: a slot nobody writes (timeout check).
-# One warp. `src` (DATA bytes, symmetric) is put to the next PE with put_signal_warp (and once with
-# put_warp first, so both paths run); lane 0 then signals, put_values, flushes, and waits for the
-# previous PE's signals. With `skip_signal_to` == the next PE, this PE sends nothing to it (that
-# PE's wait must time out). out[0] = wait result of the data signal (1 ok / 0 timed out),
-# out[1] = wait result of the signal() slot, out[2] = wait on the never-written slot when
-# `probe_timeout` is set (expected 0), out[3] = 1 if peer_ptr(next) is non-null.
-SELFTEST_KERNEL = "nvshmem_selftest"
-SELFTEST_SOURCE = r"""
-#include "backends/nvshmem/device.cuh"
-
-using deepep_portable::ErrorSink;
-using deepep_portable::transport::NvshmemTransport;
-
-#ifndef DATA_BYTES
-#error "DATA_BYTES must be defined"
-#endif
-
-struct SelftestParams {
-    NvshmemTransport t;
-    uint64_t src;            // DATA_BYTES, symmetric (or registered) memory
-    uint64_t seq;            // signal value of this round
-    uint64_t timeout_ns;     // every wait gives up this long after the kernel starts
-    uint64_t claim;          // ErrorSink.claim (device, zeroed)
-    uint64_t host;           // ErrorSink.host (mapped pinned int[6])
-    uint64_t out;            // int64[5] results (device)
-    int32_t skip_signal_to;  // a PE this PE must not send to (-1: none)
-    int32_t probe_timeout;   // 1: also wait on the never-written slot (expects a timeout)
-};
-
-extern "C" __global__ void nvshmem_selftest(const __grid_constant__ SelftestParams p) {
-    constexpr int64_t kData = DATA_BYTES;
-    constexpr int64_t kSig = 2 * kData;   // window: [put_signal data | put2 data | u64 slots]
-    const int lane = threadIdx.x % 32;
-    const int next = (p.t.rank + 1) % p.t.num_ranks;
-    const int prev = (p.t.rank + p.t.num_ranks - 1) % p.t.num_ranks;
-    const void* src = reinterpret_cast<const void*>(p.src);
-    int64_t* out = reinterpret_cast<int64_t*>(p.out);
-    const uint64_t deadline = deepep_portable::globaltimer_ns() + p.timeout_ns;
-    const ErrorSink sink{reinterpret_cast<unsigned int*>(p.claim), reinterpret_cast<int*>(p.host), 1, p.t.rank};
-    if (next != p.skip_signal_to) {
-        p.t.put_warp(0, next, 0, src, kData, lane);
-        // one source, two places: the halves of src land swapped in the second data zone
-        p.t.put2_warp(0, next, kData + kData / 2, kData / 2, kData, src, kData / 2, lane);
-        p.t.put_signal_warp(0, next, 0, src, kData, kSig + 0, p.seq, lane);
-        if (lane == 0) {
-            out[4] = static_cast<int64_t>(p.t.fetch_add(0, next, kSig + 32, 5));
-            p.t.signal(0, next, kSig + 8, p.seq + 1);
-            p.t.put_value(0, next, kSig + 16, p.seq + 2);
-            p.t.flush(0);
-        }
-    }
-    if (lane == 0) {
-        out[0] = p.t.wait_ge(kSig + 0, p.seq, deadline, sink, prev) ? 1 : 0;
-        out[1] = out[0] ? (p.t.wait_ge(kSig + 8, p.seq + 1, deadline, sink, prev) ? 1 : 0) : 0;
-        out[2] = p.probe_timeout ? (p.t.wait_ge(kSig + 24, 1, deadline, sink, prev) ? 1 : 0) : -1;
-        out[3] = p.t.peer_ptr<void>(0, next) != nullptr ? 1 : 0;
-    }
-}
-"""
-
-
-def selftest_source_path(cache: Optional[str] = None) -> str:
-    """SELFTEST_SOURCE written (once, content-addressed, atomically) under the cache directory."""
-    import hashlib
-
-    directory = os.path.join(cache or cache_dir(), "src")
-    os.makedirs(directory, exist_ok=True)
-    digest = hashlib.sha256(SELFTEST_SOURCE.encode()).hexdigest()[:16]
-    path = os.path.join(directory, f"{SELFTEST_KERNEL}.{digest}.cu")
-    if not os.path.isfile(path):
-        jit._atomic_write(path, SELFTEST_SOURCE.encode())
-    return path
-
-
-def compile_selftest(arch: str = "sm_90", data_bytes: int = 4096,
-                     cache: Optional[str] = None) -> LinkedCompileResult:
-    """The self-test kernel, device-linked for `arch` (data_bytes: a multiple of 16)."""
-    if data_bytes <= 0 or data_bytes % 16:
-        raise ValueError(f"data_bytes must be a positive multiple of 16, got {data_bytes}")
-    return compile_linked_cached(selftest_source_path(cache), {"DATA_BYTES": data_bytes}, arch, cache=cache)
-
-
-class SelftestParams(ctypes.Structure):
-    """Host mirror of SelftestParams in SELFTEST_SOURCE."""
-    _fields_ = [("t", NvshmemTransportParams), ("src", ctypes.c_uint64), ("seq", ctypes.c_uint64),
-                ("timeout_ns", ctypes.c_uint64), ("claim", ctypes.c_uint64), ("host", ctypes.c_uint64),
-                ("out", ctypes.c_uint64), ("skip_signal_to", ctypes.c_int32), ("probe_timeout", ctypes.c_int32)]

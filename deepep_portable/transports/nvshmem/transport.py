@@ -33,7 +33,8 @@ class NvshmemTransport(KernelTransport):
     capabilities = Capabilities(peer_load_store=False, remote_atomics=True, ordered_delivery=False, max_channels=1,
                                 graph_safe=True, network="other")
 
-    def make_ll_window(self, ctx: BufferContext, nbytes: int) -> NvshmemWindow:
+    @classmethod
+    def make_ll_window(cls, ctx: BufferContext, nbytes: int) -> NvshmemWindow:
         return NvshmemWindow(ctx, nbytes, ctx.options.get("nvshmem"))
 
     def runtime_capabilities(self) -> Capabilities:

@@ -34,7 +34,6 @@ constexpr int kNumRanks = NUM_RANKS;
 constexpr int kHiddenInt4 = HIDDEN / 8;   // 8 bf16 per 16-byte word
 constexpr int kNumTopk = NUM_TOPK;
 static_assert(HIDDEN % 8 == 0, "hidden must be a multiple of 8 bf16");
-constexpr int kOpCombine = 2;
 constexpr int kRankGroup = kNumRanks < 8 ? kNumRanks : 8;   // ranks read together
 constexpr int kColumns = kRankGroup >= 8 ? 2 : (kRankGroup >= 4 ? 3 : 4);   // columns per lane at a time (fits registers)
 constexpr int kTopkPerLane = (kNumTopk + 31) / 32;
@@ -95,7 +94,7 @@ DEEPEP_DEVICE int load_send_row(const CombineParams& p, int64_t t, int lane) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(512) intranode_combine_stage(const __grid_constant__ CombineParams p) {
+extern "C" __global__ void __launch_bounds__(kThreads) intranode_combine_stage(const __grid_constant__ CombineParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const uint64_t n = begin_round(bufs, p.ctrl, p.timeout_ns,
                                    ErrorSink{p.error_claim, p.error_host, kOpCombine, static_cast<int>(p.rank)});
@@ -125,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(512) intranode_combine_stage(const 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512) intranode_combine_pull(const __grid_constant__ CombineParams p) {
+extern "C" __global__ void __launch_bounds__(kThreads) intranode_combine_pull(const __grid_constant__ CombineParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const uint64_t n = await_peers_ready(bufs, p.ctrl, p.timeout_ns,
                                          ErrorSink{p.error_claim, p.error_host, kOpCombine, static_cast<int>(p.rank)});

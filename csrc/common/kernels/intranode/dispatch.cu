@@ -109,8 +109,6 @@ DEEPEP_DEVICE PeerBuffers bufs_of(const DispatchParams& p) {
     return PeerBuffers{p.peer_bases, static_cast<int>(p.rank), kNumRanks};
 }
 
-constexpr int kOpDispatch = 1;
-constexpr int kThreads = 512;   // every launch (host: intranode.THREADS)
 constexpr int kWarps = kThreads / 32;
 
 // Send positions for destination ranks blockIdx.x, blockIdx.x + gridDim.x, ...: the k-th of my tokens

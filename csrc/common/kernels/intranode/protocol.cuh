@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "common/kernels/common.cuh"
+#include "common/kernels/peers.cuh"
 #include "common/kernels/signal.cuh"
 
 namespace deepep_portable::intranode {
@@ -24,17 +25,7 @@ struct ControlLayout {
     int64_t round, current, ready, error, num_tokens, done, count_to, expert_count, counted, stage_ticket;
 };
 
-// One rank's view of every buffer of the group.
-struct PeerBuffers {
-    const uint64_t* bases;   // [num_ranks] base address of each rank's buffer, mapped here (own included)
-    int rank;
-    int num_ranks;
-
-    template <typename T>
-    DEEPEP_DEVICE T* at(int peer, int64_t offset) const {
-        return reinterpret_cast<T*>(bases[peer] + static_cast<uint64_t>(offset));
-    }
-};
+constexpr int kThreads = 512;   // threads of every intranode launch (host: engines/intranode.THREADS)
 
 // Stage-kernel prologue. Returns the round number n, or 0 when a wait timed out.
 DEEPEP_DEVICE uint64_t begin_round(const PeerBuffers& bufs, const ControlLayout& ctrl, uint64_t timeout_ns,

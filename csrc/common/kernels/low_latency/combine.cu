@@ -76,7 +76,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
     if (p.expect_half >= 0 && p.expect_half != half && blockIdx.x == 0 && threadIdx.x == 0)
         // The host handed out the zero-copy buffer of the other half (e.g. a CUDA graph holding an odd
         // number of LL calls): x may overlap messages peers write. Report it; the data still moves.
-        report_error(sink_of(c, kOpCombine), kErrorOverrun, -1, static_cast<int>(half));
+        report_error(sink_of(c, kOpLowLatencyCombine), kErrorOverrun, -1, static_cast<int>(half));
 
     // My slot table (see the top of the file): one warp per expert scans my tokens in the order the
     // dispatch send kernel used (token_selects).
@@ -119,7 +119,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
         __threadfence_system();
         __syncwarp();
         if (lane == 0) {
-            check_overwrite(c, kOpCombine, recvd, call, s);
+            check_overwrite(c, kOpLowLatencyCombine, recvd, call, s);
             tr.signal(0, s, combine_signal_off(c, half, g), signal_value(seq, static_cast<uint32_t>(count)));
         }
     }
@@ -135,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __g
     const Transport tr = c.transport;
     const uint64_t seq = begin_call(c, c.ctrl_recvd, kTraceCombineRecv).seq;
     const int half = static_cast<int>(seq & 1);
-    const ErrorSink sink = sink_of(c, kOpCombine);
+    const ErrorSink sink = sink_of(c, kOpLowLatencyCombine);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
     const int num_experts = static_cast<int>(c.num_experts);
     const int num_local = num_experts / static_cast<int>(c.num_ranks);

@@ -149,7 +149,7 @@ DEEPEP_DEVICE bool stage_barrier(const LLDispatchParams& p, uint64_t seq, uint64
         uint64_t* staged = own<uint64_t>(c, p.ctrl_staged);
         if (arrive_last(c, p.ctrl_stage_arrive))
             st_release_sys(staged, seq);
-        else if (!wait_ge(staged, seq, deadline, sink_of(c, kOpDispatch), static_cast<int>(c.rank)))
+        else if (!wait_ge(staged, seq, deadline, sink_of(c, kOpLowLatencyDispatch), static_cast<int>(c.rank)))
             s_ok = 0;
     }
     __syncthreads();
@@ -187,7 +187,7 @@ DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr,
             if (lane == 0 && count > 0) {
                 begin = tr.fetch_add(0, dst, dispatch_reserve_off(c, half, local), count);
                 if (begin + count > static_cast<uint64_t>(slots)) {
-                    report_error(sink_of(c, kOpDispatch), kErrorOverwrite, dst, static_cast<int>(seq));
+                    report_error(sink_of(c, kOpLowLatencyDispatch), kErrorOverwrite, dst, static_cast<int>(seq));
                     begin = 0;
                     count = 0;
                 }
@@ -217,7 +217,7 @@ DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr,
         __threadfence_system();
         __syncwarp();
         if (lane == 0) {
-            check_overwrite(c, kOpDispatch, recvd, call, dst);
+            check_overwrite(c, kOpLowLatencyDispatch, recvd, call, dst);
             if (kReserve && count > 0)
                 tr.put_value(0, dst, dispatch_range_off(c, half, local, me), begin);
             tr.signal(0, dst, dispatch_signal_off(c, half, local, me), signal_value(seq, count));
@@ -279,7 +279,7 @@ DEEPEP_DEVICE void unpack_side(const LLDispatchParams& p, const int4* side, int 
 DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& tr, uint64_t seq) {
     const Common& c = p.c;
     const int half = static_cast<int>(seq & 1);
-    const ErrorSink sink = sink_of(c, kOpDispatch);
+    const ErrorSink sink = sink_of(c, kOpLowLatencyDispatch);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
     const int lane = threadIdx.x % 32;
     const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;

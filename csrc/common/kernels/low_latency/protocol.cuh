@@ -72,10 +72,6 @@ namespace deepep_portable::low_latency {
 using Transport = transport::Selected;
 
 constexpr int kThreads = 512;          // __launch_bounds__ of every LL kernel (host: low_latency.THREADS)
-constexpr int kOpDispatch = 3;         // ErrorSink op codes (host: low_latency.OP_NAMES)
-constexpr int kOpCombine = 4;
-constexpr int kErrorOverrun = 3;       // a signal already carries a later call: hooks called too late
-constexpr int kErrorOverwrite = 4;     // a send found its destination still receiving the half's previous call
 constexpr int kKindDispatch = 0;       // index of ctrl_last[kind][half]
 constexpr int kKindCombine = 1;
 constexpr int kMsgHeader = 16;         // head of a dispatch side message (int32 source token), before its scales
