@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .. import jit
 from .. import layout as L
 from ..contract import BufferContext
 from ..windows.base import Window
@@ -35,6 +36,12 @@ _FIELDS = ["local_base", "rank", "num_ranks", "rounds", "bytes", "seq_base", "mo
 def params_type(transport_struct: type) -> type:
     """Mirror of SelftestParams for kernels built for the backend whose Transport `transport_struct` mirrors."""
     return params_struct("SelftestParams", [("transport", transport_struct), *_FIELDS])
+
+
+def register_family(build) -> None:
+    """Declare the conformance kernel for a backend's KernelBuild (what precompile and CI compile)."""
+    jit.register_family("transport_selftest", SOURCE, [KERNEL], variants=[build.kernel_defines({})],
+                        extra_flags=build.flags)
 
 
 def window_bytes(num_ranks: int, bytes_per_put: int = 4096) -> int:

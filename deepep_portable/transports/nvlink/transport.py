@@ -4,7 +4,7 @@ or, for testing, several ranks on one GPU)."""
 from __future__ import annotations
 
 from ...contract import BufferContext, Capabilities
-from ...engines import low_latency
+from ...engines import low_latency, transport_selftest
 from ..kernel import KernelTransport
 from .window import NvlinkWindow, nvlink_build, vmm_window_wanted
 
@@ -19,6 +19,7 @@ class NvlinkTransport(KernelTransport):
         return NvlinkWindow(ctx, nbytes, shareable=vmm_window_wanted())
 
 
-# What `python -m deepep_portable precompile` and CI compile of the low-latency kernels (the default,
-# VMM window's build).
+# What `python -m deepep_portable precompile` and CI compile of the kernels over the contract (the
+# default, VMM window's build).
 low_latency.register_families(nvlink_build(shareable=True))
+transport_selftest.register_family(nvlink_build(shareable=True))
