@@ -14,7 +14,8 @@ import torch
 
 from .config import Config
 from .handles import DispatchHandle, LowLatencyHandle
-from .layout import CONTROL_BYTES, MAX_TOPK, NormalLayout, low_latency_rdma_size_hint
+from .device import device_index
+from .layout import MAX_TOPK, NormalLayout, low_latency_rdma_size_hint
 
 FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 
@@ -41,13 +42,7 @@ def tensor(name: str, t: object, dtype: Optional[torch.dtype] = None, shape: Opt
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
-    if a.type != b.type:
-        return False
-    if a.type == "cuda":
-        ai = a.index if a.index is not None else torch.cuda.current_device()
-        bi = b.index if b.index is not None else torch.cuda.current_device()
-        return ai == bi
-    return True
+    return a.type == b.type and (a.type != "cuda" or device_index(a) == device_index(b))
 
 
 def positive_int(name: str, v: object, minimum: int = 1) -> int:
@@ -149,7 +144,7 @@ def capacity(ctx, op: str, num_tokens: int, layout: NormalLayout) -> None:
     """The normal-mode buffer (num_nvl_bytes) holds `num_tokens` tokens per rank of this layout."""
     room = layout.max_tokens_per_rank(ctx.num_nvl_bytes)
     if room < num_tokens:
-        need = CONTROL_BYTES + 128 + layout.bytes_per_token * num_tokens
+        need = layout.buffer_bytes(num_tokens)
         raise ValueError(f"{op} of {num_tokens} tokens needs a larger buffer: this Buffer has num_nvl_bytes="
                          f"{ctx.num_nvl_bytes}, room for {room} tokens per rank ({layout.bytes_per_token} bytes per "
                          f"token); create it with num_nvl_bytes >= {need} "

@@ -16,7 +16,7 @@ import torch
 
 from . import _validate as check
 from .comm import Comm
-from .config import Config
+from .config import DEFAULT_NUM_SMS, Config
 from .event import EventOverlap
 from .handles import DispatchHandle, LowLatencyHandle
 from .contract import (BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, LowLatencyCombineArgs,
@@ -45,7 +45,7 @@ class Buffer:
     `group` may be a torch ProcessGroup or (as first argument or `comm=`) an mpi4py communicator.
     """
 
-    num_sms: int = 20
+    num_sms: int = DEFAULT_NUM_SMS
 
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,

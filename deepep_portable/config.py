@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+DEFAULT_NUM_SMS = 20   # SM budget of the communication kernels until Buffer.set_num_sms (DeepEP's default)
+
+
 @dataclass
 class Config:
     """Tuning knobs for the high-throughput (normal-mode) kernels.
@@ -14,7 +17,7 @@ class Config:
     progress signals; they do not size the buffer.
     """
 
-    num_sms: int = 20
+    num_sms: int = DEFAULT_NUM_SMS
     num_max_nvl_chunked_send_tokens: int = 6
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6

@@ -143,7 +143,7 @@ class LowLatencyDispatchArgs:
 @dataclass
 class LowLatencyDispatchResult:
     recv_x: torch.Tensor                  # [E_local, R*T, H] bf16 or fp8
-    recv_x_scales: Optional[torch.Tensor] # [E_local, R*T, H/128] fp32 or [.., H/512] int32 (column-major)
+    recv_x_scales: Optional[torch.Tensor]  # [E_local, R*T, H/128] fp32 or [.., H/512] int32 (column-major)
     recv_count: torch.Tensor              # [E_local] int32
     handle: LowLatencyHandle
     hook: Optional[Callable[[], None]]    # receive phase when return_recv_hook, else None

@@ -86,9 +86,14 @@ class NormalLayout:
         dispatch slot or the combine slots of the rows it can cause on one receiver."""
         return self.num_ranks * 4 + max(self.dispatch_slot, self.num_ranks * self.combine_slot)
 
+    def buffer_bytes(self, num_tokens_per_rank: int) -> int:
+        """Buffer bytes for calls of up to `num_tokens_per_rank` tokens per rank (control area, send
+        lists and send area, plus the 128 bytes the send area's alignment may take)."""
+        return CONTROL_BYTES + 128 + num_tokens_per_rank * self.bytes_per_token
+
     def max_tokens_per_rank(self, buffer_bytes: int) -> int:
-        usable = buffer_bytes - CONTROL_BYTES - 128
-        return max(0, usable // self.bytes_per_token)
+        """The inverse of buffer_bytes: the most tokens per rank a buffer of that size holds."""
+        return max(0, (buffer_bytes - self.buffer_bytes(0)) // self.bytes_per_token)
 
     def send_list_offset(self) -> int:
         return CONTROL_BYTES
@@ -106,7 +111,7 @@ def normal_buffer_bytes(num_max_tokens_per_rank: int, hidden_bytes: int, num_ran
     """
     hidden = max(1, hidden_bytes // 2)
     layout = NormalLayout(num_ranks, hidden, 2, hidden // 128, num_topk)
-    return CONTROL_BYTES + 128 + num_max_tokens_per_rank * layout.bytes_per_token
+    return layout.buffer_bytes(num_max_tokens_per_rank)
 
 
 # Control area of a normal-mode buffer (byte offsets; u64 signals are single-writer sequence numbers).

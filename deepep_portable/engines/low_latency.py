@@ -375,8 +375,8 @@ class LowLatencyEngine(Engine):
         area, or the combine send area). A view of this Buffer's memory (no copy, no ownership): it must
         not be used after the Buffer is destroyed."""
         shape = (num_experts // self.num_ranks, self.num_ranks * num_max_tokens, hidden)
-        numel = shape[0] * shape[1] * shape[2] // (2 if use_fp8 else 1)   # int16 elements (hidden is even)
-        flat = self.window.view(offset, numel, torch.int16, self.ctx.device)
+        nbytes = shape[0] * shape[1] * shape[2] * (1 if use_fp8 else 2)
+        flat = self.window.view(offset, nbytes, self.ctx.device)
         return flat.view(torch.float8_e4m3fn if use_fp8 else torch.bfloat16).view(shape)
 
     def next_dispatch_recv_x(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,

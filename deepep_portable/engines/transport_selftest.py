@@ -82,7 +82,7 @@ class TransportSelftest:
         self.claim.zero_()
         for i in range(len(self.window.errors.words)):
             self.window.errors.words[i] = 0
-        self.window.view(self.layout.id_offset, 1, torch.int64, dev).fill_(self.ctx.rank * 1000 + 7)
+        self.window.view(self.layout.id_offset, 8, dev).view(torch.int64).fill_(self.ctx.rank * 1000 + 7)
         torch.cuda.synchronize(dev)
         self.ctx.comm.barrier()        # every id word is written and every earlier launch is over
         self.fn.launch(1, THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, bytes(params))
@@ -96,7 +96,7 @@ class TransportSelftest:
         self._launch(self._params(transport, 0, -1, self.timeout_s))
         self.runs += 1
         R, out = self.ctx.num_ranks, self.out.cpu().tolist()
-        counter = int(self.window.view(self.layout.counter_offset, 1, torch.int64, self.ctx.device).item())
+        counter = int(self.window.view(self.layout.counter_offset, 8, self.ctx.device).view(torch.int64).item())
         return dict(rank=self.ctx.rank, runs=self.runs, mismatches=out[OUT_MISMATCHES],
                     get_value_errors=out[OUT_GET_VALUE], waits=out[OUT_WAITS],
                     peer_ptr=out[OUT_PEER_PTR:OUT_PEER_PTR + R],

@@ -83,14 +83,12 @@ class Window:
             return self._kernels.get(source, name, defines)
         return self._kernels.get(source, name, self.build.kernel_defines(defines), self.build.flags)
 
-    def view(self, offset: int, numel: int, dtype, device):
-        """A torch tensor over `numel` elements of `dtype` at `offset` of this window (no copy, no
-        ownership: it must not be used after the window is closed)."""
+    def view(self, offset: int, nbytes: int, device):
+        """A uint8 torch tensor over `nbytes` at `offset` of this window (no copy, no ownership: it must
+        not be used after the window is closed); .view(dtype) it as needed."""
         import torch
 
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        view = _DeviceRange(self.base + offset, numel * itemsize)
-        return torch.as_tensor(view, device=device).view(dtype)
+        return torch.as_tensor(_DeviceRange(self.base + offset, nbytes), device=device)
 
     def transport_params(self) -> ctypes.Structure:
         """The host mirror of the build's Transport struct, filled for this window: what kernels over
