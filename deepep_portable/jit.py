@@ -263,10 +263,7 @@ def compile_cached(source_relpath: str, defines: Optional[Defines] = None, arch:
     flags = [*BASE_FLAGS, *_target_flags(arch, ptx), f"-I{root}", *extra_flags, *_extra_flags()]
     key_flags = [f for f in flags if f != f"-I{root}"]  # the tree's contents are hashed, not its location
     key = _cache_key(source, root, defs, key_flags, nvcc_version(nvcc))
-    stem = os.path.splitext(os.path.basename(source_relpath))[0]
-    directory = cache or cache_dir()
-    os.makedirs(directory, exist_ok=True)
-    out_path = os.path.join(directory, f"{stem}.{arch}.{key[:32]}.{'fatbin' if ptx else 'cubin'}")
+    out_path = artifact_path(source, arch, key, "fatbin" if ptx else "cubin", cache)
 
     def build() -> bytes:
         with tempfile.TemporaryDirectory(prefix="deepep_portable_nvcc_") as tmp:
@@ -285,6 +282,13 @@ def compile_cached(source_relpath: str, defines: Optional[Defines] = None, arch:
 
     data, hit, seconds = cached_artifact(out_path, build)
     return CompileResult(data, out_path, hit, seconds, arch, ptx)
+
+
+def artifact_path(source: str, tag: str, key: str, ext: str, cache: Optional[str] = None) -> str:
+    """<cache>/<source stem>.<tag>.<key prefix>.<ext> (the cache directory is created if needed)."""
+    directory = cache or cache_dir()
+    os.makedirs(directory, exist_ok=True)
+    return os.path.join(directory, f"{os.path.splitext(os.path.basename(source))[0]}.{tag}.{key[:32]}.{ext}")
 
 
 def cached_artifact(out_path: str, build: Callable[[], bytes]) -> Tuple[bytes, bool, float]:

@@ -42,9 +42,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from ... import jit
+from ...jit import BASE_FLAGS, CompileResult, Defines, JitCompileError, find_nvcc, kernel_root, nvcc_version
 from .. import libraries
-from ...jit import (BASE_FLAGS, CompileResult, Defines, JitCompileError, cache_dir, find_nvcc, kernel_root,
-                  nvcc_version)
 
 __all__ = ["NvshmemBuildPaths", "LinkedCompileResult", "nvshmem_build_paths", "header_version",
            "cuda_include_dirs", "compile_linked_cached", "compile_linked", "command_lines"]
@@ -205,10 +204,7 @@ def compile_linked_cached(source: str, defines: Optional[Defines] = None, arch: 
                  f"|nvshmem-lib-stat={st.st_size}:{st.st_mtime_ns}", f"|nvshmem-include={paths.include_dir}",
                  *(f"|cccl={d}" for d in cccl)]
     key = jit._cache_key(src, root, defs, key_flags, nvcc_version(nvcc))
-    stem = os.path.splitext(os.path.basename(src))[0]
-    directory = cache or cache_dir()
-    os.makedirs(directory, exist_ok=True)
-    out_path = os.path.join(directory, f"{stem}.nvshmem.{arch}.{key[:32]}.cubin")
+    out_path = jit.artifact_path(src, f"nvshmem.{arch}", key, "cubin", cache)
 
     def build() -> bytes:
         with tempfile.TemporaryDirectory(prefix="deepep_portable_nvshmem_") as tmp:
