@@ -3,6 +3,8 @@
 Metadata lives in pyproject.toml; this file adds what setuptools cannot express there:
   * `deepep_portable._C` from csrc/common/runtime/*.cpp (pybind11, no libtorch, no -lcuda:
     the driver is opened at run time, so only cuda.h is needed, for types);
+  * for a backend whose set-up needs C, `deepep_portable._<name>` from csrc/backends/<name>/host.cpp
+    (its own PYBIND11_MODULE; the libraries it talks to are opened at run time, never linked);
   * the kernel sources (csrc/common/kernels, csrc/backends/*) copied into the package as
     deepep_portable/csrc/... so that a regular (non-editable) install can JIT-compile them.
 No torch import here: one build serves every torch version.
@@ -107,4 +109,10 @@ ext = Pybind11Extension(
     extra_compile_args=["-O2"],
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": build_ext, "build_py": build_py})
+backend_exts = [
+    Pybind11Extension(f"deepep_portable._{os.path.basename(os.path.dirname(path))}", [os.path.relpath(path, ROOT)],
+                      include_dirs=[os.path.join(CSRC, "common", "runtime"), cuda_include], libraries=["dl"],
+                      cxx_std=17, extra_compile_args=["-O2"])
+    for path in sorted(glob.glob(os.path.join(CSRC, "backends", "*", "host.cpp")))]
+
+setup(ext_modules=[ext, *backend_exts], cmdclass={"build_ext": build_ext, "build_py": build_py})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -122,9 +122,9 @@ def dispatch_x(x, device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Te
     return x, None
 
 
-def config(cfg: Optional[Config], default: Config) -> Config:
+def config(cfg: Optional[Config], default: Callable[[], Config]) -> Config:
     if cfg is None:
-        return default
+        return default()
     if not isinstance(cfg, Config):
         raise TypeError(f"config must be a deepep_portable.Config, got {type(cfg).__name__}")
     return cfg

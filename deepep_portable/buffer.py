@@ -224,7 +224,7 @@ class Buffer:
         backend = self._live()
         x_data, x_scales = check.dispatch_x(x, self.device)
         num_tokens, hidden = x_data.shape
-        config = check.config(config, self.get_dispatch_config(self.group_size))
+        config = check.config(config, lambda: self.get_dispatch_config(self.group_size))
         check.positive_int("expert_alignment", expert_alignment)
         check.positive_int("num_worst_tokens", num_worst_tokens, minimum=0)
         if num_tokens_per_rdma_rank is not None:
@@ -295,7 +295,7 @@ class Buffer:
         for name, b in (("bias[0]", bias_0), ("bias[1]", bias_1)):
             if b is not None:
                 check.tensor(name, b, torch.bfloat16, (handle.num_tokens, hidden), self.device)
-        config = check.config(config, self.get_combine_config(self.group_size))
+        config = check.config(config, lambda: self.get_combine_config(self.group_size))
         layout = NormalLayout(self.group_size, hidden, 2, 0, 0 if topk_weights is None else topk_weights.size(1))
         check.capacity(self._ctx, "combine", handle.num_tokens, layout)
         args = CombineArgs(x=x, handle=handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,

@@ -4,7 +4,7 @@
 # Prints the topology and the peer-to-peer copy ceiling, then at each EP size runs the GPU test
 # suite (one rank per GPU), the low-latency tests over NVSHMEM, and the benchmarks (normal: 4096 and
 # 16384 tokens; low-latency: 128 tokens) with, in the same run, the op's ceiling (its traffic pattern
-# copied straight into the peers' memory, see bench.py) and all_to_all_single over NCCL as the
+# copied straight into the peers' memory, see tools/ceilings.py) and all_to_all_single over NCCL as the
 # baseline. MIXED=1 then runs the suite with two ranks per GPU under MPS (peers on the same GPU and
 # across the link in one group). Every step is killed after STEP_TIMEOUT seconds (default 400).
 # Logs under $OUT.

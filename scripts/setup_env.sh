@@ -14,8 +14,9 @@
 #      (or DEEPEP_IGNORE_SYSTEM_NVCC=1), the CUDA 13 compiler wheels into the venv, with
 #      CUDA_HOME=<site-packages>/nvidia/cu13. Checked by compiling a kernel to an sm_90 cubin.
 #      The chosen CUDA_HOME is written to .venv/cuda_home.
-#   4. pip install -e ".[test]" with that CUDA_HOME (builds deepep_portable._C; redone when
-#      pyproject.toml, setup.py, csrc/common/runtime or this script change)
+#   4. pip install -e ".[test]" with that CUDA_HOME (builds deepep_portable._C and any backend's
+#      host.cpp module; redone when pyproject.toml, setup.py, csrc/common/runtime, a
+#      csrc/backends/*/host.cpp or this script change)
 # Knobs: DEEPEP_TORCH_SPEC, DEEPEP_IGNORE_SYSTEM_NVCC=1, DEEPEP_SKIP_APT=1, DEEPEP_PYTHON (python3),
 #        DEEPEP_FORCE_SETUP=1 (ignore the "already done" stamp).
 
@@ -85,6 +86,7 @@ fi
 stamp_of() {
     { cat pyproject.toml scripts/setup_env.sh; if [[ -f setup.py ]]; then cat setup.py; fi
       if [[ -d csrc/common/runtime ]]; then find csrc/common/runtime -type f | LC_ALL=C sort | xargs -r cat; fi
+      find csrc/backends -name host.cpp 2>/dev/null | LC_ALL=C sort | xargs -r cat
       echo "$TORCH_SPEC|${DEEPEP_IGNORE_SYSTEM_NVCC:-0}|$("$VENV/bin/python" -V 2>&1)"; } | sha256sum | cut -c1-16
 }
 if [[ ! -x "$VENV/bin/python" ]]; then

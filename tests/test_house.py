@@ -1,5 +1,5 @@
-"""The shape of the package, checked so that it stays that way (the layout is ARCHITECTURE.md section 3
-as built; README "Adding a transport" says how it is extended):
+"""The shape of the package, checked so that it stays that way (README "Layout" draws it, "Adding a
+transport" says how it is extended):
 
   * no import circle, counting imports inside functions and the package __init__ files that an import
     runs;

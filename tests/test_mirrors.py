@@ -138,6 +138,8 @@ def test_nvshmem_backend_params(tmp_path):
             f'{str(NvshmemWindow.cheap_fetch_add).lower()}, "NvshmemWindow.cheap_fetch_add");'
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(NvshmemTransportParams, c_struct, "dispatch") + [cheap],
              ll.kernel_defines(256, 3), NVSHMEM_BUILD, nvshmem=True)
+    _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(NvshmemTransportParams, c_struct, "combine"),
+             ll.kernel_defines(256, 3), NVSHMEM_BUILD, nvshmem=True)
     _compile(tmp_path, transport_selftest.SOURCE, _selftest_checks(NvshmemTransportParams, c_struct), {},
              NVSHMEM_BUILD, nvshmem=True)
 

@@ -4,8 +4,9 @@ Convention (shared with csrc/common/kernels/common.cuh): a kernel takes one stru
 passed by value. Its host mirror is a `ctypes.Structure` with the same fields in the same order:
 pointers as `c_uint64` / `c_int64` (tensor.data_ptr()), integers with explicit widths. `launch()`
 packs it to bytes; `_C` rejects a launch whose byte size differs from the kernel's parameter (when
-the driver can report it), and tests/test_mirrors.py checks every mirror against its C struct by
-field name and order, and by size against the PTX.
+the driver can report it), tests/test_mirrors.py checks every mirror against its C struct by field
+name and offset, and tests/test_jit.py, test_low_latency_host.py, test_intranode_host.py check sizes
+against the PTX.
 
 Streams: outputs are allocated with torch on the *current* stream; device work is enqueued on the
 `stream` argument. Ordering between the two (and record_stream) is the caller's job (Buffer._op).

@@ -55,6 +55,9 @@ class TransportSelftest:
             raise ValueError(f"bytes_per_put must be a positive multiple of 32, got {bytes_per_put}")
         self.ctx, self.window, self.rounds, self.timeout_s = ctx, window, rounds, timeout_s
         self.layout = L.SelftestLayout(ctx.num_ranks, bytes_per_put)
+        if self.layout.total_bytes > window.size:
+            raise ValueError(f"the window holds {window.size} bytes, the self-test needs {self.layout.total_bytes} "
+                             f"(window_bytes({ctx.num_ranks}, {bytes_per_put}))")
         self.fn = window.kernel(SOURCE, KERNEL, {})
         R = ctx.num_ranks
         self.out = torch.zeros(OUT_PEER_PTR + R + R * rounds, dtype=torch.int64, device=ctx.device)
@@ -76,18 +79,36 @@ class TransportSelftest:
         p.zone_c0_off, p.zone_c1_off, p.stage_off = lay.zone_c0_offset, lay.zone_c1_offset, lay.stage_offset
         return p
 
+    def _agree(self, step: str, fn) -> None:
+        """Run the local `fn`, then exchange every rank's failure: all ranks raise together, so nobody
+        is left in the next collective (this also serves as the barrier between steps)."""
+        err = None
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            err = f"rank {self.ctx.rank}: {type(e).__name__}: {e}"
+        errs = [e for e in self.ctx.comm.allgather_object(err) if e]
+        if errs:
+            raise RuntimeError(f"transport self-test, {step}: " + "; ".join(errs))
+
     def _launch(self, params) -> None:
         dev = self.ctx.device
-        self.out.zero_()
-        self.claim.zero_()
-        for i in range(len(self.window.errors.words)):
-            self.window.errors.words[i] = 0
-        self.window.view(self.layout.id_offset, 8, dev).view(torch.int64).fill_(self.ctx.rank * 1000 + 7)
-        torch.cuda.synchronize(dev)
-        self.ctx.comm.barrier()        # every id word is written and every earlier launch is over
-        self.fn.launch(1, THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, bytes(params))
-        torch.cuda.synchronize(dev)
-        self.ctx.comm.barrier()        # every rank's kernel is done: the counters are final
+
+        def prepare() -> None:   # counters and id word of this run, before any rank starts
+            self.out.zero_()
+            self.claim.zero_()
+            for i in range(len(self.window.errors.words)):
+                self.window.errors.words[i] = 0
+            self.window.view(self.layout.id_offset, 8, dev).view(torch.int64).fill_(self.ctx.rank * 1000 + 7)
+            self.window.view(self.layout.counter_offset, 8, dev).zero_()
+            torch.cuda.synchronize(dev)
+
+        def launch() -> None:
+            self.fn.launch(1, THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, bytes(params))
+            torch.cuda.synchronize(dev)
+
+        self._agree("preparing a launch", prepare)   # and every earlier launch is over everywhere
+        self._agree("the kernel", launch)            # every rank's kernel is done: the counters are final
 
     def run(self, transport: Optional[ctypes.Structure] = None) -> Dict:
         """Collective: one conformance launch. `transport`: another filling of the window's Transport
@@ -97,7 +118,7 @@ class TransportSelftest:
         self.runs += 1
         R, out = self.ctx.num_ranks, self.out.cpu().tolist()
         counter = int(self.window.view(self.layout.counter_offset, 8, self.ctx.device).view(torch.int64).item())
-        return dict(rank=self.ctx.rank, runs=self.runs, mismatches=out[OUT_MISMATCHES],
+        return dict(rank=self.ctx.rank, mismatches=out[OUT_MISMATCHES],
                     get_value_errors=out[OUT_GET_VALUE], waits=out[OUT_WAITS],
                     peer_ptr=out[OUT_PEER_PTR:OUT_PEER_PTR + R],
                     peer_ptr_expected=[int(b != 0) for b in self.window.bases],   # 0: no load/store address
@@ -117,7 +138,7 @@ class TransportSelftest:
         for res in results:
             r = res["rank"]
             if res["mismatches"]:
-                bad[f"rank {r}: data"] = f"{res['mismatches']} words older than their signal, or poison"
+                bad[f"rank {r}: data"] = f"{res['mismatches']} words older than their signal, poison or wrong"
             if res["get_value_errors"]:
                 bad[f"rank {r}: get_value"] = f"{res['get_value_errors']} reads were not the peer's id word"
             if res["waits"] != 2 * R * rounds:
@@ -127,12 +148,10 @@ class TransportSelftest:
             if res["peer_ptr"] != res["peer_ptr_expected"]:
                 bad[f"rank {r}: peer_ptr"] = f"non-null for {res['peer_ptr']}, want {res['peer_ptr_expected']}"
         by_rank = {res["rank"]: res for res in results}
-        first = (results[0]["runs"] - 1) * R * rounds
-        for target in range(R):   # fetch_add: every rank added 1 per round to every rank's counter
+        for target in range(R):   # fetch_add: every rank added 1 per round to every rank's (zeroed) counter
             got = sorted(v for res in results for v in res["fetched"][target])
-            if got != list(range(first, first + R * rounds)):
-                bad[f"fetch_add on rank {target}"] = (f"returned {got}, want each of {first}.."
-                                                      f"{first + R * rounds - 1} once")
-            if by_rank[target]["counter"] != first + R * rounds:
-                bad[f"counter of rank {target}"] = f"{by_rank[target]['counter']}, want {first + R * rounds}"
+            if got != list(range(R * rounds)):
+                bad[f"fetch_add on rank {target}"] = f"returned {got}, want each of 0..{R * rounds - 1} once"
+            if by_rank[target]["counter"] != R * rounds:
+                bad[f"counter of rank {target}"] = f"{by_rank[target]['counter']}, want {R * rounds}"
         return bad

@@ -1,4 +1,5 @@
-"""The ceilings every benchmark row is printed beside (DESIGN.md section 7), and the peer baseline:
+"""The ceilings every benchmark row is printed beside (docs/PERFORMANCE.md conventions), and the peer
+baseline:
   * copy: one plain copy of the op's bytes on the device, with the op's block budget (ranks sharing
     one GPU: every byte lands in its HBM either way);
   * pattern: the op's own rank-to-rank traffic copied in one launch straight into the peers' memory

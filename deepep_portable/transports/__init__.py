@@ -9,7 +9,7 @@ import importlib
 from dataclasses import replace
 from typing import Dict, Type
 
-from ..contract import Transport, TransportStatus
+from ..contract import BufferContext, Capabilities, Transport, TransportStatus
 from . import probe, registry
 from .registry import TRANSPORT_NAMES
 
@@ -55,4 +55,5 @@ def backend_class(name: str) -> Type[Transport]:
     return getattr(importlib.import_module(row.module, __package__), row.cls)
 
 
-__all__ = ["TransportStatus", "TRANSPORT_NAMES", "available_transports", "resolve", "backend_class"]
+__all__ = ["BufferContext", "Capabilities", "Transport", "TransportStatus", "TRANSPORT_NAMES", "available_transports",
+           "resolve", "backend_class"]

@@ -44,7 +44,14 @@ class KernelTransport(Transport):
         self.normal_engine = IntranodeEngine(ctx) if ctx.num_nvl_bytes > 0 else None
         self.ll_engine: Optional[LowLatencyEngine] = None
         if ctx.num_rdma_bytes > 0 and low_latency_kernels_enabled():
-            self.ll_engine = LowLatencyEngine(ctx, self.make_ll_window)
+            try:
+                self.ll_engine = LowLatencyEngine(ctx, self.make_ll_window)
+            except BaseException:
+                # Same sizes and environment on every rank: all fail here together, so the normal-mode
+                # window's collective close meets every peer.
+                if self.normal_engine is not None:
+                    self.normal_engine.destroy()
+                raise
         self.reference = ReferenceTransport(ctx)   # low-latency ops without the kernels
 
     # ---- normal mode ----------------------------------------------------------------------------

@@ -226,11 +226,15 @@ def gpu_info() -> List[Dict]:
 
 # ---- the primary context (NVSHMEM initialises in the calling thread's current context) -------------
 
+class DriverUnavailable(RuntimeError):
+    """No usable CUDA driver in this process; the message says why."""
+
+
 def _driver():
-    """The initialised libcuda handle, or RuntimeError with the reason."""
+    """The initialised libcuda handle, or DriverUnavailable with the reason."""
     lib, why = libcuda()
     if lib is None:
-        raise RuntimeError(why)
+        raise DriverUnavailable(why)
     return lib
 
 

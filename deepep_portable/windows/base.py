@@ -63,11 +63,14 @@ class KernelBuild:
 
 
 class Window:
-    """Base of every window. A subclass sets `dev`, `base`, `peer_bases`, `errors` (MappedWords of
-    ERROR_WORDS) and calls _cap_blocks once it knows which ranks share its GPU. A window that carries a
+    """Base of every window. A subclass sets `dev`, `base`, `size` (bytes, at least those asked for),
+    `bases` and `peer_bases` (every rank's base as a list and as a device tensor, 0 where a rank has no
+    load/store address here), `errors` (MappedWords of ERROR_WORDS), and calls _cap_blocks once it knows
+    which ranks share its GPU. A window that carries a
     transport (the low-latency engine's) also sets `build` and implements transport_params()."""
 
     dev: int
+    size: int
     max_blocks: int
     errors: MappedWords
     build: Optional[KernelBuild] = None   # None: kernels that use no transport (CUDA IPC peers by address)

@@ -1,4 +1,4 @@
-"""Low-latency kernels (deepep_portable/low_latency.py) through `deep_ep.Buffer`, on every rank, vs
+"""Low-latency kernels (deepep_portable/engines/low_latency.py) through `deep_ep.Buffer`, on every rank, vs
 tests/oracle.py computed on the host; transport "nvlink", or "nvshmem" with DEEPEP_TEST_LL_TRANSPORT=nvshmem.
 
 Run on the GPU machine, all ranks sharing one GPU under CUDA MPS:
@@ -134,7 +134,6 @@ def _poison_next_recv_x(buf, hidden: int, experts: int, fp8: bool) -> bool:
         return False
     view.view(torch.uint8).fill_(0xFF)
     return True
-
 
 
 def make_x(gen, num_tokens: int, hidden: int) -> torch.Tensor:

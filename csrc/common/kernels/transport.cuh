@@ -3,7 +3,8 @@
 // Kernels are written once against a transport type (a backend's csrc/backends/<name>/device.cuh
 // provides it; the host picks which: selected_transport.cuh). A transport object is a small struct
 // passed in the kernel's parameter struct, so it lives in constant memory; its methods are
-// __device__ and cheap to call.
+// __device__ and cheap to call. Conformance: csrc/common/kernels/transport_selftest.cu exercises every
+// primitive and its promise on the GPU, for any backend (tests/mpi/test_transport_selftest_gpu_mpi.py).
 //
 // Windows: every rank owns a window (a buffer the others can address) of the same size; all
 // offsets below are byte offsets inside the window, identical on every rank (symmetric layout).
@@ -21,7 +22,9 @@
 // | put_signal_warp(..., sig_off, v)        | whole warp | once the peer reads v at sig_off, this put's data is     |
 // |                                         |            | visible there                                            |
 // | signal(ch, peer, sig_off, v)            | one thread | strong: once visible, every earlier op of this thread    |
-// |                                         |            | (and warp) on (ch, peer) is visible                      |
+// |                                         |            | on (ch, peer) is visible, and every earlier op of its    |
+// |                                         |            | warp once the warp's lanes fenced and synchronized       |
+// |                                         |            | (__threadfence_system(); __syncwarp();) before the call  |
 // | put_value(ch, peer, dst_off, u64)       | one thread | small inline write, no order promise                     |
 // | get_value(ch, peer, off)                | one thread | blocking read of a u64 in peer's window: a value the     |
 // |                                         |            | word held at some point during the call (no ordering)    |

@@ -6,20 +6,25 @@
 // senders never wait for a peer, so every wait is for work that is already under way (no deadlock), and
 // every wait is bounded (wait_ge with a deadline).
 //
-// Sender warp, for each peer p (itself included) and round r = 1..rounds, from its stage (a range of
-// its own window, so a network peer can read it) holding words {me, p, r, i ^ kMagic}:
-//   put_warp(A) + put2_warp(C0 | C1, the two halves of the stage) + put_value(V = seq_r) + fetch_add(
-//   counter, 1) + get_value(id word) + signal(sigA = seq_r)  -- "signal: once visible, every earlier op
-//   of the warp on (ch, p) is visible";
-//   put_signal_warp(B, sigB = seq_r)                          -- "once p reads v, this put's data is there";
-//   flush, then the stage is poisoned (round 0)               -- "flush: sources reusable": a put still
-//                                                                reading the stage would deliver poison.
-// Receiver warp, for each source s and round r: wait_ge(sigB >= seq_r), then every word of B must be
-// {s, me, r' >= r, i ^ kMagic}; wait_ge(sigA >= seq_r), then the same for A, C0, C1 and V >= seq_r. Data
-// of a later round may already be there (senders run ahead); data older than the signal, or poison,
-// never. The host checks the rest: every peer_ptr, each counter's fetch_add results (all distinct: the
-// adds are atomic) and final value, and in mode 1 that a wait on a word nobody writes times out with an
-// error record naming the peer.
+// Round r of a run carries seq_r = seq_base + r, and seq_base grows run to run, so a word or signal of an
+// earlier round or run is told apart from this one's. Sender warp, for each peer p (itself included) and
+// round r = 1..rounds, from its stage (a range of its own window, so a network peer can read it) holding
+// words {me, p, seq_r, i ^ kMagic}:
+//   put_warp(A) + put2_warp(C0 | C1, the two halves of the stage), the warp fenced and synchronized (the
+//   contract's condition for a warp's puts to count as the signalling thread's), then on one lane
+//   put_value(V = seq_r) + fetch_add(counter, 1) + get_value(id word) + signal(sigA = seq_r)
+//                                                       -- "signal: once visible, every earlier op on
+//                                                          (ch, p) is visible";
+//   put_signal_warp(B, sigB = seq_r)                    -- "once p reads v, this put's data is there";
+//   flush, then the stage is poisoned (seq 0)           -- "flush: sources reusable": a put still reading
+//                                                          the stage would deliver poison.
+// Receiver warp, for each source s and round r: wait_ge(sigA >= seq_r) first (B, signalled later, must
+// not be what makes A visible), then every word of A, C0 and C1 must be {s, me, seq in [seq_r, last seq
+// of the run], i ^ kMagic} and V >= seq_r; then wait_ge(sigB >= seq_r) and the same for B. Data of a later
+// round may already be there (senders run ahead); data older than the signal, or poison, never. The host
+// checks the rest: every peer_ptr, each counter's fetch_add results (all distinct: the adds are atomic)
+// and final value, and in mode 1 that a wait on a word nobody writes times out with an error record
+// naming the peer.
 #include <cstdint>
 
 #include "common/kernels/common.cuh"
@@ -50,7 +55,7 @@ struct SelftestParams {
     int64_t num_ranks;
     int64_t rounds;
     int64_t bytes;             // bytes per put: a multiple of 32 (two halves of 16-byte words)
-    uint64_t seq_base;         // round r's signals carry seq_base + r (the host grows it run to run)
+    uint64_t seq_base;         // round r's words and signals carry seq_base + r (the host grows it run to run)
     int64_t mode;              // 0: the rounds; 1: wait on the silent word (must time out)
     int64_t timeout_peer;      // mode 1: the peer the timeout record names
     int64_t timeout_ns;        // every wait gives up this long after the kernel starts
@@ -82,17 +87,17 @@ DEEPEP_DEVICE ErrorSink sink_of(const SelftestParams& p) {
     return ErrorSink{p.error_claim, p.error_host, kOpTransportSelftest, static_cast<int>(p.rank)};
 }
 
-DEEPEP_DEVICE int4 word(int src, int dst, int round, int i) {
-    return make_int4(src, dst, round, i ^ kMagic);
+DEEPEP_DEVICE int4 word(int src, int dst, int seq, int i) {
+    return make_int4(src, dst, seq, i ^ kMagic);
 }
 
-// Words [first, first + n) of a zone from `src`: each must be src's word i for a round in [r, rounds]
-// (un-cached loads: a later round rewrites the same bytes).
-DEEPEP_DEVICE int count_bad(const int4* zone, int first, int n, int src, int me, int r, int rounds, int lane) {
+// Words [first, first + n) of a zone from `src`: each must be src's word i of a round with seq in
+// [lo, hi] (un-cached loads: a later round rewrites the same bytes).
+DEEPEP_DEVICE int count_bad(const int4* zone, int first, int n, int src, int me, int lo, int hi, int lane) {
     int bad = 0;
     for (int i = lane; i < n; i += 32) {
         const int4 w = __ldcv(zone + i);
-        bad += !(w.x == src && w.y == me && w.z >= r && w.z <= rounds && (w.w ^ kMagic) == first + i);
+        bad += !(w.x == src && w.y == me && w.z >= lo && w.z <= hi && (w.w ^ kMagic) == first + i);
     }
     return bad;
 }
@@ -116,12 +121,14 @@ DEEPEP_DEVICE void send(const SelftestParams& p, const Transport& tr, int peer, 
     for (int r = 1; r <= p.rounds; ++r) {
         const uint64_t seq = p.seq_base + r;
         for (int i = lane; i < n; i += 32)
-            stage[i] = word(me, peer, r, i);
+            stage[i] = word(me, peer, static_cast<int>(seq), i);
         __threadfence_system();   // a NIC may read the stage
         __syncwarp();
         tr.put_warp(0, peer, p.zone_a_off + me * p.bytes, stage, p.bytes, lane);
         tr.put2_warp(0, peer, p.zone_c0_off + me * half_bytes, half_bytes, p.zone_c1_off + me * half_bytes, stage,
                      half_bytes, lane);
+        __threadfence_system();   // every lane's puts before lane 0's signal (the contract's warp condition)
+        __syncwarp();
         if (lane == 0) {
             tr.put_value(0, peer, p.value_off + 8 * me, seq);
             fetched[r - 1] = static_cast<int64_t>(tr.fetch_add(0, peer, p.counter_off, 1));
@@ -148,20 +155,23 @@ DEEPEP_DEVICE void receive(const SelftestParams& p, const Transport& tr, int src
     const int4* b = own<const int4>(p, p.zone_b_off + src * p.bytes);
     const int4* c0 = own<const int4>(p, p.zone_c0_off + src * p.bytes / 2);
     const int4* c1 = own<const int4>(p, p.zone_c1_off + src * p.bytes / 2);
+    const int last = static_cast<int>(p.seq_base) + rounds;   // the run's last seq
     int bad = 0, waits = 0;
     for (int r = 1; r <= rounds; ++r) {
         const uint64_t seq = p.seq_base + r;
-        if (!warp_wait(tr, p.sig_b_off + 8 * src, seq, deadline, sink, src, lane))
-            break;
-        bad += count_bad(b, 0, n, src, me, r, rounds, lane);
+        const int lo = static_cast<int>(seq);
         if (!warp_wait(tr, p.sig_a_off + 8 * src, seq, deadline, sink, src, lane))
             break;
-        waits += 2;
-        bad += count_bad(a, 0, n, src, me, r, rounds, lane);
-        bad += count_bad(c0, 0, half, src, me, r, rounds, lane);
-        bad += count_bad(c1, half, n - half, src, me, r, rounds, lane);
+        ++waits;
+        bad += count_bad(a, 0, n, src, me, lo, last, lane);
+        bad += count_bad(c0, 0, half, src, me, lo, last, lane);
+        bad += count_bad(c1, half, n - half, src, me, lo, last, lane);
         if (lane == 0)
             bad += __ldcv(own<const unsigned long long>(p, p.value_off + 8 * src)) < seq;
+        if (!warp_wait(tr, p.sig_b_off + 8 * src, seq, deadline, sink, src, lane))
+            break;
+        ++waits;
+        bad += count_bad(b, 0, n, src, me, lo, last, lane);
     }
     for (int off = 16; off >= 1; off /= 2)
         bad += __shfl_xor_sync(0xffffffffu, bad, off);

@@ -34,9 +34,9 @@ def vmm_window_wanted() -> bool:
 
 
 class NvlinkWindow(IpcWindow):
-    def __init__(self, ctx: BufferContext, nbytes: int, shareable: bool) -> None:
-        """Collective over ctx.comm; all `nbytes` zeroed."""
-        super().__init__(ctx, nbytes, nbytes, "num_rdma_bytes", shareable=shareable)
+    def __init__(self, ctx: BufferContext, nbytes: int, shareable: bool, size_name: str = "num_rdma_bytes") -> None:
+        """Collective over ctx.comm; all `nbytes` zeroed. `size_name` names the size in errors."""
+        super().__init__(ctx, nbytes, nbytes, size_name, shareable=shareable)
         self.build = nvlink_build(shareable)
         self.cheap_fetch_add = shareable
         self._params = NvlinkTransportParams(self.peer_bases.data_ptr(), ctx.rank, ctx.num_ranks)

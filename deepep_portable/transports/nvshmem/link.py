@@ -91,7 +91,7 @@ def header_version(include_dir: str) -> Optional[str]:
 
 
 def nvshmem_build_paths() -> NvshmemBuildPaths:
-    """Where NVSHMEM's headers and device library are (the installation probe.nvshmem_info finds:
+    """Where NVSHMEM's headers and device library are (the installation libraries.nvshmem_info finds:
     $NVSHMEM_HOME, the pip package nvidia-nvshmem-cu13/cu12, LD_LIBRARY_PATH, system dirs).
     Raises JitCompileError naming what was searched when something is missing, and when the
     headers are another NVSHMEM release than the host library (see the module docstring)."""

@@ -49,8 +49,7 @@ import os
 import threading
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .. import libraries
-from ..system import ensure_primary_context, release_primary_context
+from .. import libraries, system
 
 __all__ = ["NvshmemUnavailable", "load_library", "library_path", "version", "SYMBOLS", "UniqueId",
            "UniqueIdArgs", "InitArgsV1", "InitArgsV2", "InitAttrV1", "InitAttrV2", "INIT_WITH_UNIQUEID",
@@ -277,6 +276,21 @@ def apply_environment(options: Optional[Mapping[str, Any]] = None) -> Dict[str, 
 
 
 # ---- installation checks ----------------------------------------------------------------------
+
+def ensure_primary_context(device: int) -> bool:
+    """system.ensure_primary_context; NvshmemUnavailable when there is no CUDA driver."""
+    try:
+        return system.ensure_primary_context(device)
+    except system.DriverUnavailable as e:
+        raise NvshmemUnavailable(str(e)) from e
+
+
+def release_primary_context(device: int) -> None:
+    try:
+        system.release_primary_context(device)
+    except system.DriverUnavailable as e:
+        raise NvshmemUnavailable(str(e)) from e
+
 
 def check_linked_against_loaded(paths) -> None:
     """Raise NvshmemUnavailable unless `paths` (link.NvshmemBuildPaths a cubin was linked with)

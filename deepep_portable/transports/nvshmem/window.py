@@ -48,7 +48,7 @@ class NvshmemWindow(Window):
         torch.zeros(1, device=ctx.device)   # the device's primary context is current on this thread
         heap = max(HEAP_MIN, HEAP_FACTOR * nbytes + (64 << 20))
         self.rt = nr.shared_runtime(ctx.comm, self.dev, options, min_heap_bytes=heap)
-        self.base = self.rt.malloc(nbytes)          # collective; zero it before anyone signals into it
+        self.base, self.size = self.rt.malloc(nbytes), nbytes   # collective; zeroed before anyone signals into it
         _C.memset_d8_async(self.dev, self.base, 0, nbytes, 0)
         _C.stream_synchronize(self.dev, 0)
         me = device_uuid(self.dev)

@@ -71,7 +71,7 @@ namespace deepep_portable::low_latency {
 // The backend these kernels are built for (chosen by the host, see selected_transport.cuh).
 using Transport = transport::Selected;
 
-constexpr int kThreads = 512;          // __launch_bounds__ of every LL kernel (host: low_latency.THREADS)
+constexpr int kThreads = 512;          // __launch_bounds__ of every LL kernel (host: engines/low_latency.THREADS)
 constexpr int kKindDispatch = 0;       // index of ctrl_last[kind][half]
 constexpr int kKindCombine = 1;
 constexpr int kMsgHeader = 16;         // head of a dispatch side message (int32 source token), before its scales
