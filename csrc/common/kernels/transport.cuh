@@ -33,8 +33,9 @@
 // |                                         |            | the word; a later signal() orders it like a put          |
 // | wait_ge(sig_off, v, deadline, sink, p)  | one thread | acquire-poll of MY window until >= v; false + an error   |
 // |                                         |            | record naming peer p once the deadline passes             |
-// | flush(ch)                               | one thread | earlier ops of this thread are locally complete (their   |
-// |                                         |            | sources reusable); no remote promise                     |
+// | flush(ch)                               | one thread | earlier ops of this thread, and of its warp under the    |
+// |                                         |            | signal() condition, are locally complete (their sources  |
+// |                                         |            | reusable); no remote promise                             |
 //
 // Signals are single-writer 64-bit sequence numbers set (not added): a signal slot has exactly one
 // writing rank, values only grow, and writing the same value twice is harmless, so no signal needs
