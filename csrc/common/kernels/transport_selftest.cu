@@ -138,6 +138,8 @@ DEEPEP_DEVICE void send(const SelftestParams& p, const Transport& tr, int peer, 
         }
         __syncwarp();
         tr.put_signal_warp(0, peer, p.zone_b_off + me * p.bytes, stage, p.bytes, p.sig_b_off + 8 * me, seq, lane);
+        __threadfence_system();   // flush's warp condition, as signal's
+        __syncwarp();
         if (lane == 0)
             tr.flush(0);
         __syncwarp();
