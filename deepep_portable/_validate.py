@@ -114,8 +114,10 @@ def dispatch_x(x, device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Te
         data, scales = x
         tensor("x[0]", data, shape=(None, None), device=device, dtypes=FP8_DTYPES)
         hidden(data.size(1), fp8=True)
+        # Any strides (e.g. column-major, `scales.T.contiguous().T`, what DeepGEMM consumes): the
+        # kernels read them in place; received scales are row-major [rows, S], as DeepEP returns them.
         tensor("x[1] (scales)", scales, shape=(data.size(0), None), device=device,
-               dtypes=(torch.float32, torch.int32))
+               dtypes=(torch.float32, torch.int32), contiguous=False)
         return data, scales
     tensor("x", x, torch.bfloat16, (None, None), device)
     hidden(x.size(1), fp8=False)

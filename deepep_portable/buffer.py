@@ -23,6 +23,7 @@ from .contract import (BufferContext, CachedDispatchArgs, CombineArgs, DispatchA
                        LowLatencyDispatchArgs, Transport)
 from .engines.dispatch_layout import dispatch_layout
 from .layout import NormalLayout, low_latency_rdma_size_hint
+from .logfmt import chunk_channels as logfmt_chunk
 from .topology import on_one_node
 from .transports import backend_class, resolve
 
@@ -35,7 +36,8 @@ DEFAULT_TIMEOUT_S = 100.0
 class Buffer:
     """Expert-parallel communication buffers for MoE dispatch and combine.
 
-    Same constructor and methods as `deep_ep.Buffer` (V1). Ours in addition:
+    Same constructor (DeepEP V1's positional order) and methods as `deep_ep.Buffer` (V1). Ours in
+    addition, keyword-only:
       transport: "auto" | "nvlink" | "nvshmem" | "ibgda" | "nccl_gin" | "reference" ("auto": nvlink when
                  every rank is on one node and it is usable, else the first usable of available_transports())
       timeout_s: bound on every wait; a timeout raises an exception naming op, rank and peer.
@@ -50,9 +52,14 @@ class Buffer:
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None,
                  *, transport: str = "auto", timeout_s: Optional[float] = None,
                  nvshmem_options: Optional[dict] = None) -> None:
+        if use_fabric:
+            # DeepEP allocates its NVLink buffer with fabric handles (multi-node NVLink, IMEX). Our windows
+            # share memory by CUDA IPC handles and POSIX file descriptors only: refuse before any set-up.
+            raise ValueError("use_fabric=True (fabric memory handles for multi-node NVLink) is not supported by "
+                             "deepep_portable yet; ranks of one node share memory without it")
         self._comm = Comm(group, comm)
         self.rank = self._comm.rank
         self.group_size = self._comm.size
@@ -68,7 +75,8 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
-        self.enable_shrink = enable_shrink
+        self.enable_shrink = bool(enable_shrink)
+        self.use_fabric = False
         if timeout_s is None:
             timeout_s = float(os.environ.get("DEEPEP_PORTABLE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
@@ -85,8 +93,15 @@ class Buffer:
             uid=next(_uids), timeout_s=timeout_s, comm_stream=self._comm_stream,
             options=dict(num_qps_per_rank=num_qps_per_rank,
                          allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
-                         allow_mnnvl=allow_mnnvl, nvshmem=dict(nvshmem_options or {})))
+                         allow_mnnvl=allow_mnnvl, enable_shrink=self.enable_shrink,
+                         nvshmem=dict(nvshmem_options or {})))
         self._backend = backend_class(self.transport)(self._ctx)
+        if self.enable_shrink and self._backend.shrink_mask() is None:
+            # Same arguments on every rank: all raise here together.
+            self._backend.destroy()
+            self._backend = None
+            raise ValueError(f"enable_shrink=True needs the low-latency kernels (num_rdma_bytes > 0 and a transport "
+                             f"that runs them: nvlink, nvshmem); transport {self.transport!r} has none here")
 
     # ---- lifetime / static helpers ------------------------------------------------------------
     def destroy(self) -> None:
@@ -146,10 +161,34 @@ class Buffer:
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
         check.positive_int("num_ranks", num_ranks)
-        return Config(Buffer.num_sms, 4 if num_ranks > 4 else 9, 256, 6, 128)
+        return Config(Buffer.num_sms, 4 if num_ranks > 4 else (9 if num_ranks > 2 else 10), 256, 6, 128)
 
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
         return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """This rank's raw buffer (the RDMA / low-latency one with use_rdma_buffer, else the NVLink one) as
+        a 1-D `dtype` tensor from byte `offset` (no copy), or its first size.numel() elements viewed as
+        `size`. As in DeepEP it aliases memory the ops use. Unlike DeepEP's, the tensor ends at the
+        buffer's end (DeepEP's runs `offset` bytes past it)."""
+        buf = self._live().local_buffer(bool(use_rdma_buffer))
+        check.positive_int("offset", offset, minimum=0)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if offset > buf.numel() or offset % itemsize:
+            raise ValueError(f"offset {offset} must be a multiple of {itemsize} (the {dtype} size) and at most "
+                             f"the buffer's {buf.numel()} bytes")
+        count = (buf.numel() - offset) // itemsize
+        tensor = buf[offset:offset + count * itemsize].view(dtype)
+        if size is None:
+            return tensor
+        size = torch.Size(size)
+        if size.numel() > tensor.numel():
+            raise ValueError(f"size {list(size)} needs {size.numel()} elements; the buffer holds {tensor.numel()} "
+                             f"{dtype} elements from offset {offset}")
+        return tensor[:size.numel()].view(size)
 
     # ---- stream ordering ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -200,6 +239,11 @@ class Buffer:
         check.num_experts(num_experts, self.group_size)
         check.topk_width(topk_idx)
         check.expert_indices("topk_idx", topk_idx, num_experts)
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            # Nothing to overlap: one kernel on the caller's stream orders exactly as the comm stream
+            # round trip would, without its two stream waits (the call is bound by its host path).
+            per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size, None)
+            return per_rank, None, per_expert, in_rank, EventOverlap(None)
         result: list = [topk_idx]
         with self._op(previous_event, async_finish, allocate_on_comm_stream, result):
             per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size, self._comm_stream)
@@ -374,7 +418,10 @@ class Buffer:
         T, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         check.low_latency(self._ctx, T, hidden, num_experts)
         if use_logfmt:
-            raise ValueError("use_logfmt is not supported by deepep_portable")
+            logfmt_chunk(hidden)   # hidden % 512 == 0, or a ValueError naming it
+            if zero_copy:
+                raise ValueError("use_logfmt=True cannot be combined with zero_copy=True (as in DeepEP): the "
+                                 "rows are encoded on the way out")
         num_local_experts = num_experts // self.group_size
         check.tensor("x", x, torch.bfloat16, (num_local_experts, self.group_size * T, hidden), self.device)
         check.tensor("topk_idx", topk_idx, topk_idx_t, (None, None), self.device)
@@ -392,12 +439,41 @@ class Buffer:
         args = LowLatencyCombineArgs(x=x, topk_idx=topk_idx, topk_weights=topk_weights, handle=handle,
                                      zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out,
                                      combine_wait_recv_cost_stats=combine_wait_recv_cost_stats,
-                                     num_sms=Buffer.num_sms)
+                                     num_sms=Buffer.num_sms, use_logfmt=bool(use_logfmt))
         result: list = [x, topk_idx, topk_weights]
         with self._op(None, async_finish, False, result):
             combined_x, hook = backend.low_latency_combine(args)
             result.append(combined_x)
         return combined_x, result[0], hook
+
+    # ---- shrink mode (enable_shrink=True): ranks the low-latency ops leave out ------------------------
+    def _mask(self) -> torch.Tensor:
+        mask = self._live().shrink_mask()
+        if mask is None:
+            raise RuntimeError("the mask buffer needs a Buffer created with enable_shrink=True")
+        # The kernels write it on the comm stream (a peer that timed out): order the caller's stream after.
+        if self._comm_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._comm_stream)
+        return mask
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (mask=True) or unmask a rank for the low-latency ops of this Buffer: a masked rank is neither
+        sent to nor waited for, and its rows count as absent. Unmasking takes a rank back only if it made
+        the same low-latency calls as every other rank meanwhile (clean_low_latency_buffer on every rank,
+        it included, resets the calls)."""
+        check.positive_int("rank_to_mask", rank_to_mask, minimum=0)
+        if rank_to_mask >= self.group_size:
+            raise ValueError(f"rank_to_mask must be < {self.group_size}, got {rank_to_mask}")
+        self._mask()[rank_to_mask] = 1 if mask else 0
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write every rank's mask status (1 = masked) into `mask_status` (int32 [num_ranks])."""
+        check.tensor("mask_status", mask_status, torch.int32, (self.group_size,), self.device)
+        mask_status.copy_(self._mask())
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._mask().zero_()
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         handle = check.low_latency_handle(handle)

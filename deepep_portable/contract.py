@@ -160,6 +160,7 @@ class LowLatencyCombineArgs:
     out: Optional[torch.Tensor]
     combine_wait_recv_cost_stats: Optional[torch.Tensor]
     num_sms: int                          # the caller's SM budget (Buffer.num_sms)
+    use_logfmt: bool = False              # rows travel as LogFMT-10 (logfmt.py)
 
 
 def scale_shape(num_local: int, slots: int, hidden: int, use_ue8m0: bool) -> Tuple[int, int, int]:
@@ -226,6 +227,17 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None: ...
+
+    def shrink_mask(self) -> Optional[torch.Tensor]:
+        """Shrink mode (Buffer(enable_shrink=True)): int32 [R] on the device, 1 = a rank the low-latency
+        ops neither send to nor wait for, written by the kernels on the comm stream; None when this
+        backend has no shrink mode (or it is off)."""
+        return None
+
+    @abc.abstractmethod
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """uint8 [num_rdma_bytes or num_nvl_bytes] over this rank's raw buffer of that kind (no copy):
+        Buffer.get_local_buffer_tensor. Ops may overwrite it, as in DeepEP."""
 
     def destroy(self) -> None:
         pass

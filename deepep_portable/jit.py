@@ -429,13 +429,22 @@ def clear_memory_cache() -> None:
 class KernelFamily:
     name: str
     source: str                          # path under csrc/
-    kernels: Tuple[str, ...]             # extern "C" kernel names in it
+    kernels: Tuple[str, ...]             # kernel symbols in it (kernel_symbol)
     variants: Tuple[Tuple[Tuple[str, str], ...], ...]  # define sets precompile builds
     archs: Optional[Tuple[str, ...]] = None             # None: every arch asked for
     extra_flags: Tuple[str, ...] = ()
 
 
 _families: Dict[str, KernelFamily] = {}
+
+
+def kernel_symbol(qualified_name: str, params_type: str) -> str:
+    """Symbol of `__global__ void ns::...::name(ParamsType)` (ParamsType: a class at global scope), as the
+    Itanium C++ ABI mangles it: what load() looks up (common.cuh: why kernels live in namespaces)."""
+    parts = qualified_name.split("::")
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts) or not params_type.isidentifier():
+        raise ValueError(f"kernel_symbol needs ns::name and a global class, got {qualified_name!r}, {params_type!r}")
+    return "_ZN" + "".join(f"{len(p)}{p}" for p in parts) + f"E{len(params_type)}{params_type}"
 
 
 def register_family(name: str, source: str, kernels: Iterable[str], variants: Iterable[Defines],

@@ -156,6 +156,10 @@ LL_CTRL_LAST = 32                # u64 [kind (dispatch, combine)][half]: last ca
 LL_CTRL_STAGE_ARRIVE = 64        # u32: blocks of the running dispatch past its stage phase (grid barrier)
 LL_CTRL_STAGED = 72              # u64: the last dispatch call whose stage phase every block finished
 LL_MSG_HEADER = ALIGN            # head of a dispatch side message (int32 source token), before its scales
+# After the control words: the barrier words, u64 [R] (slot q: how many device barriers rank q has entered,
+# written by q; my own slot is my count). Never cleaned: clean_low_latency_buffer's barriers use them.
+LL_BARRIER_OFFSET = LL_CONTROL_BYTES
+LL_FP8_BLOCK = 128               # channels per scale (FP8) and per LogFMT amax/amin pair
 
 
 @dataclass(frozen=True)
@@ -206,11 +210,20 @@ class LowLatencyLayout:
 
     @property
     def combine_send_bytes(self) -> int:
-        return self.num_experts * self.num_max_tokens * self.hidden * 2
+        """The zero-copy view [E_local][R*T][H] bf16 from its start; room for [E_local][R*T] LogFMT rows
+        (logfmt_row_bytes apart: a row staged for a network put)."""
+        return self.num_experts * self.num_max_tokens * self.logfmt_row_bytes
+
+    @property
+    def logfmt_row_bytes(self) -> int:
+        """A combine receive row with use_logfmt: the amax/amin meta (bf16 pair per 128 channels), then
+        at most the bf16 row (chunks that are not cast stay bf16)."""
+        return align_up(self.hidden // LL_FP8_BLOCK * 4 + self.hidden * 2, 16)   # exact when hidden % 512 == 0
 
     @property
     def combine_recv_bytes(self) -> int:
-        return self.num_experts * self.num_max_tokens * self.hidden * 2
+        """[E][T] rows of 2H bytes (bf16), or of logfmt_row_bytes with use_logfmt (the larger)."""
+        return self.num_experts * self.num_max_tokens * self.logfmt_row_bytes
 
     @property
     def signal_bytes(self) -> int:
@@ -228,8 +241,13 @@ class LowLatencyLayout:
         return self.signal_bytes + self.data_half_bytes
 
     # byte offsets (half 0; add `signal_half_stride` / `data_half_stride` for half 1)
+    @property
+    def control_bytes(self) -> int:
+        """Control words, then the barrier words u64 [R]."""
+        return LL_CONTROL_BYTES + align_up(8 * self.num_ranks, 128)
+
     def dispatch_signal_offset(self, half: int = 0) -> int:
-        return LL_CONTROL_BYTES + half * self.signal_bytes
+        return self.control_bytes + half * self.signal_bytes
 
     def combine_signal_offset(self, half: int = 0) -> int:
         return self.dispatch_signal_offset(half) + self.num_experts * 8
@@ -248,7 +266,7 @@ class LowLatencyLayout:
 
     @property
     def data_offset(self) -> int:
-        return align_up(LL_CONTROL_BYTES + 2 * self.signal_bytes, 4096)
+        return align_up(self.control_bytes + 2 * self.signal_bytes, 4096)
 
     def dispatch_recv_offset(self, half: int = 0) -> int:
         return self.data_offset + half * self.data_half_bytes

@@ -40,7 +40,7 @@ def _steps(side: torch.cuda.Stream):
 
     dev = torch.device("cuda", torch.cuda.current_device())
     keep = []
-    copy = jit.load(kernels.COPY_SOURCE, "copy_int4", {}, dev.index)
+    copy = jit.load(kernels.COPY_SOURCE, kernels.COPY_INT4, {}, dev.index)
     params = kernels.CopyParams(0, 0, 0)   # zero words: the kernel does nothing
     template = intranode.DispatchParams()
     handle = int(side.cuda_stream)

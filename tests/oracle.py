@@ -296,9 +296,10 @@ def low_latency_row_map(layout_range: torch.Tensor, expected_layout_range: torch
 
 def low_latency_combine(rank: int, num_experts: int, num_max_dispatch_tokens_per_rank: int,
                         combine_x_all: Sequence[torch.Tensor], topk_idx_all: Sequence[torch.Tensor],
-                        topk_weights: torch.Tensor) -> torch.Tensor:
+                        topk_weights: torch.Tensor, decode=None) -> torch.Tensor:
     """Low-latency combine as seen by `rank`: combine_x_all[j] is rank j's [E_local, R*T, H] expert
-    output (only the slots filled by the matching dispatch are read); topk_weights are this rank's."""
+    output (only the slots filled by the matching dispatch are read); topk_weights are this rank's.
+    `decode`: bf16 rows -> the float32 values the receiver reads (use_logfmt: deepep_portable.logfmt.roundtrip)."""
     num_ranks = len(combine_x_all)
     local = num_experts // num_ranks
     topk_idx = topk_idx_all[rank]
@@ -315,11 +316,13 @@ def low_latency_combine(rank: int, num_experts: int, num_max_dispatch_tokens_per
     for k in range(num_topk):
         expert = topk_idx[:, k]
         valid = expert >= 0
-        rows = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16, device=device)
+        rows = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16 if decode is None else torch.float32,
+                           device=device)
         for j in range(num_ranks):
             sel = (valid & (expert // local == j)).nonzero().flatten()
             e = expert[sel] % local
-            rows[sel] = combine_x_all[j][e, slot_of[sel, expert[sel]]]
+            got = combine_x_all[j][e, slot_of[sel, expert[sel]]]
+            rows[sel] = got if decode is None else decode(got)
         term = rows.to(torch.float32) * topk_weights[:, k:k + 1]
         acc = acc + torch.where(valid[:, None], term, torch.zeros_like(term))
     return acc.to(torch.bfloat16)

@@ -16,7 +16,7 @@ def run(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("mode,ops", [("normal", ("dispatch", "combine")),
+@pytest.mark.parametrize("mode,ops", [("normal", ("layout", "dispatch", "combine")),
                                       ("low_latency", ("ll_dispatch", "ll_combine"))])
 def test_bench_runs_checks_and_prints_the_ceiling(mode, ops):
     r = run("bench", "--mode", mode, "--ranks", "2", "--tokens", "8", "16", "--hidden", "256",

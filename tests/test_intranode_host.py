@@ -19,9 +19,9 @@ except Exception:   # pragma: no cover - CI installs a compiler
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc")
 @pytest.mark.parametrize("source,kernel,struct,defines", [
-    (intranode.DISPATCH_SOURCE, "intranode_dispatch_pull", intranode.DispatchParams,
+    (intranode.DISPATCH_SOURCE, intranode.DISPATCH_KERNELS[1], intranode.DispatchParams,
      dict(NUM_RANKS=3, HIDDEN_BYTES=256, NUM_TOPK=5, NUM_SCALES=2)),
-    (intranode.COMBINE_SOURCE, "intranode_combine_pull", intranode.CombineParams,
+    (intranode.COMBINE_SOURCE, intranode.COMBINE_KERNELS[1], intranode.CombineParams,
      dict(NUM_RANKS=3, HIDDEN=128, NUM_TOPK=0)),
 ])
 def test_param_struct_matches_kernel(tmp_path, source, kernel, struct, defines):
@@ -89,7 +89,7 @@ def test_dispatch_plan_fills_the_layout_fields_once():
     kernels, t = intranode.IntranodeEngine._dispatch_plan(stub, hidden, 1, scales, topk, 256, 4)
     lay = L.NormalLayout(ranks, hidden, 1, scales, topk)
     cap = lay.max_tokens_per_rank(1 << 30)
-    assert kernels == ("intranode_dispatch_stage", "intranode_dispatch_pull")
+    assert kernels == intranode.DISPATCH_KERNELS
     assert dict(stub.kernels[0][2]) == dict(NUM_RANKS=ranks, HIDDEN_BYTES=hidden, NUM_TOPK=topk, NUM_SCALES=scales)
     assert (t.send_list_offset, t.send_area_offset) == (lay.send_list_offset(), lay.send_area_offset(cap))
     assert (t.slot_bytes, t.capacity) == (lay.dispatch_slot, cap)
@@ -107,7 +107,7 @@ def test_combine_plan_fills_the_layout_fields_once():
     stub = _PlanStub(4, 1 << 28)
     kernels, t = intranode.IntranodeEngine._combine_plan(stub, 4096, 8)
     lay = L.NormalLayout(4, 4096, 2, 0, 8)
-    assert kernels == ("intranode_combine_stage", "intranode_combine_pull")
+    assert kernels == intranode.COMBINE_KERNELS
     assert t.send_area_offset == lay.send_area_offset(lay.max_tokens_per_rank(1 << 28))
     assert (t.slot_bytes, t.weights_offset, t.rank) == (lay.combine_slot, 4096 * 2, 3)
     p = intranode.CombineParams.from_buffer_copy(t)

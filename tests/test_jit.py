@@ -62,7 +62,7 @@ def test_driver_status_names_missing_library(tmp_path):
 def test_compile_layout_cubin_and_cache(cache, arch, defines):
     first = jit.compile_cached("common/kernels/layout.cu", defines, arch, cache=cache)
     assert first.image[:4] == ELF_MAGIC
-    assert b"dispatch_layout" in first.image
+    assert b"routing_layout" in first.image
     assert os.path.isfile(first.path) and os.path.dirname(first.path) == cache
     second = jit.compile_cached("common/kernels/layout.cu", defines, arch, cache=cache)
     assert second.cache_hit and second.image == first.image and second.path == first.path
@@ -155,11 +155,19 @@ def test_param_structs_match_ptx(tmp_path):
     from deepep_portable.tools import kernels
 
     layout = _ptx_param_sizes(tmp_path, dispatch_layout.LAYOUT_SOURCE, LAYOUT_VARIANTS[1])
-    assert layout["dispatch_layout"] == [ctypes.sizeof(dispatch_layout.LayoutParams)]
+    assert layout == {dispatch_layout.LAYOUT_KERNEL: [ctypes.sizeof(dispatch_layout.LayoutParams)]}
     copy = _ptx_param_sizes(tmp_path, kernels.COPY_SOURCE, {})
-    assert copy == {"copy_int4": [ctypes.sizeof(kernels.CopyParams)],
-                    "copy_segments": [ctypes.sizeof(kernels.CopySegmentsParams)],
-                    "start_line": [ctypes.sizeof(kernels.StartLineParams)]}
+    assert copy == {kernels.COPY_INT4: [ctypes.sizeof(kernels.CopyParams)],
+                    kernels.COPY_SEGMENTS: [ctypes.sizeof(kernels.CopySegmentsParams)],
+                    kernels.START_LINE: [ctypes.sizeof(kernels.StartLineParams)]}
+
+
+def test_kernel_symbol_mangling():
+    """Itanium mangling of ns::...::name(GlobalClass) (nvcc's output is checked in the PTX tests)."""
+    assert jit.kernel_symbol("deepep_portable::low_latency::dispatch", "LLDispatchParams") == \
+        "_ZN15deepep_portable11low_latency8dispatchE16LLDispatchParams"
+    with pytest.raises(ValueError):
+        jit.kernel_symbol("dispatch", "P")
 
 
 @needs_nvcc

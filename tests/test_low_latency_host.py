@@ -25,13 +25,13 @@ except Exception:   # pragma: no cover - CI installs a compiler
     NVCC = None
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="no nvcc")
-LLDispatchParams, LLCombineParams = ll.params_types(NvlinkTransportParams)
+LLDispatchParams, LLCombineParams, LLCleanParams = ll.params_types(NvlinkTransportParams)
 VMM, LEGACY = nvlink_build(shareable=True), nvlink_build(shareable=False)   # the nvlink window's two builds
-KERNELS = [(ll.DISPATCH_SOURCE, "ll_dispatch_send", LLDispatchParams),
-           (ll.DISPATCH_SOURCE, "ll_dispatch_recv", LLDispatchParams),
-           (ll.DISPATCH_SOURCE, "ll_dispatch", LLDispatchParams),
-           (ll.COMBINE_SOURCE, "ll_combine_send", LLCombineParams),
-           (ll.COMBINE_SOURCE, "ll_combine_recv", LLCombineParams)]
+# (source, kernel symbol, params mirror, defines, id): one kernel per op (phases in its params)
+KERNELS = [(ll.DISPATCH_SOURCE, ll.DISPATCH_KERNEL, LLDispatchParams, ll.kernel_defines(256, 3), "dispatch"),
+           (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, LLCombineParams, ll.kernel_defines(256, 3, False), "combine"),
+           (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, LLCombineParams, ll.kernel_defines(512, 3, True), "combine-logfmt"),
+           (ll.CLEAN_SOURCE, ll.CLEAN_KERNEL, LLCleanParams, {}, "clean")]
 
 
 def _ptx(tmp_path, source: str, arch: str, defines: dict, build=VMM) -> str:
@@ -45,9 +45,11 @@ def _ptx(tmp_path, source: str, arch: str, defines: dict, build=VMM) -> str:
 
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("source,kernel,struct", KERNELS, ids=[k[1] for k in KERNELS])
-def test_param_struct_size_matches_ptx(tmp_path, arch, source, kernel, struct):
-    text = _ptx(tmp_path, source, arch, ll.kernel_defines(256, 3))
+@pytest.mark.parametrize("source,kernel,struct,defines,name", KERNELS, ids=[k[4] for k in KERNELS])
+def test_param_struct_size_matches_ptx(tmp_path, arch, source, kernel, struct, defines, name):
+    """The kernel is there under the symbol the host looks up, and takes a struct of the mirror's size."""
+    text = _ptx(tmp_path, source, arch, defines)
+    assert re.findall(r"\.entry\s+(\w+)\(", text) == [kernel]
     sizes = re.findall(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{kernel}_param_0\[(\d+)\]", text)
     assert sizes == [str(ctypes.sizeof(struct))]
 
@@ -56,8 +58,11 @@ def test_param_struct_size_matches_ptx(tmp_path, arch, source, kernel, struct):
 @pytest.mark.parametrize("hidden,topk", [(128, 1), (7168, 8), (7680, 9), (2048, 8)])
 @pytest.mark.parametrize("source", [ll.DISPATCH_SOURCE, ll.COMBINE_SOURCE])
 def test_kernels_compile(source, hidden, topk):
+    variants = [ll.kernel_defines(hidden, topk)] if source == ll.DISPATCH_SOURCE else \
+        [ll.kernel_defines(hidden, topk, logfmt) for logfmt in ((False, True) if hidden % 512 == 0 else (False,))]
     for arch in ("sm_90", "sm_80"):
-        assert jit.compile(source, VMM.kernel_defines(ll.kernel_defines(hidden, topk)), arch, extra_flags=VMM.flags)
+        for defines in variants:
+            assert jit.compile(source, VMM.kernel_defines(defines), arch, extra_flags=VMM.flags)
     if source == ll.DISPATCH_SOURCE:   # the other placement: legacy IPC windows pack on receive
         assert jit.compile(source, LEGACY.kernel_defines(ll.kernel_defines(hidden, topk)), "sm_90",
                            extra_flags=LEGACY.flags)
@@ -69,8 +74,8 @@ def test_dispatch_placement_follows_the_window(tmp_path):
     legacy CUDA IPC windows: none (the receive packs the rows)."""
     vmm = _ptx(tmp_path, ll.DISPATCH_SOURCE, "sm_90", ll.kernel_defines(2048, 8), VMM)
     legacy = _ptx(tmp_path, ll.DISPATCH_SOURCE, "sm_90", ll.kernel_defines(2048, 8), LEGACY)
-    assert "atom.sys.add.u64" in _kernel_body(vmm, "ll_dispatch_send")
-    assert "atom.sys.add.u64" not in _kernel_body(legacy, "ll_dispatch_send")
+    assert "atom.sys.add.u64" in _kernel_body(vmm, ll.DISPATCH_KERNEL)
+    assert "atom.sys.add.u64" not in _kernel_body(legacy, ll.DISPATCH_KERNEL)
 
 
 def _kernel_body(ptx: str, kernel: str) -> str:
@@ -83,9 +88,11 @@ def _kernel_body(ptx: str, kernel: str) -> str:
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_no_fused_multiply_add(tmp_path, arch):
     """The FP8 cast and the combine sum are bit-exact with tests/oracle.py only without contraction:
-    products and sums rounded separately (__fmul_rn / __fadd_rn / __fdiv_rn), so no fma in the PTX."""
-    for source in (ll.DISPATCH_SOURCE, ll.COMBINE_SOURCE):
-        text = _ptx(tmp_path, source, arch, ll.kernel_defines(7680, 9))
+    products and sums rounded separately (__fmul_rn / __fadd_rn / __fdiv_rn), so no fma in the PTX.
+    (The LogFMT combine, LOGFMT=1, uses fma where DeepEP's LogFMT arithmetic does: logfmt.cuh.)"""
+    for source, defines in ((ll.DISPATCH_SOURCE, ll.kernel_defines(7680, 9)),
+                            (ll.COMBINE_SOURCE, ll.kernel_defines(7680, 9, False))):
+        text = _ptx(tmp_path, source, arch, defines)
         assert "fma." not in text, f"{source} ({arch}) contains fused multiply-add"
         assert ".entry" in text
 
@@ -94,20 +101,20 @@ def test_no_fused_multiply_add(tmp_path, arch):
 def test_sender_checks_overwrite_and_counters_are_released(tmp_path):
     """The send kernels read the destination's RECVD (overwrite detection) and the counters are stored
     with a system-scope release (a peer reads RECVD across the fabric)."""
-    for source, send, recv in ((ll.DISPATCH_SOURCE, "ll_dispatch_send", "ll_dispatch_recv"),
-                               (ll.COMBINE_SOURCE, "ll_combine_send", "ll_combine_recv")):
-        text = _ptx(tmp_path, source, "sm_90", ll.kernel_defines(2048, 8))
-        for kernel in (send, recv):
-            assert "st.release.sys.global.u64" in _kernel_body(text, kernel), kernel
-        assert "ld.volatile" in _kernel_body(text, send)
+    for source, kernel, defines in ((ll.DISPATCH_SOURCE, ll.DISPATCH_KERNEL, ll.kernel_defines(2048, 8)),
+                                    (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, ll.kernel_defines(2048, 8, False))):
+        body = _kernel_body(_ptx(tmp_path, source, "sm_90", defines), kernel)
+        assert "st.release.sys.global.u64" in body, kernel
+        assert "ld.volatile" in body
 
 
 def test_families_registered():
     from deepep_portable.tools.precompile import load_families
 
     fams = load_families()
-    assert fams["low_latency_dispatch"].kernels == ("ll_dispatch_send", "ll_dispatch_recv", "ll_dispatch")
-    assert fams["low_latency_combine"].kernels == ("ll_combine_send", "ll_combine_recv")
+    assert fams["low_latency_dispatch"].kernels == (ll.DISPATCH_KERNEL,)
+    assert fams["low_latency_combine"].kernels == (ll.COMBINE_KERNEL,)
+    assert fams["low_latency_clean"].kernels == (ll.CLEAN_KERNEL,)
 
 
 SHAPES = [(t, h, r, e) for t in (1, 128, 1000) for h in (128, 7168, 7680) for r in (1, 3, 8) for e in (8, 256)]
@@ -121,7 +128,7 @@ def test_layout_regions(tokens, hidden, ranks, experts):
     # a message holds the header and the larger of the BF16 row and FP8 row + float32 scales
     assert lay.message_bytes >= L.LL_MSG_HEADER + max(2 * hidden, hidden + hidden // 128 * 4)
     assert lay.message_bytes % 16 == 0 and (L.LL_MSG_HEADER + hidden) % 16 == 0
-    regions = [("control", 0, L.LL_CONTROL_BYTES)]
+    regions = [("control", 0, L.LL_CONTROL_BYTES), ("barrier words", L.LL_BARRIER_OFFSET, 8 * ranks)]
     for half in (0, 1):
         regions.append((f"dispatch signals {half}", lay.dispatch_signal_offset(half), 8 * experts))
         regions.append((f"combine signals {half}", lay.combine_signal_offset(half), 8 * experts))
@@ -163,8 +170,12 @@ def test_layout_regions(tokens, hidden, ranks, experts):
     assert experts * tokens * lay.message_bytes <= \
         lay.dispatch_side_offset(0) + lay.dispatch_side_bytes - lay.dispatch_recv_offset(0)
     # the zero-copy view [E_local, R*T, H] bf16 and the combine rows [E, T, H] bf16
-    assert lay.num_local_experts * ranks * tokens * hidden * 2 == lay.combine_send_bytes
-    assert experts * tokens * hidden * 2 == lay.combine_recv_bytes
+    # (LogFMT rows, staged or received, are logfmt_row_bytes apart: meta + at most the bf16 row)
+    assert lay.num_local_experts * ranks * tokens * lay.logfmt_row_bytes == lay.combine_send_bytes
+    assert experts * tokens * lay.logfmt_row_bytes == lay.combine_recv_bytes
+    assert lay.logfmt_row_bytes % 16 == 0 and lay.logfmt_row_bytes >= hidden // 128 * 4 + 2 * hidden
+    if hidden % 512 == 0:   # LogFMT's shapes: the kernels' Format::kRowBytes
+        assert lay.logfmt_row_bytes == hidden // 128 * 4 + 2 * hidden
     # the control words the kernels use
     words = sorted([(L.LL_CTRL_SENT, 8), (L.LL_CTRL_RECVD, 8), (L.LL_CTRL_SEND_ARRIVE, 4),
                     (L.LL_CTRL_RECV_ARRIVE, 4), (L.LL_CTRL_ERROR, 4), (L.LL_CTRL_LAST, 8 * 2 * 2)])
@@ -279,12 +290,17 @@ class _Stream:
         self.waits += 1
 
 
-class _Fn:
+class _Kernel:
+    """Stands in for the op's kernel: logs each launch as name:phases (the phases its params ask for)."""
+
     def __init__(self, name: str, log: list) -> None:
         self.name, self.log = name, log
 
-    def launch(self, *args) -> None:
-        self.log.append(self.name)
+    def launch(self, *args) -> None:   # the hook's launch: (grid, threads, smem, stream, params bytes, ...)
+        self.record(LLDispatchParams.from_buffer_copy(args[4]))
+
+    def record(self, params) -> None:
+        self.log.append(f"{self.name}:{ {1: 'send', 2: 'recv', 3: 'both'}[params.phases] }")
 
 
 def _fake_engine(monkeypatch):
@@ -299,37 +315,33 @@ def _fake_engine(monkeypatch):
     eng._grid = lambda num_sms: 1
     stream = _Stream()
     eng._current_stream = lambda: stream
-    monkeypatch.setattr(ll, "launch", lambda fn, *a, **k: fn.launch())
+    monkeypatch.setattr(ll, "launch", lambda fn, grid, threads, params, stream: fn.record(params))
     monkeypatch.setattr(ll, "stream_handle", lambda *a, **k: 0)
     return eng
 
 
 def test_receive_hooks_run_in_call_order_once(monkeypatch):
-    """Receive kernels number themselves RECVD + 1: launching them out of call order would pair a call's
-    outputs with another call's half. The engine refuses that instead of corrupting."""
+    """Receive phases number themselves RECVD + 1: launching them out of call order would pair a call's
+    outputs with another call's half. The engine refuses that instead of corrupting. Without a hook one
+    launch runs both phases; with one, the same kernel runs the send now and the receive in the hook."""
     log: list = []
     eng = _fake_engine(monkeypatch)
     p = LLDispatchParams()
     keep = (torch.zeros(1),)
-    h1 = eng._two_phase("op", _Fn("send1", log), _Fn("recv1", log), p, True, 1, keep)
-    h2 = eng._two_phase("op", _Fn("send2", log), _Fn("recv2", log), p, True, 1, keep)
+    h1 = eng._two_phase("op", _Kernel("k1", log), p, True, 1, keep)
+    h2 = eng._two_phase("op", _Kernel("k2", log), p, True, 1, keep)
     with pytest.raises(RuntimeError, match="call order"):
         h2()
     with pytest.raises(RuntimeError, match="pending"):
-        eng._two_phase("op", _Fn("send3", log), _Fn("recv3", log), p, False, 1, keep)
+        eng._two_phase("op", _Kernel("k3", log), p, False, 1, keep)
     h1()
     with pytest.raises(RuntimeError, match="already called"):
         h1()
     h2()
-    assert eng._two_phase("op", _Fn("send3", log), _Fn("recv3", log), p, False, 1, keep) is None
-    assert log == ["send1", "send2", "recv1", "recv2", "send3", "recv3"]
+    assert eng._two_phase("op", _Kernel("k3", log), p, False, 1, keep) is None
+    assert log == ["k1:send", "k2:send", "k1:recv", "k2:recv", "k3:both"]
     assert (eng._calls, eng._recvs) == (3, 3)
-    # without a hook, a fused kernel replaces the two; with one, the two phases stay apart
-    assert eng._two_phase("op", _Fn("s", log), _Fn("r", log), p, False, 1, keep, _Fn("fused5", log)) is None
-    h6 = eng._two_phase("op", _Fn("send6", log), _Fn("recv6", log), p, True, 1, keep, _Fn("fused6", log))
-    h6()
-    assert log[6:] == ["fused5", "send6", "recv6"] and (eng._calls, eng._recvs) == (5, 5)
-    h4 = eng._two_phase("op", _Fn("send4", log), _Fn("recv4", log), p, True, 1, keep)
+    h4 = eng._two_phase("op", _Kernel("k4", log), p, True, 1, keep)
     eng._epoch += 1          # what clean_low_latency_buffer does
     eng._calls = eng._recvs = 0
     with pytest.raises(RuntimeError, match="clean_low_latency_buffer"):

@@ -98,15 +98,14 @@ def test_layout_and_benchmark_params(tmp_path):
 # ---- kernels over the transport contract, per backend -----------------------------------------------
 
 def _ll_checks(transport_struct: type, c_transport: str, op: str) -> List[str]:
-    dispatch, combine = ll.params_types(transport_struct)
+    mirrors = dict(zip(("dispatch", "combine", "clean"), ll.params_types(transport_struct)))
     common = {"transport", *ll._COMMON}
 
     def path(name: str) -> str:   # Common is nested as `c` in the C structs
         return f"c.{name}" if name in common else name
 
-    if op == "dispatch":
-        return _asserts(c_transport, transport_struct) + _asserts("LLDispatchParams", dispatch, path)
-    return _asserts(c_transport, transport_struct) + _asserts("LLCombineParams", combine, path)
+    c_struct = {"dispatch": "LLDispatchParams", "combine": "LLCombineParams", "clean": "LLCleanParams"}[op]
+    return _asserts(c_transport, transport_struct) + _asserts(c_struct, mirrors[op], path)
 
 
 def _selftest_checks(transport_struct: type, c_transport: str) -> List[str]:
@@ -123,7 +122,9 @@ def test_nvlink_backend_params(tmp_path, shareable):
     shape = ll.kernel_defines(256, 3)
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(NvlinkTransportParams, c_struct, "dispatch") + [cheap], shape,
              build)
-    _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(NvlinkTransportParams, c_struct, "combine"), shape, build)
+    _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(NvlinkTransportParams, c_struct, "combine"),
+             ll.kernel_defines(512, 3, True), build)
+    _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(NvlinkTransportParams, c_struct, "clean"), {}, build)
     _compile(tmp_path, transport_selftest.SOURCE, _selftest_checks(NvlinkTransportParams, c_struct), {}, build)
 
 
@@ -139,7 +140,9 @@ def test_nvshmem_backend_params(tmp_path):
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(NvshmemTransportParams, c_struct, "dispatch") + [cheap],
              ll.kernel_defines(256, 3), NVSHMEM_BUILD, nvshmem=True)
     _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(NvshmemTransportParams, c_struct, "combine"),
-             ll.kernel_defines(256, 3), NVSHMEM_BUILD, nvshmem=True)
+             ll.kernel_defines(256, 3, False), NVSHMEM_BUILD, nvshmem=True)
+    _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(NvshmemTransportParams, c_struct, "clean"), {},
+             NVSHMEM_BUILD, nvshmem=True)
     _compile(tmp_path, transport_selftest.SOURCE, _selftest_checks(NvshmemTransportParams, c_struct), {},
              NVSHMEM_BUILD, nvshmem=True)
 
@@ -189,7 +192,7 @@ def test_error_table_is_read_from_the_device_header():
     codes, ops = errors.table()
     assert codes == {"none": 0, "timeout": 1, "capacity": 2, "overrun": 3, "overwrite": 4}
     assert ops == {1: "dispatch", 2: "combine", 3: "low_latency_dispatch", 4: "low_latency_combine",
-                   5: "transport_selftest"}
+                   5: "transport_selftest", 6: "low_latency_clean"}
     # the decoder names the op and the peer from any record
     timeout = errors.from_record((1, 3, 2, 5, 7, 0), 3.0)
     assert isinstance(timeout, errors.CommTimeoutError) and timeout.op == "low_latency_dispatch"

@@ -309,11 +309,17 @@ def test_environment():
         nr.nvshmem_environment({"ib_gid": 3})
 
 
-@pytest.mark.parametrize("source,kernels", [
-    ("common/kernels/low_latency/dispatch.cu", ("ll_dispatch_send", "ll_dispatch_recv", "ll_dispatch")),
-    ("common/kernels/low_latency/combine.cu", ("ll_combine_send", "ll_combine_recv")),
+@pytest.mark.parametrize("source,kernels,logfmt", [
+    ("common/kernels/low_latency/dispatch.cu", ("_ZN15deepep_portable11low_latency8dispatchE16LLDispatchParams",),
+     None),
+    ("common/kernels/low_latency/combine.cu", ("_ZN15deepep_portable11low_latency7combineE15LLCombineParams",),
+     False),
+    ("common/kernels/low_latency/combine.cu", ("_ZN15deepep_portable11low_latency7combineE15LLCombineParams",),
+     True),
+    ("common/kernels/low_latency/clean.cu", ("_ZN15deepep_portable11low_latency12clean_bufferE13LLCleanParams",),
+     None),
 ])
-def test_low_latency_kernels_link_for_the_nvshmem_transport(source, kernels, cache):
+def test_low_latency_kernels_link_for_the_nvshmem_transport(source, kernels, logfmt, cache):
     """The LL kernels, built against the NVSHMEM backend (what transport="nvshmem" loads), device-link
     with nothing of NVSHMEM left unresolved."""
     _nvcc_or_skip()
@@ -322,7 +328,8 @@ def test_low_latency_kernels_link_for_the_nvshmem_transport(source, kernels, cac
 
     from deepep_portable.transports.nvshmem.window import NVSHMEM_BUILD as build
 
-    res = jit_link.compile_linked_cached(source, build.kernel_defines(ll.kernel_defines(7168, 8)), "sm_90", cache=cache,
+    defines = {} if source == ll.CLEAN_SOURCE else ll.kernel_defines(7168, 8, logfmt)
+    res = jit_link.compile_linked_cached(source, build.kernel_defines(defines), "sm_90", cache=cache,
                                          extra_flags=build.flags)
     e_type, _, _, syms = _elf_symbols(res.image)
     assert e_type == ET_EXEC

@@ -10,12 +10,18 @@ from typing import Optional, Tuple
 import torch
 
 from .. import jit
-from ..device import device_index, sm_count
-from .launch import StreamLike, stream_handle, zero_async
+from ..device import device_index
+from .launch import StreamLike, stream_handle
 
 LAYOUT_SOURCE = "common/kernels/layout.cu"
-LAYOUT_KERNEL = "dispatch_layout"
-LAYOUT_THREADS = 256  # kThreads in layout.cu
+LAYOUT_KERNEL = jit.kernel_symbol("deepep_portable::layout::routing_layout", "LayoutParams")
+LAYOUT_THREADS = 1024          # kThreads in layout.cu
+LAYOUT_EXPERTS_PER_BLOCK = 64  # kExpertsPerBlock in layout.cu
+
+
+def layout_grid(num_ranks: int, num_experts: int) -> int:
+    """kGridBlocks of layout.cu: a block per 64 experts and one per 32 ranks."""
+    return -(-num_experts // LAYOUT_EXPERTS_PER_BLOCK) + -(-num_ranks // 32)
 
 
 class LayoutParams(ctypes.Structure):
@@ -44,16 +50,20 @@ def _check_layout_args(topk_idx: torch.Tensor, num_experts: int, num_ranks: int)
         raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of num_ranks ({num_ranks})")
 
 
+_functions: dict = {}   # (num_topk, num_ranks, num_experts, device, forced arch) -> (kernel, grid)
+
+
 def _launch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, dev: int, stream: int,
                    per_rank_ptr: int, per_expert_ptr: int, in_rank_ptr: int) -> None:
-    """The kernel alone (counters must already be zeroed on `stream`); nothing for 0 tokens."""
+    """The kernel (it writes every output element, counts included, for any token count, 0 too)."""
     num_tokens, num_topk = topk_idx.shape
-    if num_tokens == 0:
-        return
-    fn = jit.load(LAYOUT_SOURCE, LAYOUT_KERNEL, layout_defines(num_topk, num_ranks, num_experts), device=dev)
+    key = (num_topk, num_ranks, num_experts, dev, jit.forced_arch())
+    plan = _functions.get(key)
+    if plan is None:
+        fn = jit.load(LAYOUT_SOURCE, LAYOUT_KERNEL, layout_defines(num_topk, num_ranks, num_experts), device=dev)
+        plan = _functions[key] = (fn, layout_grid(num_ranks, num_experts))
     params = LayoutParams(topk_idx.data_ptr(), per_rank_ptr, per_expert_ptr, in_rank_ptr, num_tokens)
-    blocks = min((num_tokens + LAYOUT_THREADS - 1) // LAYOUT_THREADS, 2 * sm_count(dev))
-    fn.launch(blocks, LAYOUT_THREADS, 0, stream, bytes(params))
+    plan[0].launch(plan[1], LAYOUT_THREADS, 0, stream, bytes(params))
 
 
 def dispatch_layout_cuda_into(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, stream: StreamLike,
@@ -62,8 +72,8 @@ def dispatch_layout_cuda_into(topk_idx: torch.Tensor, num_experts: int, num_rank
     """Write the layout of `topk_idx` into the given outputs (any prior contents) on `stream`.
 
     Outputs: num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
-    is_token_in_rank [N, R] bool, all contiguous on topk_idx's device. Enqueues two memsets and
-    (for N > 0) one kernel on `stream`; topk_idx must stay alive until they run.
+    is_token_in_rank [N, R] bool, all contiguous on topk_idx's device. Enqueues one kernel on
+    `stream`; topk_idx must stay alive until it runs.
     """
     _check_layout_args(topk_idx, num_experts, num_ranks)
     num_tokens = topk_idx.size(0)
@@ -77,8 +87,6 @@ def dispatch_layout_cuda_into(topk_idx: torch.Tensor, num_experts: int, num_rank
         raise ValueError("topk_idx must be contiguous")
     dev = device_index(topk_idx)
     h = stream_handle(stream, dev)
-    zero_async(num_tokens_per_rank, h)
-    zero_async(num_tokens_per_expert, h)
     _launch_layout(topk_idx, num_experts, num_ranks, dev, h, num_tokens_per_rank.data_ptr(),
                    num_tokens_per_expert.data_ptr(), is_token_in_rank.data_ptr())
 
@@ -87,10 +95,10 @@ def dispatch_layout_cuda(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
                          stream: StreamLike = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool).
 
-    Outputs are allocated on the current stream, the work (one memset, one kernel) runs on
-    `stream` (current if None). Rank r holds experts [r*E/R, (r+1)*E/R); entries of -1 select
-    nothing; a token counts once per rank however many of its experts live there. The two count
-    tensors are views of one int32 allocation [R + E] (one memset instead of two).
+    Outputs are allocated on the current stream, the work (one kernel) runs on `stream` (current if
+    None). Rank r holds experts [r*E/R, (r+1)*E/R); entries of -1 select nothing; a token counts once
+    per rank however many of its experts live there. The three outputs are views of one allocation
+    (the counts first, then the bool rows): an eager call is bound by its host path.
     """
     _check_layout_args(topk_idx, num_experts, num_ranks)
     dev = device_index(topk_idx)
@@ -100,11 +108,11 @@ def dispatch_layout_cuda(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
         if stream is not None and h != torch.cuda.current_stream(dev).cuda_stream:
             topk_idx.record_stream(stream if isinstance(stream, torch.cuda.Stream)
                                    else torch.cuda.ExternalStream(h, device=topk_idx.device))
-    counts = torch.empty(num_ranks + num_experts, dtype=torch.int32, device=topk_idx.device)
-    in_rank = torch.empty(topk_idx.size(0), num_ranks, dtype=torch.bool, device=topk_idx.device)
-    zero_async(counts, h)
-    ptr = counts.data_ptr()
-    _launch_layout(topk_idx, num_experts, num_ranks, dev, h, ptr, ptr + 4 * num_ranks, in_rank.data_ptr())
+    num_tokens, head = topk_idx.size(0), 4 * (num_ranks + num_experts)
+    raw = torch.empty(head + num_tokens * num_ranks, dtype=torch.uint8, device=topk_idx.device)
+    counts, in_rank = raw[:head].view(torch.int32), raw[head:].view(torch.bool).view(num_tokens, num_ranks)
+    ptr = raw.data_ptr()
+    _launch_layout(topk_idx, num_experts, num_ranks, dev, h, ptr, ptr + 4 * num_ranks, ptr + head)
     return counts[:num_ranks], counts[num_ranks:], in_rank
 
 

@@ -27,6 +27,11 @@ from .launch import launch, params_struct, ptr, stream_handle
 DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
 THREADS = 512   # __launch_bounds__ of the intranode kernels
+# (stage, pull) kernels of each op; only the pull, which moves the op's data, carries the op's name.
+DISPATCH_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_tokens", "DispatchParams"),
+                    jit.kernel_symbol("deepep_portable::intranode::dispatch", "DispatchParams"))
+COMBINE_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_expert_rows", "CombineParams"),
+                   jit.kernel_symbol("deepep_portable::intranode::combine", "CombineParams"))
 MAX_SPARES = 4   # (kind, tokens) shapes whose next dispatch finds its small outputs ready
 
 
@@ -37,7 +42,8 @@ DispatchParams = params_struct("DispatchParams", [
     "send_list_offset", "send_area_offset", "slot_bytes", "capacity", "scales_offset", "topk_idx_offset",
     "topk_weights_offset", "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "send_pos",
     "num_tokens_per_rank",
-    "num_tokens_per_expert", "num_tokens", "num_scales", "num_experts", "recv_x", "recv_scales",
+    "num_tokens_per_expert", "num_tokens", "num_scales", "scale_token_stride", "scale_hidden_stride", "num_experts",
+    "recv_x", "recv_scales",
     "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "rank_prefix_matrix", "send_rows",
     "num_recv_out", "expert_counts_out", "host_out", "max_recv_rows", "expert_alignment",
     "error_claim", "error_host", "timeout_ns"])
@@ -129,7 +135,7 @@ class IntranodeEngine(Engine):
         p.num_scales, p.num_experts, p.expert_alignment = num_scales, num_experts, expert_alignment
         defines = dict(NUM_RANKS=self.num_ranks, HIDDEN_BYTES=hidden * elem_bytes, NUM_TOPK=topk,
                        NUM_SCALES=num_scales)
-        kernels = tuple(self._kernel(DISPATCH_SOURCE, f"intranode_dispatch_{k}", defines) for k in ("stage", "pull"))
+        kernels = tuple(self._kernel(DISPATCH_SOURCE, k, defines) for k in DISPATCH_KERNELS)
         return kernels, p
 
     def _combine_plan(self, hidden: int, topk: int):
@@ -139,7 +145,7 @@ class IntranodeEngine(Engine):
         p.send_area_offset, p.slot_bytes = lay.send_area_offset(self._capacity(lay)), lay.combine_slot
         p.weights_offset = lay.combine_weights_offset
         defines = dict(NUM_RANKS=self.num_ranks, HIDDEN=hidden, NUM_TOPK=topk)
-        kernels = tuple(self._kernel(COMBINE_SOURCE, f"intranode_combine_{k}", defines) for k in ("stage", "pull"))
+        kernels = tuple(self._kernel(COMBINE_SOURCE, k, defines) for k in COMBINE_KERNELS)
         return kernels, p
 
     # ---- small outputs ------------------------------------------------------------------------------
@@ -219,6 +225,8 @@ class IntranodeEngine(Engine):
 
         p = DispatchParams.from_buffer_copy(template)
         p.x, p.x_scales = x.data_ptr(), ptr(x_scales)
+        if x_scales is not None:   # any strides (column-major scales are read in place)
+            p.scale_token_stride, p.scale_hidden_stride = x_scales.stride()
         p.topk_idx = 0 if cached else ptr(fresh.topk_idx)
         p.topk_weights = 0 if cached else ptr(fresh.topk_weights)
         p.is_token_in_rank = 0 if cached else fresh.is_token_in_rank.data_ptr()
@@ -323,11 +331,11 @@ class IntranodeEngine(Engine):
 
 # What `python -m deepep_portable precompile` and CI compile of these kernels.
 jit.register_family(
-    "intranode_dispatch", DISPATCH_SOURCE, ["intranode_dispatch_stage", "intranode_dispatch_pull"],
+    "intranode_dispatch", DISPATCH_SOURCE, list(DISPATCH_KERNELS),
     variants=[dict(NUM_RANKS=8, HIDDEN_BYTES=7168, NUM_TOPK=8, NUM_SCALES=56),      # FP8 headline
               dict(NUM_RANKS=8, HIDDEN_BYTES=7168 * 2, NUM_TOPK=8, NUM_SCALES=0),   # BF16 headline
               dict(NUM_RANKS=4, HIDDEN_BYTES=4096 * 2, NUM_TOPK=0, NUM_SCALES=0)])  # cached dispatch
 jit.register_family(
-    "intranode_combine", COMBINE_SOURCE, ["intranode_combine_stage", "intranode_combine_pull"],
+    "intranode_combine", COMBINE_SOURCE, list(COMBINE_KERNELS),
     variants=[dict(NUM_RANKS=8, HIDDEN=7168, NUM_TOPK=8),
               dict(NUM_RANKS=4, HIDDEN=4096, NUM_TOPK=0)])

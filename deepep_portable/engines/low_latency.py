@@ -9,13 +9,18 @@ csrc/common/kernels/selected_transport.cuh) and fills the struct the kernels tak
 IPC / shareable VMM memory) and NVSHMEM's symmetric heap (kernels device-linked) look alike here.
 
 Every LL op is one *call*: a SEND phase, then a RECEIVE phase, both on `ctx.comm_stream` (Buffer
-orders that stream against the caller's): two kernels, or for a dispatch without a hook one kernel
-running both (`ll_dispatch`). The call counter that picks the buffer half and the
-signal values lives in device memory, so CUDA-graph replays keep counting. With
-`return_recv_hook=True` the op launches only the send kernel and returns `hook`; calling it later
-does `comm_stream.wait_stream(current)`, launches the receive kernel on the comm stream, then
-`current.wait_stream(comm_stream)` (current = the torch stream current when the hook is called).
-No kernel runs between the two phases.
+orders that stream against the caller's), run by one kernel per op (`deepep_portable::low_latency::
+dispatch` / `::combine`, the names a profiler shows): without a hook one launch runs both phases. The
+call counter that picks the buffer half and the signal values lives in device memory, so CUDA-graph
+replays keep counting. With `return_recv_hook=True` the op launches the send phase only and returns
+`hook`; calling it later does `comm_stream.wait_stream(current)`, launches the same kernel for the
+receive phase on the comm stream, then `current.wait_stream(comm_stream)` (current = the torch
+stream current when the hook is called). No kernel runs between the two phases.
+
+Shrink mode (`enable_shrink`, DeepEP's): `mask` (int32 [R] on the device) names the ranks the kernels
+neither send to nor wait for; a wait that times out masks its peer instead of failing
+(csrc/common/kernels/low_latency/protocol.cuh). clean_low_latency_buffer runs on the device
+(low_latency/clean.cu: barrier, zero, barrier over the live ranks), so a dead rank cannot hang it.
 
 Receive kernels take their call number from a device counter (RECVD + 1), so they must run in call
 order: hooks are called in call order, each exactly once, and an op without a hook is refused while
@@ -57,9 +62,12 @@ from .launch import launch, params_struct, ptr, stream_handle
 
 DISPATCH_SOURCE = "common/kernels/low_latency/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
-# send phase, receive phase (hook mode, in that order), and both in one launch (calls without a hook)
-DISPATCH_KERNELS = ("ll_dispatch_send", "ll_dispatch_recv", "ll_dispatch")
-COMBINE_KERNELS = ("ll_combine_send", "ll_combine_recv")
+CLEAN_SOURCE = "common/kernels/low_latency/clean.cu"
+# One kernel per op; Common.phases says what a launch runs (kPhaseSend / kPhaseRecv in protocol.cuh).
+DISPATCH_KERNEL = jit.kernel_symbol("deepep_portable::low_latency::dispatch", "LLDispatchParams")
+COMBINE_KERNEL = jit.kernel_symbol("deepep_portable::low_latency::combine", "LLCombineParams")
+CLEAN_KERNEL = jit.kernel_symbol("deepep_portable::low_latency::clean_buffer", "LLCleanParams")
+PHASE_SEND, PHASE_RECV = 1, 2
 THREADS = 512                      # kThreads in protocol.cuh
 TRACE_CALLS = 64                   # kTraceCalls in protocol.cuh
 TRACE_KERNELS = ("dispatch_stage", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")   # TraceKernel
@@ -69,26 +77,32 @@ _COMMON = ["local_base", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_s
            "ctrl_last", "dispatch_signal_offset", "combine_signal_offset", "signal_half_stride",
            "dispatch_recv_offset", "dispatch_side_offset", "combine_send_offset", "combine_recv_offset",
            "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes", "error_claim", "error_host",
-           "timeout_ns", "trace"]
-_DISPATCH = ["x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "ctrl_stage_arrive",
-             "ctrl_staged", "recv_x", "expect_half", "recv_scales", "src_info", "layout_range", "recv_count",
-             "cumulative_recv_stats", "wait_stats", "use_ue8m0"]
+           "timeout_ns", "trace", "phases", "ctrl_stage_arrive", "ctrl_staged", "mask", "barrier_offset"]
+_DISPATCH = ["x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "recv_x", "expect_half",
+             "recv_scales", "src_info", "layout_range", "recv_count", "cumulative_recv_stats", "wait_stats",
+             "use_ue8m0"]
 _COMBINE = ["x", "src_info", "layout_range", "expect_half", "topk_idx", "topk_weights", "out", "num_tokens",
             "wait_stats", "slot_table"]
+_CLEAN = ["control_bytes", "signals_begin", "signals_end"]
 
 
 @functools.lru_cache(maxsize=None)
-def params_types(transport_struct: type) -> Tuple[type, type]:
-    """(LLDispatchParams, LLCombineParams) mirrors for kernels built for the backend whose Transport
-    struct `transport_struct` mirrors (one pair of types per backend)."""
+def params_types(transport_struct: type) -> Tuple[type, type, type]:
+    """(LLDispatchParams, LLCombineParams, LLCleanParams) mirrors for kernels built for the backend whose
+    Transport struct `transport_struct` mirrors (one set of types per backend)."""
     common = [("transport", transport_struct), *_COMMON]
     return (params_struct("LLDispatchParams", [*common, *_DISPATCH]),
-            params_struct("LLCombineParams", [*common, *_COMBINE]))
+            params_struct("LLCombineParams", [*common, *_COMBINE]),
+            params_struct("LLCleanParams", [*common, *_CLEAN]))
 
 
-def kernel_defines(hidden: int, num_topk: int) -> dict:
-    """The shape a kernel is compiled for (the window's KernelBuild adds the backend's defines)."""
-    return {"HIDDEN": hidden, "NUM_TOPK": num_topk}
+def kernel_defines(hidden: int, num_topk: int, logfmt: Optional[bool] = None) -> dict:
+    """The shape a kernel is compiled for (the window's KernelBuild adds the backend's defines); the
+    combine also takes `logfmt` (LogFMT-10 rows, use_logfmt=True)."""
+    defines = {"HIDDEN": hidden, "NUM_TOPK": num_topk}
+    if logfmt is not None:
+        defines["LOGFMT"] = int(logfmt)
+    return defines
 
 
 class LowLatencyEngine(Engine):
@@ -126,6 +140,9 @@ class LowLatencyEngine(Engine):
         # (a legacy CUDA IPC window, DEEPEP_PORTABLE_LL_VMM=0) the receive packs the rows into a fresh tensor.
         self.recv_x_in_buffer = self.window.cheap_fetch_add
         self.profile = PhaseProfile(self.dev)   # DEEPEP_PORTABLE_PROFILE=1 (used by `bench`)
+        # Shrink mode: the ranks the kernels neither send to nor wait for (1 = masked); see the module docstring.
+        self.mask = (torch.zeros(self.num_ranks, dtype=torch.int32, device=ctx.device)
+                     if ctx.options.get("enable_shrink") else None)
         # With profiling, the kernels also stamp their start / end per call (see trace_report).
         self.trace = (torch.zeros(TRACE_CALLS * len(TRACE_KERNELS) * 2, dtype=torch.int64, device=ctx.device)
                       if self.profile.enabled else None)
@@ -162,6 +179,10 @@ class LowLatencyEngine(Engine):
         p.error_host = self.errors.dev
         p.timeout_ns = int(self.ctx.timeout_s * 1e9)
         p.trace = ptr(self.trace)
+        p.phases = PHASE_SEND | PHASE_RECV
+        p.ctrl_stage_arrive, p.ctrl_staged = L.LL_CTRL_STAGE_ARRIVE, L.LL_CTRL_STAGED
+        p.mask = ptr(self.mask)
+        p.barrier_offset = L.LL_BARRIER_OFFSET
 
     # ---- kernel timing trace (profiling only) ---------------------------------------------------------
     def trace_reset(self) -> None:
@@ -195,10 +216,11 @@ class LowLatencyEngine(Engine):
             spans["period"] = [(b - a) / 1e3 for a, b in zip(starts, starts[1:])]
         return {k: statistics.median(v) for k, v in spans.items()}
 
-    def _plan(self, op: str, num_max_tokens: int, hidden: int, num_experts: int, num_topk: int):
-        """(kernels, params template) of one call shape of `op` ("dispatch" / "combine"), built once (the
+    def _plan(self, op: str, num_max_tokens: int, hidden: int, num_experts: int, num_topk: int,
+              logfmt: bool = False):
+        """(kernel, params template) of one call shape of `op` ("dispatch" / "combine"), built once (the
         layout is checked then)."""
-        key = (op, num_max_tokens, hidden, num_experts, num_topk, forced_arch())
+        key = (op, num_max_tokens, hidden, num_experts, num_topk, logfmt, forced_arch())
         plan = self._plans.get(key)
         if plan is None:
             dispatch = op == "dispatch"
@@ -207,10 +229,10 @@ class LowLatencyEngine(Engine):
             self._common(template, lay)
             if dispatch:
                 template.send_stage_offset = lay.send_stage_offset
-                template.ctrl_stage_arrive, template.ctrl_staged = L.LL_CTRL_STAGE_ARRIVE, L.LL_CTRL_STAGED
-            source, names = (DISPATCH_SOURCE, DISPATCH_KERNELS) if dispatch else (COMBINE_SOURCE, COMBINE_KERNELS)
-            kernels = tuple(self.window.kernel(source, name, kernel_defines(hidden, num_topk)) for name in names)
-            plan = self._plans[key] = (kernels, template)
+                kernel = self.window.kernel(DISPATCH_SOURCE, DISPATCH_KERNEL, kernel_defines(hidden, num_topk))
+            else:
+                kernel = self.window.kernel(COMBINE_SOURCE, COMBINE_KERNEL, kernel_defines(hidden, num_topk, logfmt))
+            plan = self._plans[key] = (kernel, template)
         return plan
 
     def _grid(self, num_sms: int) -> int:
@@ -232,37 +254,34 @@ class LowLatencyEngine(Engine):
     def _current_stream(self):
         return torch.cuda.current_stream(self.ctx.device)
 
-    def _two_phase(self, op: str, send, recv, params, return_recv_hook: bool, num_sms: int,
-                   keep: tuple, fused=None) -> Optional[Callable[[], None]]:
-        """Launch the send kernel now; the receive kernel now or in the returned hook. `fused`: a
-        kernel that runs both phases in one launch, used instead of the two when there is no hook.
+    def _two_phase(self, op: str, kernel, params, return_recv_hook: bool, num_sms: int,
+                   keep: tuple) -> Optional[Callable[[], None]]:
+        """Launch `kernel` for both phases now, or for the send phase now and the receive phase in the
+        returned hook (params.phases says which).
 
-        Receive kernels number themselves RECVD + 1 on the device, so they are launched in call order
-        (see the module docstring); `keep` holds what the receive kernel reads or writes until then."""
+        Receive phases number themselves RECVD + 1 on the device, so they are launched in call order
+        (see the module docstring); `keep` holds what the receive phase reads or writes until then."""
         if not return_recv_hook and self._recvs != self._calls:
             raise RuntimeError(f"{self._calls - self._recvs} receive hook(s) of earlier low-latency calls are still "
                                f"pending: call them (in call order) before a low-latency op without "
                                f"return_recv_hook=True")
         comm = self.ctx.comm_stream
         grid = self._grid(num_sms)
-        # DEEPEP_PORTABLE_PROFILE=1: events around the send and receive phases (calls without hooks)
-        marks = None if return_recv_hook else self.profile.start(comm)
-        if fused is not None and not return_recv_hook:
-            launch(fused, grid, THREADS, params, stream_handle(comm))
+        if not return_recv_hook:
+            # DEEPEP_PORTABLE_PROFILE=1: events around the op (both phases in one launch)
+            marks = self.profile.start(comm)
+            params.phases = PHASE_SEND | PHASE_RECV
+            launch(kernel, grid, THREADS, params, stream_handle(comm))
             self._calls += 1
             self._recvs += 1
             self.profile.mark(marks, comm)
             self.profile.finish(op, ("send+recv",), marks)
             return None
-        launch(send, grid, THREADS, params, stream_handle(comm))
+        params.phases = PHASE_SEND
+        launch(kernel, grid, THREADS, params, stream_handle(comm))
         self._calls += 1
-        self.profile.mark(marks, comm)
-        if not return_recv_hook:
-            launch(recv, grid, THREADS, params, stream_handle(comm))
-            self._recvs += 1
-            self.profile.mark(marks, comm)
-            self.profile.finish(op, ("send", "recv"), marks)
-            return None
+        params.phases = PHASE_RECV
+        recv = kernel
         blob = bytes(params)   # frozen now: the hook launches exactly this call's receive
         call, epoch = self._calls, self._epoch
         state = {"keep": keep}
@@ -306,7 +325,7 @@ class LowLatencyEngine(Engine):
         num_topk = idx.size(1)
         T, E, R = args.num_max_dispatch_tokens_per_rank, args.num_experts, self.num_ranks
         num_local = E // R
-        (send, recv, fused), template = self._plan("dispatch", T, hidden, E, num_topk)
+        kernel, template = self._plan("dispatch", T, hidden, E, num_topk)
         self._check_signal_geometry(E)
         self._check_aligned("x", x)
         dev = x.device
@@ -329,8 +348,7 @@ class LowLatencyEngine(Engine):
         p.wait_stats = ptr(args.dispatch_wait_recv_cost_stats)
         keep = (recv_x, scales, recv_count, src_info, layout_range, args.cumulative_local_expert_recv_stats,
                 args.dispatch_wait_recv_cost_stats)
-        hook = self._two_phase("low_latency_dispatch", send, recv, p, args.return_recv_hook, args.num_sms, keep,
-                               fused)
+        hook = self._two_phase("low_latency_dispatch", kernel, p, args.return_recv_hook, args.num_sms, keep)
         handle = LowLatencyHandle(src_info, layout_range, T, hidden, E)
         return LowLatencyDispatchResult(recv_x, scales, recv_count, handle, hook)
 
@@ -339,7 +357,7 @@ class LowLatencyEngine(Engine):
         x, idx, w, handle = args.x, args.topk_idx, args.topk_weights, args.handle
         T, hidden, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         num_tokens, num_topk = idx.shape
-        (send, recv), template = self._plan("combine", T, hidden, E, num_topk)
+        kernel, template = self._plan("combine", T, hidden, E, num_topk, args.use_logfmt)
         out = args.out if args.out is not None else torch.empty(num_tokens, hidden, dtype=torch.bfloat16,
                                                                 device=x.device)
         if not out.is_contiguous():
@@ -362,7 +380,7 @@ class LowLatencyEngine(Engine):
             slot_table.record_stream(self.ctx.comm_stream)   # freed here, read on the comm stream later
         p.slot_table = slot_table.data_ptr()
         keep = (x, idx, w, out, handle.src_info, handle.layout_range, args.combine_wait_recv_cost_stats, slot_table)
-        hook = self._two_phase("low_latency_combine", send, recv, p, args.return_recv_hook, args.num_sms, keep)
+        hook = self._two_phase("low_latency_combine", kernel, p, args.return_recv_hook, args.num_sms, keep)
         return out, hook
 
     def next_half(self) -> int:
@@ -403,21 +421,33 @@ class LowLatencyEngine(Engine):
         return self._rows_view(lay.combine_send_offset(self.next_half()), T, hidden, E, use_fp8=False)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Collective: zero the control area (call counters) and both halves' signals on every rank."""
+        """Collective, on the device (low_latency/clean.cu): a barrier over the live ranks, zero the control
+        words and both halves' signals, a barrier. Ordered after this rank's earlier LL calls (comm
+        stream) and before the caller's later work; a timeout is reported by the next op (shrink mode:
+        the silent peer is masked instead)."""
         if self.base is None:
             return
-        from .. import _C
-
         self.check()
         lay = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        torch.cuda.synchronize(self.dev)
-        self.ctx.comm.barrier()        # nobody still signals into my buffer
-        _C.memset_d8_async(self.dev, self.base, 0, lay.data_offset, 0)
-        _C.stream_synchronize(self.dev, 0)
+        kernel = self.window.kernel(CLEAN_SOURCE, CLEAN_KERNEL, {})
+        p = self._params[2]()
+        self._common(p, lay)
+        p.control_bytes = L.LL_CONTROL_BYTES
+        p.signals_begin = lay.dispatch_signal_offset(0)
+        p.signals_end = lay.dispatch_signal_offset(0) + 2 * lay.signal_bytes
+        comm, current = self.ctx.comm_stream, self._current_stream()
+        comm.wait_stream(current)
+        launch(kernel, 1, THREADS, p, stream_handle(comm))
+        current.wait_stream(comm)
         self._calls = self._recvs = 0
         self._epoch += 1
         self._signal_experts = num_experts
-        self.ctx.comm.barrier()        # nobody signals before everyone is clean
+
+    # ---- shrink mode -------------------------------------------------------------------------------
+    def shrink_mask(self) -> Optional[torch.Tensor]:
+        """int32 [R] on the device, 1 = masked (shrink mode), or None. Written by the kernels on the comm
+        stream: order against it (Buffer does)."""
+        return self.mask
 
     def destroy(self) -> None:
         if self.base is None:
@@ -431,9 +461,12 @@ HIDDENS = (7168, 4096, 2048, 7680)
 
 
 def register_families(build) -> None:
-    """Declare the LL kernel families for a backend's KernelBuild (windows.base): every HIDDENS at top-8."""
-    for name, source, kernels in (("low_latency_dispatch", DISPATCH_SOURCE, DISPATCH_KERNELS),
-                                  ("low_latency_combine", COMBINE_SOURCE, COMBINE_KERNELS)):
-        jit.register_family(name, source, list(kernels),
-                            variants=[build.kernel_defines(kernel_defines(h, 8)) for h in HIDDENS],
-                            extra_flags=build.flags)
+    """Declare the LL kernel families for a backend's KernelBuild (windows.base): every HIDDENS at top-8
+    (the combine also with LogFMT at 7168), and the clean kernel."""
+    jit.register_family("low_latency_dispatch", DISPATCH_SOURCE, [DISPATCH_KERNEL],
+                        variants=[build.kernel_defines(kernel_defines(h, 8)) for h in HIDDENS], extra_flags=build.flags)
+    jit.register_family("low_latency_combine", COMBINE_SOURCE, [COMBINE_KERNEL],
+                        variants=[build.kernel_defines(kernel_defines(h, 8, False)) for h in HIDDENS] +
+                        [build.kernel_defines(kernel_defines(7168, 8, True))], extra_flags=build.flags)
+    jit.register_family("low_latency_clean", CLEAN_SOURCE, [CLEAN_KERNEL], variants=[build.kernel_defines({})],
+                        extra_flags=build.flags)

@@ -23,7 +23,7 @@ from ..windows.base import Window
 from .launch import params_struct
 
 SOURCE = "common/kernels/transport_selftest.cu"
-KERNEL = "transport_selftest"
+KERNEL = jit.kernel_symbol("deepep_portable::selftest::transport_selftest", "SelftestParams")
 THREADS = 512                               # kThreads in transport_selftest.cu
 OUT_MISMATCHES, OUT_GET_VALUE, OUT_WAITS, OUT_TIMED_OUT, OUT_PEER_PTR = 0, 1, 2, 3, 4   # kOut* there
 

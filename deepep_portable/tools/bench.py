@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..buffer import Buffer, topk_idx_t
 from ..config import Config
 from ..transports.reference import _fp8_cast as _reference_fp8_cast
-from .ceilings import ceiling, nccl_all_to_all
+from .ceilings import ceiling, copy_ceiling, nccl_all_to_all
 from .spawn import run_local
 from .timing import (LL_LOOP, graph_seconds, print_graph_trace, print_host_profile, print_profile, slowest,
                      start_line, timer)
@@ -140,12 +140,18 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
             print_host_profile(f"dispatch, {tokens} tokens", dispatch, device, rank == 0)
         t_combine = slowest(timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group),
                             group)
+        # The layout reads topk_idx once: its ceiling is one copy of those bytes (same timing method).
+        t_layout = slowest(timer(device, lambda: buf.get_dispatch_layout(topk_idx, experts), cfg.warmup, cfg.iters,
+                                 group), group)
+        layout_bytes = topk_idx.numel() * topk_idx.element_size()
         matrix = [[int(v) for v in t.tolist()] for t in all_per_rank]
         c_dispatch = ceiling(buf, matrix, True, row_bytes, dispatch_bytes, _blocks(buf), device, cfg, group)
         c_combine = ceiling(buf, matrix, False, hidden * 2, combine_bytes, _blocks(buf), device, cfg, group)
         print_profile(buf.backend.engine("normal"), rank, tokens)
         prec = "fp8" if cfg.fp8 else "bf16"
-        _add_rows(rows, buf, cfg, tokens, (("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
+        c_layout = copy_ceiling(layout_bytes, device, cfg, group, _blocks(buf), 1, False)
+        _add_rows(rows, buf, cfg, tokens, (("layout", t_layout, c_layout, layout_bytes, "int64"),
+                                           ("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                                            ("combine", t_combine, c_combine, combine_bytes, "bf16")))
         if cfg.baseline:
             _add_baseline_rows(rows, cfg, tokens, matrix, rank, group, device,

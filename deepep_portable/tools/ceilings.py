@@ -27,8 +27,8 @@ def _ceiling_seconds(copy: Callable[[], None], device: torch.device, cfg: argpar
     return slowest(timer(device, copy, cfg.warmup, cfg.iters, group, loop), group)
 
 
-def _copy_ceiling(num_bytes: int, device: torch.device, cfg: argparse.Namespace, group, blocks: int,
-                  loop: int = 1, graph: bool = False) -> float:
+def copy_ceiling(num_bytes: int, device: torch.device, cfg: argparse.Namespace, group, blocks: int,
+                 loop: int = 1, graph: bool = False) -> float:
     """Seconds for one plain copy of num_bytes on this device, every rank copying at once; on the
     GPU with the same block budget as the communication kernels (`graph`: replayed from a CUDA
     graph of LL_LOOP copies, like the graph-timed ops)."""
@@ -112,4 +112,4 @@ def ceiling(buf, matrix: List[List[int]], forward: bool, row_bytes: int, num_byt
     either way)."""
     if getattr(cfg, "peer_ceiling", False):
         return _pattern_ceiling(buf, matrix, forward, row_bytes, device, cfg, group, blocks, loop, graph)
-    return _copy_ceiling(num_bytes, device, cfg, group, blocks, loop, graph)
+    return copy_ceiling(num_bytes, device, cfg, group, blocks, loop, graph)

@@ -15,6 +15,9 @@ from ..windows.base import MappedWords
 from ..windows.ipc import IpcWindow
 
 COPY_SOURCE = "common/kernels/copy.cu"
+COPY_INT4 = jit.kernel_symbol("deepep_portable::bench::copy_int4", "CopyParams")
+COPY_SEGMENTS = jit.kernel_symbol("deepep_portable::bench::copy_segments", "CopySegmentsParams")
+START_LINE = jit.kernel_symbol("deepep_portable::bench::start_line", "StartLineParams")
 
 
 class CopyParams(ctypes.Structure):
@@ -27,7 +30,7 @@ def copy_with_blocks(dst: torch.Tensor, src: torch.Tensor, num_blocks: int, stre
     """dst <- src (same byte size, multiple of 16) with exactly `num_blocks` blocks of 256 threads."""
     nbytes = src.numel() * src.element_size()
     assert nbytes == dst.numel() * dst.element_size() and nbytes % 16 == 0
-    fn = jit.load(COPY_SOURCE, "copy_int4", {}, device_index(src))
+    fn = jit.load(COPY_SOURCE, COPY_INT4, {}, device_index(src))
     launch(fn, max(1, num_blocks), 256, CopyParams(src.data_ptr(), dst.data_ptr(), nbytes // 16), stream)
 
 
@@ -52,7 +55,7 @@ class SegmentCopy:
         self.dst = torch.tensor(list(dst_addresses), dtype=torch.int64, device=src.device)
         self.num_int4 = torch.tensor([n // 16 for n in nbytes], dtype=torch.int64, device=src.device)
         self.params = CopySegmentsParams(src.data_ptr(), self.dst.data_ptr(), self.num_int4.data_ptr(), len(nbytes))
-        self.fn = jit.load(COPY_SOURCE, "copy_segments", {}, device_index(src))
+        self.fn = jit.load(COPY_SOURCE, COPY_SEGMENTS, {}, device_index(src))
 
     def __call__(self, num_blocks: int, stream: StreamLike = None) -> None:
         launch(self.fn, max(1, num_blocks), 256, self.params, stream)
@@ -77,7 +80,7 @@ class StartLine:
         self.window = IpcWindow(ctx, 256, 256, "start line")
         self.flag = MappedWords(self.window.dev, 1)
         self.world, self.crossings, self.timeout_ns = ctx.num_ranks, 0, int(timeout_s * 1e9)
-        self.fn = jit.load(COPY_SOURCE, "start_line", {}, self.window.dev)
+        self.fn = jit.load(COPY_SOURCE, START_LINE, {}, self.window.dev)
 
     def cross(self, stream: StreamLike = None) -> None:
         self.crossings += 1
@@ -94,4 +97,4 @@ class StartLine:
         self.flag.free()
 
 
-jit.register_family("copy", COPY_SOURCE, ["copy_int4", "copy_segments", "start_line"], variants=[{}])
+jit.register_family("copy", COPY_SOURCE, [COPY_INT4, COPY_SEGMENTS, START_LINE], variants=[{}])

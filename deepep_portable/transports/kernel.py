@@ -87,6 +87,16 @@ class KernelTransport(Transport):
             return self.reference.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.ll_engine.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    def shrink_mask(self) -> Optional[torch.Tensor]:
+        return None if self.ll_engine is None else self.ll_engine.shrink_mask()
+
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        engine = self.ll_engine if use_rdma_buffer else self.normal_engine
+        if engine is None:   # the reference serves the low-latency ops (DEEPEP_PORTABLE_LL_KERNELS=0)
+            return self.reference.local_buffer(use_rdma_buffer)
+        nbytes = self.ctx.num_rdma_bytes if use_rdma_buffer else self.ctx.num_nvl_bytes
+        return engine.window.view(0, nbytes, self.ctx.device)
+
     # ---- tools ----------------------------------------------------------------------------------
     def engine(self, mode: str):
         return {"normal": self.normal_engine, "low_latency": self.ll_engine}[mode]

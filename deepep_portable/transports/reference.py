@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import logfmt
 from ..contract import (BufferContext, CachedDispatchArgs, Capabilities, CombineArgs, DispatchArgs, DispatchResult,
                         LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult, Transport,
                         allocate_low_latency_outputs)
@@ -118,6 +119,7 @@ class ReferenceTransport(Transport):
         # like DeepEP), and the per-half zero-copy combine send buffers, keyed by shape.
         self._ll_idx = 0
         self._ll_combine_buffers: Dict[Tuple[int, int, int], List[torch.Tensor]] = {}
+        self._local_buffers: Dict[bool, torch.Tensor] = {}   # get_local_buffer_tensor, made on first use
 
     # ---- helpers -------------------------------------------------------------------------------
     @property
@@ -412,6 +414,8 @@ class ReferenceTransport(Transport):
             if back.shape[0]:
                 hdr = _from_bytes(back[:, :8], torch.int32, (2,)).to(torch.int64)
                 values = _from_bytes(back[:, 8:], torch.bfloat16, (hidden,))
+                if args.use_logfmt:   # what a LogFMT-10 receiver decodes
+                    values = logfmt.roundtrip(values)
                 key = hdr[:, 1] * (num_tokens + 1) + hdr[:, 0]
                 key_sorted, key_order = torch.sort(key)
                 token_ids = torch.arange(num_tokens, device=device).unsqueeze(1).expand_as(topk_idx)
@@ -449,5 +453,14 @@ class ReferenceTransport(Transport):
         """Nothing to clean: the reference keeps no signals or counters between calls (every exchange
         is a self-contained collective), so a dirty buffer cannot exist. Kept callable for the API."""
 
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """The ops here move data by collectives, not through a buffer: this rank's buffer of that size
+        is plain memory, made on first request (the kernels' transports return their window)."""
+        if use_rdma_buffer not in self._local_buffers:
+            nbytes = self.ctx.num_rdma_bytes if use_rdma_buffer else self.ctx.num_nvl_bytes
+            self._local_buffers[use_rdma_buffer] = torch.zeros(nbytes, dtype=torch.uint8, device=self.ctx.device)
+        return self._local_buffers[use_rdma_buffer]
+
     def destroy(self) -> None:
         self._ll_combine_buffers.clear()
+        self._local_buffers.clear()

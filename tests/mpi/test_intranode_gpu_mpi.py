@@ -267,6 +267,7 @@ def check_dispatch(ck: GpuChecker, tag: str, out, expected: oracle.DispatchExpec
             ck.true(recv_s.dtype == es.dtype and tuple(recv_s.shape) == tuple(es.shape),
                     f"{tag} recv_x_scales is {recv_s.dtype}{list(recv_s.shape)}, expected {es.dtype}{list(es.shape)}")
             ck.bits(recv_s[:cut], es[:cut], f"{tag} recv_x_scales")
+            ck.true(recv_s.is_contiguous(), f"{tag} recv_x_scales must be row-major [rows, S], as DeepEP returns them")
         if use_topk:
             ck.bits(r_idx, expected.recv_topk_idx, f"{tag} recv_topk_idx (-1 on padding rows)")
             ck.bits(None if r_w is None else r_w[:cut], expected.recv_topk_weights[:cut], f"{tag} recv_topk_weights")
@@ -281,7 +282,8 @@ def check_dispatch(ck: GpuChecker, tag: str, out, expected: oracle.DispatchExpec
 def run_round(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, topk: int, experts: int, tokens,
               num_sms: Optional[int], fp8: bool = False, use_topk: bool = True, expert_alignment: int = 1,
               worst_extra: Optional[int] = None, num_bias: int = 0, p_none: float = 0.1, all_none: bool = True,
-              async_mode: Optional[str] = None, rnd: int = 0, tag: str = "") -> None:
+              async_mode: Optional[str] = None, column_major_scales: bool = False, rnd: int = 0,
+              tag: str = "") -> None:
     """Every collective (all-gathers for the oracle, agree) runs on every rank in the same order whatever
     fails locally; kernel calls run only while every rank is still healthy."""
     rank, num_ranks = world(pg)
@@ -346,6 +348,8 @@ def run_round(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, topk: int, e
 
     def payload():
         d = late(device, x, scales)
+        if fp8 and column_major_scales:   # what DeepGEMM consumes and DeepEP's tests pass: read in place
+            return d[0], d[1].T.contiguous().T
         return (d[0], d[1]) if fp8 else d[0]
 
     def do_dispatch():
@@ -415,6 +419,8 @@ CASES = {
                                             expert_alignment=4, num_bias=1),
     "fp8-h7168-top3-odd-sm8-worst": dict(hidden=7168, fp8=True, topk=3, experts=24, tokens="odd", num_sms=8,
                                          worst_extra=5),
+    "fp8-h7168-top8-column-major-scales": dict(hidden=7168, fp8=True, topk=8, experts=256, tokens="typical",
+                                               num_sms=8, column_major_scales=True),
     "bf16-h2048-top3-zero-rank-sm8-bias2": dict(hidden=2048, topk=3, experts=24, tokens="zero", num_sms=8, num_bias=2),
     "bf16-h4096-no-topk-odd-sm4-align4": dict(hidden=4096, topk=8, experts=256, tokens="odd", num_sms=4,
                                               use_topk=False, expert_alignment=4),

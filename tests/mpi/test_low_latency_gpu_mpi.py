@@ -43,6 +43,7 @@ import deepep_portable as deep_ep  # noqa: E402
 import oracle  # noqa: E402
 from test_intranode_gpu_mpi import GpuChecker, _short  # noqa: E402
 from test_reference_mpi import allgather, generator, make_topk, num_experts_for, world  # noqa: E402
+from deepep_portable.logfmt import roundtrip as logfmt_roundtrip  # noqa: E402
 
 pytestmark = [
     pytest.mark.mpi,
@@ -146,7 +147,7 @@ def make_x(gen, num_tokens: int, hidden: int) -> torch.Tensor:
 
 def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: int, mode: str, topk: int = TOPK,
              hook: bool = False, zero_copy: bool = False, use_out: bool = False, p_none: float = 0.1,
-             tag: str = "", late_rank: Optional[int] = None) -> None:
+             tag: str = "", late_rank: Optional[int] = None, logfmt: bool = False) -> None:
     """Every collective runs on every rank whatever fails locally; kernels run while all ranks are healthy."""
     rank, num_ranks = world(pg)
     experts = num_experts_for(EXPERTS, num_ranks)
@@ -159,7 +160,10 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
     x_all, idx_all = allgather(x, pg), allgather(idx, pg)
     exp = oracle.low_latency_dispatch(rank, experts, T, x_all, idx_all, fp8, round_scale, ue8m0)
     counts = exp.recv_count.tolist()
-    valid = torch.randn(sum(counts), hidden, generator=gen).to(torch.bfloat16)   # expert outputs, valid rows
+    valid = torch.randn(sum(counts), hidden, generator=gen)   # expert outputs, valid rows
+    if logfmt:   # rows below 1 in magnitude are cast to LogFMT, the others travel as bf16: half each
+        valid[::2] *= 0.05
+    valid = valid.to(torch.bfloat16)
     valid_all, counts_all = allgather(valid, pg), allgather(exp.recv_count, pg)
     y_all = []
     for v, c in zip(valid_all, counts_all):
@@ -169,7 +173,8 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
             full[e, :n] = v[off:off + n]
             off += n
         y_all.append(full)
-    exp_out = oracle.low_latency_combine(rank, experts, T, y_all, idx_all, w)
+    exp_out = oracle.low_latency_combine(rank, experts, T, y_all, idx_all, w,
+                                         decode=logfmt_roundtrip if logfmt else None)
 
     d_x, d_idx, d_w = x.to(device), idx.to(device), w.to(device)
     recv_stats = torch.zeros(local, dtype=torch.int32, device=device)
@@ -252,7 +257,7 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
             off += c
         out = torch.full((num_tokens, hidden), float("nan"), dtype=torch.bfloat16, device=device) if use_out else None
         combined, _, c_hook = buf.low_latency_combine(y, d_idx, d_w, handle, zero_copy=zero_copy,
-                                                      return_recv_hook=hook, out=out)
+                                                      return_recv_hook=hook, out=out, use_logfmt=logfmt)
         ck.true((c_hook is not None) == hook, f"{tag} combine hook {c_hook} with return_recv_hook={hook}")
         ck.true(out is None or combined is out, f"{tag} low_latency_combine(out=...) must return out")
         if hook and c_hook is not None:
@@ -260,9 +265,24 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
         return combined
 
     combined = ck.run(f"{tag} low_latency_combine", do_combine)
-    if combined is not None:
+    if combined is not None and not logfmt:
         ck.bits(combined, exp_out, f"{tag} low_latency_combine")
+    elif combined is not None:
+        with ck.guard(f"{tag} low_latency_combine (LogFMT)"):
+            check_logfmt_combine(ck, combined.cpu(), exp_out, tag)
     ck.agree(combined is not None)
+
+
+def check_logfmt_combine(ck: GpuChecker, got: torch.Tensor, exp: torch.Tensor, tag: str) -> None:
+    """The kernels round with the GPU's approximate log2 / exp2 (as DeepEP's), the oracle with exact ones:
+    a value on a code boundary may decode one code (a factor 2^step <= 2^(32/510)) away. So: nearly every
+    element bit-equal to the oracle, every element within that factor of its terms, and no NaN."""
+    g, e = got.float(), exp.float()
+    same = (got.view(torch.int16) == exp.view(torch.int16)).float().mean().item()
+    ck.true(same >= 0.99, f"{tag} LogFMT combine: only {same:.4f} of the elements equal the oracle's")
+    ck.true(not bool(torch.isnan(g).any()), f"{tag} LogFMT combine has NaN")
+    worst = ((g - e).abs() - (0.05 * e.abs() + 2e-2)).max().item()
+    ck.true(worst <= 0, f"{tag} LogFMT combine off the oracle by more than one code ({worst:.3g} over the bound)")
 
 
 FLAVORS = [dict(), dict(hook=True, zero_copy=True), dict(use_out=True, zero_copy=True)]   # one per round
@@ -282,6 +302,21 @@ def test_ll_dispatch_combine(pg, device, request, base_seed, mode, hidden):
         n = T if rnd == 0 else int(torch.randint(T // 2, T + 1, (1,), generator=gen))
         run_pair(_SHARED.buf, pg, gen, device, ck, hidden=hidden, num_tokens=n, mode=mode, tag=f"round {rnd}",
                  **flavor)
+    ck.done()
+
+
+@pytest.mark.parametrize("hidden", [7168, 7680])   # LogFMT chunks of 1024 and of 512 channels
+def test_ll_logfmt_combine(pg, device, request, base_seed, hidden):
+    """use_logfmt=True: DeepEP's LogFMT-10 rows (half the rows below 1 in magnitude, so cast; the others
+    bf16), without and with a hook, and into out=."""
+    rank, _ = world(pg)
+    gen = generator(request, base_seed, rank)
+    ck = GpuChecker(pg)
+    for rnd, flavor in enumerate([dict(), dict(hook=True), dict(use_out=True)]):
+        if not ck.agree(not ck.errors):
+            break
+        run_pair(_SHARED.buf, pg, gen, device, ck, hidden=hidden, num_tokens=T - rnd * 17, mode="fp8", logfmt=True,
+                 tag=f"logfmt round {rnd}", **flavor)
     ck.done()
 
 
@@ -462,6 +497,117 @@ def test_ll_two_micro_batches(pg, device, request, base_seed):
         if combined is not None:
             for mb, (h, c) in enumerate(zip(batches, combined)):
                 ck.bits(c, h["exp_out"], f"[micro-batch {mb}] combined")
+    ck.done()
+
+
+# ---- shrink mode: a rank that stops participating is masked, the others go on ----------------------------
+def _shrink_round(buf, pg, gen, device, ck: GpuChecker, dead: int, tag: str, expect_timeout: bool) -> None:
+    """One dispatch + combine on every rank but `dead` (which makes no LL call at all), checked against the
+    oracle with `dead` sending nothing and its experts' rows absent from the combine."""
+    rank, num_ranks = world(pg)
+    experts = num_experts_for(EXPERTS, num_ranks)
+    local, slots, hidden, n = experts // num_ranks, num_ranks * T, 2048, 40
+    x = make_x(gen, n, hidden)
+    idx = make_topk(n, TOPK, experts, gen, p_none=0.1)
+    w = torch.rand(n, TOPK, generator=gen)
+    silent = idx.clone().fill_(-1) if rank == dead else idx
+    x_all, idx_all = allgather(x, pg), allgather(silent, pg)
+    exp = oracle.low_latency_dispatch(rank, experts, T, x_all, idx_all)
+    valid = torch.randn(int(exp.recv_count.sum()), hidden, generator=gen).to(torch.bfloat16)
+    valid_all, counts_all = allgather(valid, pg), allgather(exp.recv_count, pg)
+    y_all = []
+    for v, c in zip(valid_all, counts_all):
+        full, off = torch.empty(local, slots, hidden, dtype=torch.bfloat16), 0
+        for e, cnt in enumerate(c.tolist()):
+            full[e, :cnt] = v[off:off + cnt]
+            off += cnt
+        y_all.append(full)
+    # what the combine sums: the live experts only (as if every choice of a dead expert were -1)
+    live_idx_all = [i.masked_fill((i >= 0) & (i // local == dead), -1) for i in idx_all]
+    exp_out = oracle.low_latency_combine(rank, experts, T, y_all, live_idx_all, w)
+    torch.cuda.synchronize()
+    dist.barrier(group=pg)
+    if rank == dead:
+        return
+    t0 = time.monotonic()
+    res = ck.run(f"{tag} dispatch",
+                 lambda: buf.low_latency_dispatch(x.to(device), idx.to(device), T, experts, use_fp8=False))
+    with ck.guard(f"{tag} synchronize after the dispatch"):
+        torch.cuda.synchronize()
+    took = time.monotonic() - t0
+    ck.true(took < TIMEOUT_S + 20 and (not expect_timeout or took >= TIMEOUT_S * 0.5),
+            f"{tag} dispatch took {took:.2f} s (timeout {TIMEOUT_S} s; a wait expected: {expect_timeout})")
+    if res is None:
+        return
+    recv, recv_count, handle = res[0], res[1], res[2]
+    status = torch.zeros(num_ranks, dtype=torch.int32, device=device)
+    ck.run(f"{tag} query mask", lambda: buf.low_latency_query_mask_buffer(status))
+    ck.true(status.cpu().nonzero().flatten().tolist() == [dead], f"{tag} mask {status.tolist()}, expected [{dead}]")
+    ck.bits(recv_count, exp.recv_count, f"{tag} recv_count (the silent rank counts 0 rows)")
+    rows = _row_map(ck, handle.layout_range, exp.layout_range, tag)
+    if rows is None:
+        return
+    h_x = recv.cpu()
+    for e in range(local):
+        ck.bits(h_x[e, :int(exp.recv_count[e])], exp.recv_x[e, rows[e]], f"{tag} recv_x[expert {e}]")
+    y = torch.empty(local, slots, hidden, dtype=torch.bfloat16, device=device)
+    d_valid, off = valid.to(device), 0
+    for e, c in enumerate(exp.recv_count.tolist()):
+        y[e, :c] = d_valid[off + rows[e].to(device)]
+        off += c
+    combined = ck.run(f"{tag} combine", lambda: buf.low_latency_combine(y, idx.to(device), w.to(device), handle)[0])
+    if combined is not None:
+        ck.bits(combined, exp_out, f"{tag} combined (the silent rank's experts absent)")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zy_ll_shrink_masks_a_silent_rank(pg, device, request, base_seed):
+    """Buffer(enable_shrink=True): the last rank stops making LL calls. The others' first dispatch waits
+    out the timeout on it, masks it and completes without its rows; then combine, clean_low_latency_buffer
+    (a device barrier that leaves the masked rank out) and another round run without waiting; the mask
+    API (update / query / clean) works; a Buffer without shrink refuses the mask API."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    experts = num_experts_for(EXPERTS, num_ranks)
+    dead = num_ranks - 1
+    ck = GpuChecker(pg)
+    with ck.guard("mask API without enable_shrink"):
+        with pytest.raises(RuntimeError, match="enable_shrink"):
+            _SHARED.buf.low_latency_clean_mask_buffer()
+
+    def make():
+        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, 2048, num_ranks, experts)
+        b = deep_ep.Buffer(pg, 0, rdma, low_latency_mode=True, num_qps_per_rank=experts // num_ranks,
+                           enable_shrink=True, transport=TRANSPORT, timeout_s=TIMEOUT_S)
+        _SHARED.graveyard.append(b)
+        return b
+
+    sbuf = ck.run("Buffer(enable_shrink=True)", make)
+    if not ck.agree(sbuf is not None):
+        ck.done()
+        return
+    run_pair(sbuf, pg, gen, device, ck, hidden=2048, num_tokens=33, mode="bf16", tag="shrink warm-up (all ranks)")
+    if ck.agree(not ck.errors):
+        _shrink_round(sbuf, pg, gen, device, ck, dead, "silent rank, first round", expect_timeout=True)
+    if ck.agree(not ck.errors) and rank != dead:
+        ck.run("clean_low_latency_buffer without the masked rank",
+               lambda: (sbuf.clean_low_latency_buffer(T, 2048, experts), torch.cuda.synchronize()))
+    if ck.agree(not ck.errors):
+        _shrink_round(sbuf, pg, gen, device, ck, dead, "silent rank, after clean", expect_timeout=False)
+    if rank != dead:
+        status = torch.zeros(num_ranks, dtype=torch.int32, device=device)
+
+        def masks():
+            sbuf.low_latency_update_mask_buffer(0 if dead else 1, True)
+            sbuf.low_latency_query_mask_buffer(status)
+            both = status.cpu().nonzero().flatten().tolist()
+            sbuf.low_latency_update_mask_buffer(0 if dead else 1, False)
+            sbuf.low_latency_clean_mask_buffer()
+            sbuf.low_latency_query_mask_buffer(status)
+            return both, status.cpu().nonzero().flatten().tolist()
+
+        got = ck.run("mask update / query / clean", masks)
+        ck.true(got is None or got == (sorted({0 if dead else 1, dead}), []), f"mask API results {got}")
     ck.done()
 
 

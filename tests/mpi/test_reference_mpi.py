@@ -150,7 +150,7 @@ def ll_mpi_buffer(mpi_comm, pg):
 
 # ---- normal mode ---------------------------------------------------------------------------------
 def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=None, use_topk=True,
-               expert_alignment=1, num_worst_extra=None, num_bias=0, p_none=0.1):
+               expert_alignment=1, num_worst_extra=None, num_bias=0, p_none=0.1, column_major_scales=False):
     """dispatch, cached dispatch and combine of random inputs; everything compared to the oracle.
 
     fp8: None (bf16), "float" or "int32" scales. num_worst_extra: None, or pad num_worst_tokens to the
@@ -168,6 +168,8 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
     weights = torch.rand(num_tokens, topk, generator=gen)
     x, idx, weights = x.to(device), idx.to(device), weights.to(device)
     scales = scales.to(device) if scales is not None else None
+    if scales is not None and column_major_scales:   # DeepGEMM's layout: any strides are accepted
+        scales = scales.T.contiguous().T
 
     ck = Checker(pg)
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
@@ -239,13 +241,14 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
     return handle
 
 
-@pytest.mark.parametrize("fp8", [None, "float"])
+@pytest.mark.parametrize("fp8", [None, "float", "float-column-major"])
 def test_dispatch_combine_big(buffer, pg, device, request, base_seed, fp8):
     rank, _ = world(pg)
     gen = generator(request, base_seed, rank)
     tokens = int(torch.randint(128, 257, (1,), generator=gen))
-    run_normal(buffer, pg, gen, device, **BIG, num_tokens=tokens, fp8=fp8,
-               expert_alignment=1 if fp8 is None else 4, num_bias=1 if fp8 else 0)
+    column_major = fp8 == "float-column-major"
+    run_normal(buffer, pg, gen, device, **BIG, num_tokens=tokens, fp8="float" if column_major else fp8,
+               expert_alignment=1 if fp8 is None else 4, num_bias=1 if fp8 else 0, column_major_scales=column_major)
 
 
 @pytest.mark.parametrize("case", ["bf16-align4", "fp8-int32-scales", "no-topk", "dense"])

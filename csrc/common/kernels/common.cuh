@@ -4,9 +4,12 @@
 //  * sources are compiled with -I<csrc>, so include shared headers as "common/kernels/...";
 //  * compile-time parameters arrive as -D macros (NUM_RANKS, NUM_TOPK, ...); a kernel turns
 //    each into a constexpr, after `#ifndef NUM_RANKS / #error ...` so a missing one is named;
-//  * each kernel is `extern "C" __global__ void name(const __grid_constant__ Params p)` with one
-//    plain struct parameter whose host mirror is a ctypes.Structure (same field order, pointers
-//    as 64-bit integers, explicit widths).
+//  * each kernel is `__global__ void name(const __grid_constant__ Params p)` in a namespace under
+//    `deepep_portable::` (so a profiler table says whose kernel it is; the host looks it up by its
+//    mangled name, jit.kernel_symbol), with one plain struct parameter declared at global scope whose
+//    host mirror is a ctypes.Structure (same field order, pointers as 64-bit integers, explicit widths).
+//    Only the kernel that does an op's data movement carries the op's name (`dispatch`, `combine`):
+//    users and DeepEP's tests find it in a profile by that word.
 #pragma once
 
 #include <cstdint>

@@ -29,9 +29,13 @@ struct CopyParams {
     int64_t num_int4;
 };
 
-extern "C" __global__ void __launch_bounds__(256) copy_int4(const __grid_constant__ CopyParams p) {
+namespace deepep_portable::bench {
+
+__global__ void __launch_bounds__(256) copy_int4(const __grid_constant__ CopyParams p) {
     copy_span(p.src, p.dst, p.num_int4);
 }
+
+}  // namespace deepep_portable::bench
 
 struct CopySegmentsParams {
     const int4* src;             // this rank's source, the segments back to back
@@ -42,7 +46,9 @@ struct CopySegmentsParams {
 
 // No block waits for another, so segments need no synchronization: a block that finishes its share
 // of one segment moves on to its share of the next.
-extern "C" __global__ void __launch_bounds__(256) copy_segments(const __grid_constant__ CopySegmentsParams p) {
+namespace deepep_portable::bench {
+
+__global__ void __launch_bounds__(256) copy_segments(const __grid_constant__ CopySegmentsParams p) {
     const int4* src = p.src;
     for (int s = 0; s < p.num_segments; ++s) {
         const int64_t n = p.num_int4[s];
@@ -50,6 +56,8 @@ extern "C" __global__ void __launch_bounds__(256) copy_segments(const __grid_con
         src += n;
     }
 }
+
+}  // namespace deepep_portable::bench
 
 // The benchmark's GPU start line: every rank's stream runs this one-thread kernel before a timed
 // sample, so the sample starts on every GPU stream at (nearly) the same moment instead of when each
@@ -64,7 +72,9 @@ struct StartLineParams {
     uint64_t timeout_ns;
 };
 
-extern "C" __global__ void start_line(const __grid_constant__ StartLineParams p) {
+namespace deepep_portable::bench {
+
+__global__ void start_line(const __grid_constant__ StartLineParams p) {
     if (threadIdx.x != 0 || blockIdx.x != 0)
         return;
     atomicAdd_system(p.counter, 1ull);
@@ -76,3 +86,5 @@ extern "C" __global__ void start_line(const __grid_constant__ StartLineParams p)
         }
     }
 }
+
+}  // namespace deepep_portable::bench

@@ -20,6 +20,7 @@ enum OpId : int {
     kOpLowLatencyDispatch = 3,  // Buffer.low_latency_dispatch
     kOpLowLatencyCombine = 4,   // Buffer.low_latency_combine
     kOpTransportSelftest = 5,   // transport_selftest.cu (the contract's conformance kernel)
+    kOpLowLatencyClean = 6,     // Buffer.clean_low_latency_buffer (low_latency/clean.cu)
 };
 
 }  // namespace deepep_portable

@@ -10,9 +10,13 @@
 //  * A timed-out wait records (op, rank, peer, channel) once per buffer and returns false; the
 //    caller skips the rest of its work instead of hanging or trapping (a trap would kill the
 //    CUDA context of every rank sharing it). The host turns the record into an exception.
+//  * Shrink mode (a sink with a mask, the LL kernels of a Buffer made with enable_shrink=True): a
+//    timed-out wait on a peer masks that peer instead (mask[peer] = 1, no error record); the caller
+//    counts the peer as absent and goes on. Masks only grow until the host clears them.
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 
 #include "common/kernels/common.cuh"
 #include "common/kernels/errors.cuh"
@@ -49,9 +53,17 @@ struct ErrorSink {
     int* host;
     int op;
     int rank;
+    int* mask = nullptr;   // shrink mode: int32 [ranks], 1 = masked (see the top of the file)
 };
 
 DEEPEP_DEVICE void report_error(const ErrorSink& sink, int code, int peer, int detail) {
+    if (code == kErrorTimeout && sink.mask != nullptr && peer >= 0 && peer != sink.rank) {
+        if (atomicExch(sink.mask + peer, 1) == 0)
+            printf("deepep_portable: rank %d masked rank %d (op %d): no answer within the timeout\n", sink.rank,
+                   peer, sink.op);
+        __threadfence_system();
+        return;
+    }
     if (atomicCAS(sink.claim, 0u, static_cast<unsigned int>(code)) != 0u)
         return;  // someone already reported: keep the first cause
     volatile int* h = sink.host;

@@ -185,7 +185,9 @@ DEEPEP_DEVICE void receive(const SelftestParams& p, const Transport& tr, int src
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kThreads) transport_selftest(const __grid_constant__ SelftestParams p) {
+namespace deepep_portable::selftest {
+
+__global__ void __launch_bounds__(kThreads) transport_selftest(const __grid_constant__ SelftestParams p) {
     const Transport tr = p.transport;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int num_ranks = static_cast<int>(p.num_ranks);
@@ -205,3 +207,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) transport_selftest(const 
             receive(p, tr, src, deadline, lane);
     }
 }
+
+}  // namespace deepep_portable::selftest

@@ -153,7 +153,7 @@ PYBIND11_MODULE(_C, m) {
         }, "The CUmodule as an int (e.g. for nvshmemx_cumodule_init). Valid while this Module lives.")
         .def("function", [](const std::shared_ptr<ModuleHandle>& mod, const std::string& name) {
             return Function(mod, name);
-        }, py::arg("name"), "Look up an extern \"C\" kernel by name.");
+        }, py::arg("name"), "Look up a kernel by its symbol (mangled name).");
 
     // ---- memory ------------------------------------------------------------------------------
     m.def("mem_alloc", &mem_alloc, py::arg("device"), py::arg("bytes"), "cuMemAlloc -> device pointer (int).");

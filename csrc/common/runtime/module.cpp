@@ -28,7 +28,7 @@ Function::Function(std::shared_ptr<ModuleHandle> module, const std::string& name
     CUresult r = driver().cuModuleGetFunction(&function_, module_->module(), name.c_str());
     if (r == CUDA_ERROR_NOT_FOUND)
         throw std::runtime_error("cuModuleGetFunction failed: kernel '" + name +
-                                 "' not found in module (is it declared extern \"C\" __global__?)");
+                                 "' not found in module (the mangled name of ns::kernel(Params)? see jit.kernel_symbol)");
     check(r, "cuModuleGetFunction");
 #if CUDA_VERSION >= 12040
     if (driver().cuFuncGetParamInfo != nullptr) {

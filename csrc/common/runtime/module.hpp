@@ -1,7 +1,7 @@
 // Loaded kernel modules and launches.
 //
 // Kernel convention: every kernel takes exactly one parameter, a plain struct passed by value
-// (`extern "C" __global__ void k(const __grid_constant__ Params p)`). The host packs that struct
+// (`__global__ void ns::k(const __grid_constant__ Params p)`, looked up by its symbol). The host packs that struct
 // (Python: ctypes.Structure) and hands its bytes to Function::launch, which passes
 // kernelParams = {bytes.data()}. When the driver can report the kernel's parameter layout
 // (cuFuncGetParamInfo, CUDA >= 12.4) a size mismatch is rejected before launching.

@@ -1,8 +1,8 @@
 // Intranode combine, pull-based (see protocol.cuh for the round protocol).
 //
-//   intranode_combine_stage: copy the rows I received in the dispatch (now expert outputs) and
+//   stage_expert_rows: copy the rows I received in the dispatch (now expert outputs) and
 //                            their top-k weights once into my send area, row i at slot i.
-//   intranode_combine_pull:  for each of my tokens, read its row from every rank it was sent to
+//   combine:                 for each of my tokens, read its row from every rank it was sent to
 //                            (row index from the dispatch handle) and sum in float32 in a fixed
 //                            order: 0, + bias_0, + bias_1, + rows of ranks 0..R-1. Plain adds (no
 //                            multiply, so no FMA contraction): bit-identical to the torch oracle.
@@ -94,7 +94,9 @@ DEEPEP_DEVICE int load_send_row(const CombineParams& p, int64_t t, int lane) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kThreads) intranode_combine_stage(const __grid_constant__ CombineParams p) {
+namespace deepep_portable::intranode {
+
+__global__ void __launch_bounds__(kThreads) stage_expert_rows(const __grid_constant__ CombineParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const uint64_t n = begin_round(bufs, p.ctrl, p.timeout_ns,
                                    ErrorSink{p.error_claim, p.error_host, kOpCombine, static_cast<int>(p.rank)});
@@ -124,7 +126,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) intranode_combine_stage(c
     }
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads) intranode_combine_pull(const __grid_constant__ CombineParams p) {
+}  // namespace deepep_portable::intranode
+
+namespace deepep_portable::intranode {
+
+__global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ CombineParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const uint64_t n = await_peers_ready(bufs, p.ctrl, p.timeout_ns,
                                          ErrorSink{p.error_claim, p.error_host, kOpCombine, static_cast<int>(p.rank)});
@@ -202,3 +208,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) intranode_combine_pull(co
     }
     end_round(bufs, p.ctrl, n);
 }
+
+}  // namespace deepep_portable::intranode

@@ -1,6 +1,6 @@
 // Intranode dispatch, pull-based (see protocol.cuh for the round protocol).
 //
-//   intranode_dispatch_stage:  copy my tokens once into my send area (payload, scales, top-k; warps
+//   stage_tokens:              copy my tokens once into my send area (payload, scales, top-k; warps
 //                              draw tokens from a counter, see draw_token),
 //                              write the per-destination send lists and my counts. The send
 //                              positions (index of token t among my tokens for rank r) are scanned
@@ -8,7 +8,7 @@
 //                              With host_out, block 0 first publishes my counts, waits for every
 //                              peer's, and reports my receive count to the host, so the host
 //                              allocates the outputs and launches the pull while the copy runs.
-//   intranode_dispatch_pull:   wait for every peer's READY, derive the receive layout from the
+//   dispatch:                  wait for every peer's READY, derive the receive layout from the
 //                              peers' counts (rows ordered by source rank, then source token),
 //                              and copy my rows straight from the peers' send areas into recv_x;
 //                              it also writes the handle's send_rows (where each of my tokens lands).
@@ -69,7 +69,7 @@ struct DispatchParams {
     int64_t topk_weights_offset;
     // stage inputs
     const int4* x;                  // [num_tokens, HIDDEN_BYTES]
-    const int* x_scales;            // [num_tokens, num_scales] (4-byte words), or null
+    const int* x_scales;            // [num_tokens, num_scales] (4-byte words, any strides), or null
     const int64_t* topk_idx;        // [num_tokens, NUM_TOPK] global expert ids, or null
     const float* topk_weights;      // [num_tokens, NUM_TOPK], or null
     const bool* is_token_in_rank;   // [num_tokens, R]: the stage kernel scans it into send_pos (null: cached)
@@ -79,6 +79,8 @@ struct DispatchParams {
     const int* num_tokens_per_expert;  // [num_experts], or null (cached dispatch)
     int64_t num_tokens;
     int64_t num_scales;
+    int64_t scale_token_stride;     // x_scales strides in elements (e.g. column-major scales, what
+    int64_t scale_hidden_stride;    // DeepGEMM consumes: read in place, never copied first)
     int64_t num_experts;
     // pull outputs
     int4* recv_x;                   // [max_recv_rows, HIDDEN_BYTES]
@@ -212,7 +214,9 @@ DEEPEP_DEVICE int64_t draw_token(unsigned int* ticket, int64_t num_tokens, int l
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_stage(const __grid_constant__ DispatchParams p) {
+namespace deepep_portable::intranode {
+
+__global__ void __launch_bounds__(kThreads) stage_tokens(const __grid_constant__ DispatchParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const ErrorSink sink = sink_of(p, kOpDispatch);
     const uint64_t n = begin_round(bufs, p.ctrl, p.timeout_ns, sink);
@@ -243,7 +247,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_stage(
 #pragma unroll
         for (int u = 0; u < kScalesPerLane; ++u)
             if (lane + 32 * u < kNumScales)
-                scale[u] = p.x_scales[t * kNumScales + lane + 32 * u];
+                scale[u] = p.x_scales[t * p.scale_token_stride + (lane + 32 * u) * p.scale_hidden_stride];
         int id[kTopkPerLane > 0 ? kTopkPerLane : 1];
         float weight[kTopkPerLane > 0 ? kTopkPerLane : 1];
         const bool has_topk = kNumTopk > 0 && p.topk_idx != nullptr;
@@ -273,7 +277,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_stage(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_pull(const __grid_constant__ DispatchParams p) {
+}  // namespace deepep_portable::intranode
+
+namespace deepep_portable::intranode {
+
+__global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ DispatchParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const ErrorSink sink = sink_of(p, kOpDispatch);
     const uint64_t n = await_peers_ready(bufs, p.ctrl, p.timeout_ns, sink);
@@ -406,3 +414,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) intranode_dispatch_pull(c
     }
     end_round(bufs, p.ctrl, n);
 }
+
+}  // namespace deepep_portable::intranode

@@ -1,26 +1,35 @@
-// Low-latency combine (see protocol.cuh for the buffer, the call counter and the signals).
+// Low-latency combine (see protocol.cuh for the buffer, the call counter and the signals). One
+// kernel, `combine`, runs the phases its params name: send (the hook's first launch), receive (the
+// hook), or both in one launch with a barrier over the grid between them (calls without a hook).
 //
-//   ll_combine_send: one warp per (local expert e, source rank s) pair. The dispatch handle gives the
+//   send: one warp per (local expert e, source rank s) pair. The dispatch handle gives the
 //       pair's rows (layout_range[e][s] = begin << 32 | count): x[e][begin + j] for j < count, in the
 //       source's token order (dispatch packs them so). They go as ONE contiguous put to rows 0..count-1
 //       of the global expert's combine receive slots at s, then s's combine signal of the expert is
 //       SET to (seq << 32) | count (also for count 0). It never waits. With zero-copy, x already lies
-//       in my buffer: same code, no copy. Its warps also fill my slot table for my receive kernel:
+//       in my buffer: same code, no copy. Its warps also fill my slot table for my receive phase:
 //       slot[t][k] = j such that row j of expert topk_idx[t][k] holds my token t (the number of my
 //       tokens before t that selected that expert: the order the expert's rank sends them in).
-//   ll_combine_recv: every block waits for the combine signals of all experts, then the warps share
+//   receive: every block waits for the combine signals of all experts, then the warps share
 //       (token, column chunk) items (a token alone would leave most warps idle: T is small)
 //       and compute, per element in float32, acc = +0; for k ascending with topk_idx[t][k] != -1:
 //       acc = acc + (float(row) * weight), product and sum each rounded (__fmul_rn/__fadd_rn: no FMA),
 //       and stores bf16(acc): bit-identical to tests/oracle.py low_latency_combine.
+// LOGFMT=1 (use_logfmt=True): each row is encoded on the way out (logfmt.cuh: DeepEP's LogFMT-10, one
+// row per put, straight into a load/store peer's slot) and decoded by the receive, whose items are
+// then (token, LogFMT chunk); the reduction is the same. Rows sit logfmt Format::kRowBytes apart.
+// Shrink mode: a masked source gets nothing; a masked expert owner is not waited for and its rows
+// count as absent (as a -1 in topk_idx).
 //
 // Why rows are packed per expert (row j, not row = token): a warp's rows leave as one contiguous
 // write (one put over a network), on one or two pages. Page spread costs: a dispatch layout that
 // gave each message of a warp its own page measured 2x slower on the H200 emulation.
 //
-// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK; the transport (selected_transport.cuh).
+// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, LOGFMT (0 / 1); the transport
+// (selected_transport.cuh).
 #include <cstdint>
 
+#include "common/kernels/low_latency/logfmt.cuh"
 #include "common/kernels/low_latency/protocol.cuh"
 
 #ifndef HIDDEN
@@ -28,6 +37,9 @@
 #endif
 #ifndef NUM_TOPK
 #error "low_latency/combine.cu needs -DNUM_TOPK"
+#endif
+#ifndef LOGFMT
+#error "low_latency/combine.cu needs -DLOGFMT (0 or 1)"
 #endif
 
 using namespace deepep_portable;
@@ -40,6 +52,10 @@ constexpr int kNumTopk = NUM_TOPK;
 constexpr int kRowInt4 = kHidden * 2 / 16;
 constexpr int kRowBytes = kHidden * 2;
 constexpr int kTopkChunk = kNumTopk < 8 ? kNumTopk : 8;   // rows loaded together per column
+constexpr bool kLogFmt = LOGFMT != 0;
+constexpr int kLogFmtHidden = kLogFmt ? kHidden : 512;   // LOGFMT=0 never runs the LogFMT code: any valid shape
+using LogFmt = logfmt::Format<kLogFmtHidden>;
+constexpr int kSlotBytes = kLogFmt ? LogFmt::kRowBytes : kRowBytes;   // a combine receive (and staging) row
 static_assert(kHidden % kFp8Block == 0, "LL hidden must be a multiple of 128");
 static_assert(kNumTopk >= 1 && kNumTopk <= 128, "bad top-k");
 }  // namespace
@@ -60,27 +76,12 @@ struct LLCombineParams {
     int* slot_table;                  // [N, NUM_TOPK]: written by the send kernel, read by the receive kernel
 };
 
-extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __grid_constant__ LLCombineParams p) {
-    const Common& c = p.c;
-    const Transport tr = c.transport;
-    const Call call = begin_call(c, c.ctrl_sent, kTraceCombineSend, kKindCombine);
-    const uint64_t seq = call.seq;
-    const int half = static_cast<int>(seq & 1);
-    const int lane = threadIdx.x % 32;
-    const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
-    const int num_warps = gridDim.x * (kThreads / 32);
-    const int num_ranks = static_cast<int>(c.num_ranks);
-    const int num_local = static_cast<int>(c.num_experts) / num_ranks;
-    const int64_t slots = static_cast<int64_t>(num_ranks) * c.num_max_tokens;
-    const int me = static_cast<int>(c.rank);
-    if (p.expect_half >= 0 && p.expect_half != half && blockIdx.x == 0 && threadIdx.x == 0)
-        // The host handed out the zero-copy buffer of the other half (e.g. a CUDA graph holding an odd
-        // number of LL calls): x may overlap messages peers write. Report it; the data still moves.
-        report_error(sink_of(c, kOpLowLatencyCombine), kErrorOverrun, -1, static_cast<int>(half));
+namespace {
 
-    // My slot table (see the top of the file): one warp per expert scans my tokens in the order the
-    // dispatch send kernel used (token_selects).
-    for (int g = warp; g < static_cast<int>(c.num_experts); g += num_warps) {
+// My slot table (see the top of the file): one warp per expert scans my tokens in the order the
+// dispatch's send phase used (token_selects).
+DEEPEP_DEVICE void fill_slot_table(const LLCombineParams& p, int warp, int num_warps, int lane) {
+    for (int g = warp; g < static_cast<int>(p.c.num_experts); g += num_warps) {
         int count = 0;
         for (int64_t t0 = 0; t0 < p.num_tokens; t0 += 32) {
             const int64_t t = t0 + lane;
@@ -95,27 +96,72 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
             count += __popc(mask);
         }
     }
+}
 
+// The rows of one (e, s) pair to s: `count` rows from `src` into rows 0..count-1 of expert g's slots.
+DEEPEP_DEVICE void send_rows(const LLCombineParams& p, const Transport& tr, int half, int e, int s, int g,
+                             const int4* src, int64_t begin, int64_t count, int lane) {
+    const Common& c = p.c;
+    const int64_t slots = c.num_ranks * c.num_max_tokens;
+    char* peer = tr.template peer_ptr<char>(0, s);
+    if constexpr (kLogFmt) {
+        // One row per put (rows have their own sizes). A load/store peer's slot is encoded into
+        // directly; otherwise the row is encoded into my staging row, then put.
+        for (int64_t j = 0; j < count; ++j) {
+            const int64_t dst_off = combine_row_off(c, half, g, j, kSlotBytes);
+            if (peer != nullptr) {
+                logfmt::encode_row<kLogFmtHidden>(src + j * kRowInt4, peer + dst_off, lane);
+            } else {
+                char* staged = own<char>(c, c.combine_send_offset + half * c.data_half_stride) + (e * slots + begin + j) * kSlotBytes;
+                const int bytes = logfmt::encode_row<kLogFmtHidden>(src + j * kRowInt4, staged, lane);
+                __threadfence_system();   // the NIC reads what the lanes just stored
+                __syncwarp();
+                tr.put_warp(0, s, dst_off, staged, bytes, lane);
+            }
+        }
+    } else {
+        if (count == 0)
+            return;
+        // A peer reached over a network reads the source with its NIC: x must then lie in my window.
+        // Unless it does (zero-copy), the rows are first copied to their place in my combine send
+        // area of this half (only this rank writes it; the previous call on this half finished its sends).
+        if (p.expect_half < 0 && peer == nullptr) {
+            int4* staged = own<int4>(c, c.combine_send_offset + half * c.data_half_stride) + (e * slots + begin) * kRowInt4;
+            transport::warp_copy_bytes(staged, src, count * kRowBytes, lane);
+            __threadfence_system();   // the NIC reads what the lanes just stored
+            __syncwarp();
+            src = staged;
+        }
+        tr.put_warp(0, s, combine_row_off(c, half, g, 0, kRowBytes), src, count * kRowBytes, lane);
+    }
+}
+
+DEEPEP_DEVICE void send_phase(const LLCombineParams& p, const Transport& tr, const Call& call) {
+    const Common& c = p.c;
+    const uint64_t seq = call.seq;
+    const int half = static_cast<int>(seq & 1);
+    const int lane = threadIdx.x % 32;
+    const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+    const int num_warps = gridDim.x * (kThreads / 32);
+    const int num_ranks = static_cast<int>(c.num_ranks);
+    const int num_local = static_cast<int>(c.num_experts) / num_ranks;
+    const int64_t slots = static_cast<int64_t>(num_ranks) * c.num_max_tokens;
+    const int me = static_cast<int>(c.rank);
+    if (p.expect_half >= 0 && p.expect_half != half && blockIdx.x == 0 && threadIdx.x == 0)
+        // The host handed out the zero-copy buffer of the other half (e.g. a CUDA graph holding an odd
+        // number of LL calls): x may overlap messages peers write. Report it; the data still moves.
+        report_error(sink_of(c, kOpLowLatencyCombine), kErrorOverrun, -1, static_cast<int>(half));
+
+    fill_slot_table(p, warp, num_warps, lane);
     for (int pair = warp; pair < num_local * num_ranks; pair += num_warps) {
         const int e = pair / num_ranks, s = pair % num_ranks;
+        if (__shfl_sync(0xffffffffu, lane == 0 && rank_masked(c, s), 0))
+            continue;   // shrink mode: a masked rank is not sent to
         const int64_t range = p.layout_range[e * num_ranks + s];
         const int64_t begin = range >> 32, count = range & 0xffffffffll;
         const int g = me * num_local + e;
         const uint64_t recvd = lane == 0 ? peer_recvd(tr, c, s) : 0;   // checked below, before the signal
-        const int4* src = p.x + (e * slots + begin) * kRowInt4;
-        if (count > 0) {
-            // A peer reached over a network reads the source with its NIC: x must then lie in my window.
-            // Unless it does (zero-copy), the rows are first copied to their place in my combine send
-            // area of this half (only this rank writes it; the previous call on this half finished its sends).
-            if (p.expect_half < 0 && tr.template peer_ptr<char>(0, s) == nullptr) {
-                int4* staged = own<int4>(c, c.combine_send_offset + half * c.data_half_stride) + (e * slots + begin) * kRowInt4;
-                transport::warp_copy_bytes(staged, src, count * kRowBytes, lane);
-                __threadfence_system();   // the NIC reads what the lanes just stored
-                __syncwarp();
-                src = staged;
-            }
-            tr.put_warp(0, s, combine_row_off(c, half, g, 0, kRowBytes), src, count * kRowBytes, lane);
-        }
+        send_rows(p, tr, half, e, s, g, p.x + (e * slots + begin) * kRowInt4, begin, count, lane);
         __threadfence_system();
         __syncwarp();
         if (lane == 0) {
@@ -127,13 +173,121 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_send(const __g
     // per warp, after its last signal; a no-op for load/store peers).
     if (lane == 0)
         tr.flush(0);
-    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, seq, kTraceCombineSend, kKindCombine);
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __grid_constant__ LLCombineParams p) {
+// The rows one top-k entry contributes to: -1 when there are none (no expert, or a masked owner).
+DEEPEP_DEVICE int64_t contributing(const Common& c, int64_t g, int num_local) {
+    return g >= 0 && rank_masked(c, static_cast<int>(g / num_local)) ? -1 : g;
+}
+
+// acc += v * w, rounded twice (the oracle's order of operations).
+DEEPEP_DEVICE void accumulate(float& acc, float v, float w) {
+    acc = __fadd_rn(acc, __fmul_rn(v, w));
+}
+
+DEEPEP_DEVICE void store_bf16(int4* dst, const float* acc) {
+    int4 packed;
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    *dst = packed;
+}
+
+// bf16 rows: an item is (token, kCols x 32 16-byte columns): lane l reduces columns chunk + 32u + l.
+// The loads of every row and column of an item are issued together (kTopkChunk * kCols words per
+// lane): the reduction is bound by memory round trips, not by arithmetic.
+DEEPEP_DEVICE void reduce_bf16(const LLCombineParams& p, int half, int warp, int num_warps, int lane) {
     const Common& c = p.c;
-    const Transport tr = c.transport;
-    const uint64_t seq = begin_call(c, c.ctrl_recvd, kTraceCombineRecv).seq;
+    const int num_local = static_cast<int>(c.num_experts / c.num_ranks);
+    constexpr int kCols = 2;
+    constexpr int kChunks = (kRowInt4 + 32 * kCols - 1) / (32 * kCols);
+    for (int64_t item = warp; item < p.num_tokens * kChunks; item += num_warps) {
+        const int64_t t = item / kChunks;
+        const int col0 = static_cast<int>(item % kChunks) * 32 * kCols + lane;
+        const int64_t* idx = p.topk_idx + t * kNumTopk;
+        const float* w = p.topk_weights + t * kNumTopk;
+        float acc[kCols][8];
+#pragma unroll
+        for (int u = 0; u < kCols; ++u)
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                acc[u][i] = 0.0f;
+        for (int k0 = 0; k0 < kNumTopk; k0 += kTopkChunk) {
+            int4 v[kTopkChunk][kCols];
+            int64_t g[kTopkChunk];
+#pragma unroll
+            for (int r = 0; r < kTopkChunk; ++r)
+                g[r] = k0 + r < kNumTopk ? contributing(c, idx[k0 + r], num_local) : -1;
+#pragma unroll
+            for (int r = 0; r < kTopkChunk; ++r) {
+                if (g[r] < 0)
+                    continue;
+                const int4* row = own<const int4>(
+                    c, combine_row_off(c, half, static_cast<int>(g[r]), p.slot_table[t * kNumTopk + k0 + r], kRowBytes));
+#pragma unroll
+                for (int u = 0; u < kCols; ++u)
+                    if (col0 + 32 * u < kRowInt4)
+                        v[r][u] = row[col0 + 32 * u];
+            }
+#pragma unroll
+            for (int r = 0; r < kTopkChunk; ++r) {
+                if (g[r] < 0)
+                    continue;   // the oracle adds +0.0 here, which never changes acc (acc is never -0.0)
+                const float weight = w[k0 + r];
+#pragma unroll
+                for (int u = 0; u < kCols; ++u) {
+                    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[r][u]);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float2 f = __bfloat1622float2(h[i]);
+                        accumulate(acc[u][2 * i], f.x, weight);
+                        accumulate(acc[u][2 * i + 1], f.y, weight);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kCols; ++u)
+            if (col0 + 32 * u < kRowInt4)
+                store_bf16(p.out + t * kRowInt4 + col0 + 32 * u, acc[u]);
+    }
+}
+
+// LogFMT rows: an item is (token, LogFMT chunk); lane l reduces the chunk's kLaneChannels channels it
+// owns in the format (logfmt.cuh), decoding every contributing row's part.
+DEEPEP_DEVICE void reduce_logfmt(const LLCombineParams& p, int half, int warp, int num_warps, int lane) {
+    const Common& c = p.c;
+    const int num_local = static_cast<int>(c.num_experts / c.num_ranks);
+    for (int64_t item = warp; item < p.num_tokens * LogFmt::kChunks; item += num_warps) {
+        const int64_t t = item / LogFmt::kChunks;
+        const int chunk = static_cast<int>(item % LogFmt::kChunks);
+        float acc[LogFmt::kLaneChannels];
+#pragma unroll
+        for (int i = 0; i < LogFmt::kLaneChannels; ++i)
+            acc[i] = 0.0f;
+        for (int k = 0; k < kNumTopk; ++k) {
+            const int64_t g = contributing(c, p.topk_idx[t * kNumTopk + k], num_local);
+            if (g < 0)
+                continue;
+            const char* row = own<const char>(c, combine_row_off(c, half, static_cast<int>(g), p.slot_table[t * kNumTopk + k], kSlotBytes));
+            const logfmt::ChunkView view = logfmt::view_chunk<kLogFmtHidden>(row, chunk, lane);
+            float v[LogFmt::kLaneChannels];
+            logfmt::decode_lane<kLogFmtHidden>(row, view, lane, v);
+            const float weight = p.topk_weights[t * kNumTopk + k];
+#pragma unroll
+            for (int i = 0; i < LogFmt::kLaneChannels; ++i)
+                accumulate(acc[i], v[i], weight);
+        }
+        int4* out = p.out + t * kRowInt4 + (chunk * LogFmt::kChunk + lane * LogFmt::kLaneChannels) / 8;
+#pragma unroll
+        for (int u = 0; u < LogFmt::kLaneWords; ++u)
+            store_bf16(out + u, acc + 8 * u);
+    }
+}
+
+DEEPEP_DEVICE void receive_phase(const LLCombineParams& p, const Transport& tr, uint64_t seq, bool table_ready) {
+    const Common& c = p.c;
     const int half = static_cast<int>(seq & 1);
     const ErrorSink sink = sink_of(c, kOpLowLatencyCombine);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
@@ -157,72 +311,41 @@ extern "C" __global__ void __launch_bounds__(kThreads) ll_combine_recv(const __g
     // Order every thread's reads of the rows after the acquires of the signals.
     __threadfence_system();
     __syncthreads();
-    if (s_ok) {
-        const int lane = threadIdx.x % 32;
-        const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
-        const int num_warps = gridDim.x * (kThreads / 32);
-        // An item is (token, kCols x 32 16-byte columns): lane l reduces columns chunk + 32u + l. The
-        // loads of every row and column of an item are issued together (kTopkChunk * kCols words per
-        // lane): the reduction is bound by memory round trips, not by arithmetic.
-        constexpr int kCols = 2;
-        constexpr int kChunks = (kRowInt4 + 32 * kCols - 1) / (32 * kCols);
-        for (int64_t item = warp; item < p.num_tokens * kChunks; item += num_warps) {
-            const int64_t t = item / kChunks;
-            const int col0 = static_cast<int>(item % kChunks) * 32 * kCols + lane;
-            const int64_t* idx = p.topk_idx + t * kNumTopk;
-            const float* w = p.topk_weights + t * kNumTopk;
-            float acc[kCols][8];
-#pragma unroll
-            for (int u = 0; u < kCols; ++u)
-#pragma unroll
-                for (int i = 0; i < 8; ++i)
-                    acc[u][i] = 0.0f;
-            for (int k0 = 0; k0 < kNumTopk; k0 += kTopkChunk) {
-                int4 v[kTopkChunk][kCols];
-                int64_t g[kTopkChunk];
-#pragma unroll
-                for (int r = 0; r < kTopkChunk; ++r)
-                    g[r] = k0 + r < kNumTopk ? idx[k0 + r] : -1;
-#pragma unroll
-                for (int r = 0; r < kTopkChunk; ++r) {
-                    if (g[r] < 0)
-                        continue;
-                    const int4* row = own<const int4>(
-                        c, combine_row_off(c, half, static_cast<int>(g[r]), p.slot_table[t * kNumTopk + k0 + r], kRowBytes));
-#pragma unroll
-                    for (int u = 0; u < kCols; ++u)
-                        if (col0 + 32 * u < kRowInt4)
-                            v[r][u] = row[col0 + 32 * u];
-                }
-#pragma unroll
-                for (int r = 0; r < kTopkChunk; ++r) {
-                    if (g[r] < 0)
-                        continue;   // the oracle adds +0.0 here, which never changes acc (acc is never -0.0)
-                    const float weight = w[k0 + r];
-#pragma unroll
-                    for (int u = 0; u < kCols; ++u) {
-                        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[r][u]);
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const float2 f = __bfloat1622float2(h[i]);
-                            acc[u][2 * i] = __fadd_rn(acc[u][2 * i], __fmul_rn(f.x, weight));
-                            acc[u][2 * i + 1] = __fadd_rn(acc[u][2 * i + 1], __fmul_rn(f.y, weight));
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < kCols; ++u) {
-                if (col0 + 32 * u >= kRowInt4)
-                    continue;
-                int4 packed;
-                __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    o[i] = __floats2bfloat162_rn(acc[u][2 * i], acc[u][2 * i + 1]);
-                p.out[t * kRowInt4 + col0 + 32 * u] = packed;
-            }
-        }
-    }
-    end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq, kTraceCombineRecv);
+    if (!s_ok || !table_ready)
+        return;
+    const int lane = threadIdx.x % 32;
+    const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+    const int num_warps = gridDim.x * (kThreads / 32);
+    if constexpr (kLogFmt)
+        reduce_logfmt(p, half, warp, num_warps, lane);
+    else
+        reduce_bf16(p, half, warp, num_warps, lane);
 }
+
+}  // namespace
+
+namespace deepep_portable::low_latency {
+
+// The one combine kernel (see the top of the file). Both phases in one launch: the receive reads the
+// slot table every block's send phase wrote, so a barrier over the grid sits between them (the
+// blocks are co-resident; the peers' rows are not waited for there, only my own blocks).
+__global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ LLCombineParams p) {
+    const Common& c = p.c;
+    const Transport tr = c.transport;
+    bool table_ready = true;   // a failed barrier (reported) leaves the slot table unusable: no reduction
+    if (c.phases & kPhaseSend) {
+        const Call call = begin_call(c, c.ctrl_sent, kTraceCombineSend, kKindCombine);
+        send_phase(p, tr, call);
+        end_call(c, c.ctrl_sent, c.ctrl_send_arrive, call.seq, kTraceCombineSend, kKindCombine);
+        if (c.phases & kPhaseRecv)
+            table_ready = grid_barrier(c, call.seq, globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns),
+                                       kOpLowLatencyCombine);
+    }
+    if (c.phases & kPhaseRecv) {
+        const uint64_t seq = begin_call(c, c.ctrl_recvd, kTraceCombineRecv).seq;
+        receive_phase(p, tr, seq, table_ready);
+        end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq, kTraceCombineRecv);
+    }
+}
+
+}  // namespace deepep_portable::low_latency

@@ -27,12 +27,12 @@
 //            payloads into recv_x (a fresh tensor) after the rows of sources 0..s-1 (it waits for their
 //            signals too): source order, but every payload is copied twice, which on the one-GPU
 //            emulation is twice the HBM traffic.
-// Stage and send are separated by a barrier over my grid (stage_barrier), not by a kernel boundary:
-// one launch and no gap between them. Kernels:
-//   ll_dispatch_send: stage + send (the send phase of a call with return_recv_hook=True);
-//   ll_dispatch_recv: receive (launched by the hook);
-//   ll_dispatch:      stage + send + receive in one launch (calls without a hook): a block moves on to
-//                     its receive pairs once its warps' sends are out, while peers are still sending.
+// Stage and send are separated by a barrier over my grid (grid_barrier), not by a kernel boundary:
+// one launch and no gap between them. One kernel, `dispatch`, runs the phases its params name
+// (protocol.cuh): stage + send (the send phase of a call with return_recv_hook=True), receive
+// (launched by the hook), or all three in one launch (calls without a hook: a block moves on to its
+// receive pairs once its warps' sends are out, while peers are still sending).
+// Shrink mode: experts of a masked rank get nothing, a masked source's pairs count 0 rows.
 // Grids spin (stage barrier, receive waits), so every block of every rank sharing the GPU must be
 // resident at once: the host caps the grid accordingly (Window.grid).
 // Either way a source's rows of an expert are contiguous and in its token order (the combine relies on it).
@@ -77,8 +77,6 @@ struct LLDispatchParams {
     int64_t use_fp8;
     int64_t round_scale;
     int64_t send_stage_offset;        // my send stage: [T] messages
-    int64_t ctrl_stage_arrive;        // u32 in my control area: blocks past the stage phase of this call
-    int64_t ctrl_staged;              // u64 in my control area: the last call whose stage phase is complete
     // receive
     int4* recv_x;                     // kPackOnReceive: [E_local, R*T, HIDDEN] bf16 or fp8 (kReserveRows: in the buffer)
     int64_t expect_half;              // kReserveRows: the half whose recv_x the host handed out (checked on the device)
@@ -135,27 +133,6 @@ DEEPEP_DEVICE void stage_tokens(const LLDispatchParams& p) {
     }
 }
 
-// Every block of my grid waits here until all of them have staged their tokens (the send phase
-// reads messages other blocks built). The last block to arrive re-arms the arrival word and
-// publishes STAGED = seq with a release; the others acquire-poll it (seq grows every call: no reset,
-// no ABA). The blocks are co-resident (see the top of the file), so the wait ends; it is bounded
-// anyway. System scope: a network put's NIC reads the stage. False (reported) on timeout.
-DEEPEP_DEVICE bool stage_barrier(const LLDispatchParams& p, uint64_t seq, uint64_t deadline) {
-    const Common& c = p.c;
-    __shared__ int s_ok;
-    __syncthreads();   // every thread of the block has staged
-    if (threadIdx.x == 0) {
-        s_ok = 1;
-        uint64_t* staged = own<uint64_t>(c, p.ctrl_staged);
-        if (arrive_last(c, p.ctrl_stage_arrive))
-            st_release_sys(staged, seq);
-        else if (!wait_ge(staged, seq, deadline, sink_of(c, kOpLowLatencyDispatch), static_cast<int>(c.rank)))
-            s_ok = 0;
-    }
-    __syncthreads();
-    return s_ok != 0;
-}
-
 // Send phase of call `call` (see the top of the file). `ok`: the stage barrier passed; when it did
 // not (reported), the messages are not trusted and not sent, but every signal is still set with
 // count 0 so no peer is left waiting for this rank.
@@ -175,6 +152,8 @@ DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr,
     constexpr bool kReserve = kPlacement == Placement::kReserveRows;
     for (int g = warp; g < num_experts; g += num_warps) {
         const int dst = g / num_local, local = g % num_local;
+        if (__shfl_sync(0xffffffffu, lane == 0 && rank_masked(c, dst), 0))
+            continue;   // shrink mode: a masked rank is not sent to
         const uint64_t recvd = lane == 0 ? peer_recvd(tr, c, dst) : 0;   // checked below, before the signal
         uint32_t count = 0;
         uint64_t begin = 0;
@@ -380,7 +359,7 @@ DEEPEP_DEVICE void stage_and_send(const LLDispatchParams& p, const Transport& tr
     const Call call = begin_call(c, c.ctrl_sent, kTraceDispatchStage, kKindDispatch);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
     stage_tokens(p);
-    const bool ok = stage_barrier(p, call.seq, deadline);
+    const bool ok = grid_barrier(c, call.seq, deadline, kOpLowLatencyDispatch);
     trace_mark(c.trace, call.seq, kTraceDispatchStage, true);
     trace_mark(c.trace, call.seq, kTraceDispatchSend, false);
     send_messages(p, tr, call, ok);
@@ -396,20 +375,19 @@ DEEPEP_DEVICE void receive(const LLDispatchParams& p, const Transport& tr) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_send(const __grid_constant__ LLDispatchParams p) {
-    stage_and_send(p, p.c.transport);
-}
+namespace deepep_portable::low_latency {
 
-extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(const __grid_constant__ LLDispatchParams p) {
-    receive(p, p.c.transport);
-}
-
-// Without a hook the receive phase follows in the same launch: a warp's receive waits overlap the
-// peers' (and my other warps') sends instead of starting after a kernel boundary. RECVD + 1 is this
-// call (the host allows no hook-less op while a hook is pending), and a block reads RECVD before it
-// can arrive at the receive phase's end (end_call), so the sequence numbers agree.
-extern "C" __global__ void __launch_bounds__(kThreads) ll_dispatch(const __grid_constant__ LLDispatchParams p) {
+// The one dispatch kernel (see the top of the file). Without a hook the receive phase follows in the
+// same launch: a warp's receive waits overlap the peers' (and my other warps') sends instead of
+// starting after a kernel boundary. RECVD + 1 is this call (the host allows no hook-less op while a
+// hook is pending), and a block reads RECVD before it can arrive at the receive phase's end
+// (end_call), so the sequence numbers agree.
+__global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ LLDispatchParams p) {
     const Transport tr = p.c.transport;
-    stage_and_send(p, tr);
-    receive(p, tr);
+    if (p.c.phases & kPhaseSend)
+        stage_and_send(p, tr);
+    if (p.c.phases & kPhaseRecv)
+        receive(p, tr);
 }
+
+}  // namespace deepep_portable::low_latency

@@ -54,6 +54,17 @@
 // hook is pending), so RECVD + 1 is always the call of the receive kernel being launched. Every wait
 // is bounded and reports (op, rank, peer) to the ErrorSink; a kernel whose wait failed skips its
 // copies but still finishes its bookkeeping, so no other block of any rank is left spinning forever.
+//
+// One kernel per op (`dispatch`, `combine`: what a profiler table shows, one name each, as DeepEP's):
+// a launch runs the phases its params name (kPhaseSend, kPhaseRecv, or both in one launch when the
+// caller wants no hook); the hook launches the same kernel again for the receive phase.
+//
+// Shrink mode (Buffer(enable_shrink=True), DeepEP's dead-rank tolerance): Common::mask is an int32 [R]
+// the host owns. A masked rank is neither sent to nor waited for: its signals count as 0 rows and its
+// experts' combine rows as absent. A wait on a peer that times out masks that peer (signal.cuh:
+// report_error) instead of failing the call. A masked rank is taken as gone: nothing it sends later
+// is read, and the counters of the live ranks go on without it (to take it back, every rank, it
+// included, must have made the same LL calls since; clean_low_latency_buffer on every rank resets them).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -75,6 +86,8 @@ constexpr int kThreads = 512;          // __launch_bounds__ of every LL kernel (
 constexpr int kKindDispatch = 0;       // index of ctrl_last[kind][half]
 constexpr int kKindCombine = 1;
 constexpr int kMsgHeader = 16;         // head of a dispatch side message (int32 source token), before its scales
+constexpr int kPhaseSend = 1;          // Common::phases: what a launch runs
+constexpr int kPhaseRecv = 2;
 
 // Fields shared by every LL params struct (the backend's Transport, then 64-bit words; mirrored in
 // deepep_portable/engines/low_latency.py).
@@ -103,10 +116,22 @@ struct Common {
     int* error_host;
     int64_t timeout_ns;
     uint64_t* trace;                 // null, or [kTraceCalls][kTraceKernels][start, end] globaltimer ns (profiling)
+    int64_t phases;                  // kPhaseSend and / or kPhaseRecv: what this launch runs
+    int64_t ctrl_stage_arrive;       // u32 in my control area: blocks past the first part of a launch (grid_barrier)
+    int64_t ctrl_staged;             // u64 in my control area: the last call whose first part every block finished
+    int* mask;                       // shrink mode: int32 [R], 1 = masked (see the top of the file); else null
+    int64_t barrier_offset;          // u64 [R] barrier words (clean.cu), never cleaned
 };
 
 DEEPEP_DEVICE ErrorSink sink_of(const Common& c, int op) {
-    return ErrorSink{c.error_claim, c.error_host, op, static_cast<int>(c.rank)};
+    return ErrorSink{c.error_claim, c.error_host, op, static_cast<int>(c.rank), c.mask};
+}
+
+// Shrink mode: whether rank r is masked (a plain volatile load: another block may mask r meanwhile,
+// and the kernel only needs to see it eventually). Callers that need one answer per warp read it on
+// one lane and broadcast it.
+DEEPEP_DEVICE bool rank_masked(const Common& c, int r) {
+    return c.mask != nullptr && *reinterpret_cast<volatile const int*>(c.mask + r) != 0;
 }
 
 // Optional kernel timing (DEEPEP_PORTABLE_PROFILE=1; `bench --mode low_latency` prints it for the
@@ -205,13 +230,38 @@ DEEPEP_DEVICE uint64_t signal_value(uint64_t seq, uint32_t count) {
     return (seq << 32) | count;
 }
 
+// Every block of my grid waits here until all of them have arrived (one launch's second part reads
+// what other blocks wrote in its first: the dispatch's staged messages, the combine's slot table).
+// The last block to arrive re-arms the arrival word and publishes STAGED = seq with a release; the
+// others acquire-poll it (seq grows with every call: no reset, no ABA). The blocks are co-resident
+// (Window.grid), so the wait ends; it is bounded anyway. System scope: a network put's NIC reads what
+// was written before. False (reported) on timeout.
+DEEPEP_DEVICE bool grid_barrier(const Common& c, uint64_t seq, uint64_t deadline, int op) {
+    __shared__ int s_ok;
+    __syncthreads();   // every thread of the block is done with the first part
+    if (threadIdx.x == 0) {
+        s_ok = 1;
+        uint64_t* staged = own<uint64_t>(c, c.ctrl_staged);
+        if (arrive_last(c, c.ctrl_stage_arrive))
+            st_release_sys(staged, seq);
+        else if (!wait_ge(staged, seq, deadline, ErrorSink{c.error_claim, c.error_host, op, static_cast<int>(c.rank)},
+                          static_cast<int>(c.rank)))
+            s_ok = 0;
+    }
+    __syncthreads();
+    return s_ok != 0;
+}
+
 // Wait (one thread) until my signal at `off` carries call `seq`; returns the count, or -1 after
-// reporting a timeout or an overrun (naming `peer`).
+// reporting a timeout or an overrun (naming `peer`). Shrink mode: a masked peer, or one this wait
+// masks (its timeout), sent nothing: 0.
 template <typename Tr>
 DEEPEP_DEVICE int64_t wait_signal(const Tr& tr, const Common& c, int64_t off, uint64_t seq, uint64_t deadline,
                                   const ErrorSink& sink, int peer) {
+    if (rank_masked(c, peer))
+        return 0;
     if (!tr.wait_ge(off, seq << 32, deadline, sink, peer))
-        return -1;
+        return rank_masked(c, peer) ? 0 : -1;
     const uint64_t v = ld_acquire_sys(own<const uint64_t>(c, off));
     if ((v >> 32) != seq) {
         report_error(sink, kErrorOverrun, peer, static_cast<int>(v >> 32));

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Run DeepEP V1's own test files against deepep_portable (the drop-in promise), on one GPU machine with
+# every rank sharing the GPU under MPS. Nothing is fetched: give it a DeepEP V1 checkout (tested with
+# commit 567632d; only tests/test_intranode.py, tests/test_low_latency.py and tests/utils.py are used).
+#   usage: bash scripts/deepep_tests.sh DEEPEP_DIR [ranks=8] [runs="intranode ll ll-shrink ll-logfmt"]
+# The only change is the launch (tests/utils.py init_dist): a gloo group instead of NCCL (NCCL refuses two
+# ranks on one GPU) and every rank on device 0. `import deep_ep` finds a one-line package that re-exports
+# deepep_portable. The shrink run sets DEEPEP_PORTABLE_TIMEOUT_S (default here 10 s; DeepEP's own
+# timeout is 100 s, or 10 s in its fast-debug build): each simulated failure costs one timeout.
+# Logs go to $OUT (or .gpu_out); a summary is printed last.
+set -uo pipefail
+DEEPEP=$(cd "$1" && pwd)
+RANKS=${2:-8}
+RUNS=${3:-"intranode ll ll-shrink ll-logfmt"}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+WORK=$(mktemp -d)
+for f in test_intranode.py test_low_latency.py utils.py; do
+    [ -f "$DEEPEP/tests/$f" ] || { echo "no $DEEPEP/tests/$f"; exit 2; }
+    cp "$DEEPEP/tests/$f" "$WORK/"
+done
+# The launch change, and nothing else (each edit must apply exactly once).
+$PY - "$WORK/utils.py" <<'PY'
+import sys
+path = sys.argv[1]
+text = open(path).read()
+edits = [("'backend': 'nccl'", "'backend': 'gloo'"),
+         ("if 'device_id' in sig.parameters:", "if False:  # every rank shares device 0 (deepep_portable launch)"),
+         ("torch.cuda.set_device(local_rank)", "torch.cuda.set_device(0)")]
+for old, new in edits:
+    if text.count(old) != 1:
+        sys.exit(f"{path}: expected one '{old}'")
+    text = text.replace(old, new)
+open(path, "w").write(text)
+PY
+mkdir -p "$WORK/deep_ep"
+echo "from deepep_portable import *  # noqa: F401,F403  (the drop-in: DeepEP's tests import deep_ep)" > "$WORK/deep_ep/__init__.py"
+
+export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+nvidia-cuda-mps-control -d && echo "MPS started"
+declare -a SUMMARY
+run() {   # run NAME ARGS...: one DeepEP test file
+    local name=$1; shift
+    local t0=$SECONDS
+    echo "=== $name: $*"
+    (cd "$WORK" && PYTHONPATH="$WORK:$ROOT" timeout -k 10 "${STEP_TIMEOUT:-500}" $PY "$@") >"$OUT/deepep_$name.log" 2>&1
+    local rc=$?
+    tail -4 "$OUT/deepep_$name.log"
+    SUMMARY+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -a -c -E 'Error|Traceback' "$OUT/deepep_$name.log") error lines")")
+}
+for r in $RUNS; do
+    case $r in
+    intranode) run intranode test_intranode.py --num-processes "$RANKS" ;;
+    ll)        run ll test_low_latency.py --num-processes "$RANKS" ;;
+    ll-shrink) DEEPEP_PORTABLE_TIMEOUT_S=${SHRINK_TIMEOUT_S:-10} run ll-shrink test_low_latency.py --num-processes "$RANKS" --shrink-test ;;
+    ll-logfmt) run ll-logfmt test_low_latency.py --num-processes "$RANKS" --use-logfmt ;;
+    *) echo "unknown run $r" ;;
+    esac
+done
+echo quit | nvidia-cuda-mps-control 2>/dev/null || true
+echo; echo "=== DeepEP V1 tests against deepep_portable ($RANKS ranks; logs in $OUT)"
+printf '%s\n' "${SUMMARY[@]}"
