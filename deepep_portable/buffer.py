@@ -21,7 +21,7 @@ from .event import EventOverlap
 from .handles import DispatchHandle, LowLatencyHandle
 from .contract import (BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, LowLatencyCombineArgs,
                        LowLatencyDispatchArgs, Transport)
-from .engines.dispatch_layout import dispatch_layout
+from .engines.dispatch_layout import dispatch_layout, dispatch_layout_current_stream
 from .layout import NormalLayout, low_latency_rdma_size_hint
 from .logfmt import chunk_channels as logfmt_chunk
 from .topology import on_one_node
@@ -242,7 +242,10 @@ class Buffer:
         if previous_event is None and not async_finish and not allocate_on_comm_stream:
             # Nothing to overlap: one kernel on the caller's stream orders exactly as the comm stream
             # round trip would, without its two stream waits (the call is bound by its host path).
-            per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size, None)
+            if topk_idx.is_cuda:
+                per_rank, per_expert, in_rank = dispatch_layout_current_stream(topk_idx, num_experts, self.group_size)
+            else:
+                per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size, None)
             return per_rank, None, per_expert, in_rank, EventOverlap(None)
         result: list = [topk_idx]
         with self._op(previous_event, async_finish, allocate_on_comm_stream, result):

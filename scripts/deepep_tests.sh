@@ -3,8 +3,8 @@
 # every rank sharing the GPU under MPS. Nothing is fetched: give it a DeepEP V1 checkout (tested with
 # commit 567632d; only tests/test_intranode.py, tests/test_low_latency.py and tests/utils.py are used).
 #   usage: bash scripts/deepep_tests.sh DEEPEP_DIR [ranks=8] [runs="intranode ll ll-shrink ll-logfmt"]
-# The only change is the launch (tests/utils.py init_dist): a gloo group instead of NCCL (NCCL refuses two
-# ranks on one GPU) and every rank on device 0. `import deep_ep` finds a one-line package that re-exports
+# The only change is the launch (tests/utils.py): a gloo group instead of NCCL (NCCL refuses two ranks on
+# one GPU), every rank on device 0, and dist.all_gather_into_tensor handed gloo's output shape. `import deep_ep` finds a one-line package that re-exports
 # deepep_portable. The shrink run sets DEEPEP_PORTABLE_TIMEOUT_S (default here 10 s; DeepEP's own
 # timeout is 100 s, or 10 s in its fast-debug build): each simulated failure costs one timeout.
 # Logs go to $OUT (or .gpu_out); a summary is printed last.
@@ -32,10 +32,33 @@ for old, new in edits:
     if text.count(old) != 1:
         sys.exit(f"{path}: expected one '{old}'")
     text = text.replace(old, new)
+# gloo's all_gather_into_tensor takes the output as the inputs concatenated along dim 0 ([R*N, ...]);
+# NCCL also takes them stacked ([R, N, ...]), which the tests pass: give gloo the same memory, flattened.
+text += """
+
+_all_gather_into_tensor = dist.all_gather_into_tensor
+
+
+def _gloo_all_gather_into_tensor(output, input, group=None, async_op=False):
+    if output.dim() == input.dim() + 1:
+        output = output.view(-1, *input.shape[1:])
+    return _all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+dist.all_gather_into_tensor = _gloo_all_gather_into_tensor
+"""
 open(path, "w").write(text)
 PY
-mkdir -p "$WORK/deep_ep"
-echo "from deepep_portable import *  # noqa: F401,F403  (the drop-in: DeepEP's tests import deep_ep)" > "$WORK/deep_ep/__init__.py"
+# DEEPEP_REAL=1: the same tests, same launch, against DeepEP itself (built in DEEPEP_DIR), for a same-run
+# comparison of what they print (e.g. the layout time); otherwise deep_ep is deepep_portable.
+if [ "${DEEPEP_REAL:-0}" = 1 ]; then
+    MODULE_PATH=$DEEPEP
+else
+    mkdir -p "$WORK/deep_ep"
+    echo "from deepep_portable import *  # noqa: F401,F403  (the drop-in: DeepEP's tests import deep_ep)" \
+        > "$WORK/deep_ep/__init__.py"
+    MODULE_PATH=$ROOT
+fi
 
 export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
 nvidia-cuda-mps-control -d && echo "MPS started"
@@ -44,10 +67,12 @@ run() {   # run NAME ARGS...: one DeepEP test file
     local name=$1; shift
     local t0=$SECONDS
     echo "=== $name: $*"
-    (cd "$WORK" && PYTHONPATH="$WORK:$ROOT" timeout -k 10 "${STEP_TIMEOUT:-500}" $PY "$@") >"$OUT/deepep_$name.log" 2>&1
+    (cd "$WORK" && PYTHONPATH="$WORK:$MODULE_PATH" timeout -k 10 "${STEP_TIMEOUT:-500}" $PY "$@") \
+        >"$OUT/deepep_${DEEPEP_REAL:+real_}$name.log" 2>&1
     local rc=$?
-    tail -4 "$OUT/deepep_$name.log"
-    SUMMARY+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -a -c -E 'Error|Traceback' "$OUT/deepep_$name.log") error lines")")
+    local log="$OUT/deepep_${DEEPEP_REAL:+real_}$name.log"
+    tail -4 "$log"
+    SUMMARY+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -a -c -E 'Error|Traceback' "$log") error lines")")
 }
 for r in $RUNS; do
     case $r in

@@ -5,6 +5,7 @@ plain torch (CPU tensors). A local computation: no communication.
 from __future__ import annotations
 
 import ctypes
+import struct
 from typing import Optional, Tuple
 
 import torch
@@ -114,6 +115,28 @@ def dispatch_layout_cuda(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
     ptr = raw.data_ptr()
     _launch_layout(topk_idx, num_experts, num_ranks, dev, h, ptr, ptr + 4 * num_ranks, ptr + head)
     return counts[:num_ranks], counts[num_ranks:], in_rank
+
+
+_PACK = struct.Struct("<QQQQq").pack   # LayoutParams, packed without a ctypes object (hot path)
+
+
+def dispatch_layout_current_stream(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """dispatch_layout_cuda on the current stream, for arguments already validated (Buffer's checks):
+    the eager hot path, an allocation and a launch (the host path is most of such a call's time)."""
+    num_tokens, num_topk = topk_idx.shape
+    dev = topk_idx.device.index
+    key = (num_topk, num_ranks, num_experts, dev, jit.forced_arch())
+    plan = _functions.get(key)
+    if plan is None:
+        fn = jit.load(LAYOUT_SOURCE, LAYOUT_KERNEL, layout_defines(num_topk, num_ranks, num_experts), device=dev)
+        plan = _functions[key] = (fn, layout_grid(num_ranks, num_experts))
+    head = 4 * (num_ranks + num_experts)
+    raw = torch.empty(head + num_tokens * num_ranks, dtype=torch.uint8, device=topk_idx.device)
+    ptr = raw.data_ptr()
+    plan[0].launch(plan[1], LAYOUT_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream,
+                   _PACK(topk_idx.data_ptr(), ptr, ptr + 4 * num_ranks, ptr + head, num_tokens))
+    counts = raw[:head].view(torch.int32)
+    return counts[:num_ranks], counts[num_ranks:], raw[head:].view(torch.bool).view(num_tokens, num_ranks)
 
 
 def dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):

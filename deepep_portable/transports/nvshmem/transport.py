@@ -47,14 +47,17 @@ class NvshmemTransport(KernelTransport):
 def precompile(archs=("sm_90",), jobs: Optional[int] = None):
     """Device-link the low-latency kernel families' variants for this backend (in parallel, `jobs` nvcc
     processes). Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc is missing."""
-    tasks = [(source, defines, arch) for source in (low_latency.DISPATCH_SOURCE, low_latency.COMBINE_SOURCE)
-             for defines in (low_latency.kernel_defines(h, 8) for h in low_latency.HIDDENS) for arch in archs]
+    ll = low_latency
+    variants = [(ll.DISPATCH_SOURCE, ll.kernel_defines(h, 8)) for h in ll.HIDDENS] + \
+        [(ll.COMBINE_SOURCE, ll.kernel_defines(h, 8, False)) for h in ll.HIDDENS] + \
+        [(ll.COMBINE_SOURCE, ll.kernel_defines(7168, 8, True)), (ll.CLEAN_SOURCE, {})]
+    tasks = [(source, defines, arch) for source, defines in variants for arch in archs]
 
     def run(task):
         source, defines, arch = task
         res = link.compile_linked_cached(source, NVSHMEM_BUILD.kernel_defines(defines), arch,
                                          extra_flags=NVSHMEM_BUILD.flags)
-        label = f"{os.path.basename(source)}[nvshmem,HIDDEN={defines['HIDDEN']},NUM_TOPK={defines['NUM_TOPK']}]"
+        label = f"{os.path.basename(source)}[nvshmem" + "".join(f",{k}={v}" for k, v in defines.items()) + "]"
         return label, arch, res.seconds, res.cache_hit
 
     jit.find_nvcc()   # raises naming where it looked
