@@ -15,16 +15,15 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from . import _validate as check
+from ._buffer_ll import LowLatencyOps
 from .comm import Comm
 from .config import DEFAULT_NUM_SMS, Config
 from .event import EventOverlap
-from .handles import DispatchHandle, LowLatencyHandle
-from .contract import (BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, LowLatencyCombineArgs,
-                       LowLatencyDispatchArgs, Transport)
+from .handles import DispatchHandle, InternodeHandle
+from .contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, Transport
 from .engines.dispatch_layout import dispatch_layout, dispatch_layout_current_stream
 from .layout import NormalLayout, low_latency_rdma_size_hint
-from .logfmt import chunk_channels as logfmt_chunk
-from .topology import on_one_node
+from .topology import NodeLayout, node_layout
 from .transports import backend_class, resolve
 
 topk_idx_t = torch.int64
@@ -33,7 +32,7 @@ _uids = itertools.count(1)
 DEFAULT_TIMEOUT_S = 100.0
 
 
-class Buffer:
+class Buffer(LowLatencyOps):
     """Expert-parallel communication buffers for MoE dispatch and combine.
 
     Same constructor (DeepEP V1's positional order) and methods as `deep_ep.Buffer` (V1). Ours in
@@ -44,6 +43,8 @@ class Buffer:
       nvshmem_options: for transport "nvshmem", passed to NVSHMEM at its initialisation (the first such
                  Buffer of the process): ibgda, ib_gid_index, ib_traffic_class, ib_sl, hca_list,
                  remote_transport, symmetric_size (see transports/nvshmem/runtime.py PASS_THROUGH).
+      ranks_per_node: ranks per node (default: DEEPEP_PORTABLE_RANKS_PER_NODE, else the machines); K
+                 consecutive ranks of one machine make a logical node (topology.py, docs/INTERNODE.md).
     `group` may be a torch ProcessGroup or (as first argument or `comm=`) an mpi4py communicator.
     """
 
@@ -54,7 +55,7 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None,
                  *, transport: str = "auto", timeout_s: Optional[float] = None,
-                 nvshmem_options: Optional[dict] = None) -> None:
+                 nvshmem_options: Optional[dict] = None, ranks_per_node: Optional[int] = None) -> None:
         if use_fabric:
             # DeepEP allocates its NVLink buffer with fabric handles (multi-node NVLink, IMEX). Our windows
             # share memory by CUDA IPC handles and POSIX file descriptors only: refuse before any set-up.
@@ -80,10 +81,15 @@ class Buffer:
         if timeout_s is None:
             timeout_s = float(os.environ.get("DEEPEP_PORTABLE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
-        single_node = False
-        if transport == "auto":   # collective, like the rest of the constructor
-            single_node = on_one_node(self._comm)
-        self.transport = resolve(transport, single_node)
+        self.nodes = self._node_layout(ranks_per_node, num_nvl_bytes)   # collective
+        if self.nodes.num_nodes > 1 and num_nvl_bytes > 0:
+            # The internode normal mode runs on the reference transport only, so far (docs/INTERNODE.md).
+            if transport == "auto":
+                transport = "reference"
+            elif transport != "reference":
+                raise ValueError(f"normal mode over {self.nodes.num_nodes} nodes (num_nvl_bytes > 0) is implemented by "
+                                 f"transport='reference' only so far, not {transport!r}")
+        self.transport = resolve(transport, self.nodes.on_one_machine)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device
         self._comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -91,6 +97,7 @@ class Buffer:
             comm=self._comm, rank=self.rank, num_ranks=self.group_size, device=device,
             num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, low_latency_mode=low_latency_mode,
             uid=next(_uids), timeout_s=timeout_s, comm_stream=self._comm_stream,
+            ranks_per_node=self.nodes.ranks_per_node,
             options=dict(num_qps_per_rank=num_qps_per_rank,
                          allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
                          allow_mnnvl=allow_mnnvl, enable_shrink=self.enable_shrink,
@@ -102,6 +109,16 @@ class Buffer:
             self._backend = None
             raise ValueError(f"enable_shrink=True needs the low-latency kernels (num_rdma_bytes > 0 and a transport "
                              f"that runs them: nvlink, nvshmem); transport {self.transport!r} has none here")
+
+    def _node_layout(self, ranks_per_node: Optional[int], num_nvl_bytes: int) -> NodeLayout:
+        """Collective: the nodes of this group (topology.node_layout). A group whose machines hold unequal or
+        non-consecutive ranks has no node layout; only the normal mode needs one."""
+        try:
+            return node_layout(self._comm, ranks_per_node)
+        except ValueError:
+            if num_nvl_bytes > 0 or ranks_per_node is not None:
+                raise
+            return NodeLayout(self.group_size, self.group_size, on_one_machine=False)
 
     # ---- lifetime / static helpers ------------------------------------------------------------
     def destroy(self) -> None:
@@ -232,8 +249,9 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
-        """Returns (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank (None: one NVLink domain),
-        num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)."""
+        """Returns (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank ([num_nodes] int32: tokens with an
+        expert on a rank of that node; None with one node), num_tokens_per_expert [E] int32,
+        is_token_in_rank [N, R] bool, event)."""
         self._live()
         check.tensor("topk_idx", topk_idx, topk_idx_t, (None, None), self.device)
         check.num_experts(num_experts, self.group_size)
@@ -246,12 +264,21 @@ class Buffer:
                 per_rank, per_expert, in_rank = dispatch_layout_current_stream(topk_idx, num_experts, self.group_size)
             else:
                 per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size, None)
-            return per_rank, None, per_expert, in_rank, EventOverlap(None)
+            return per_rank, self._per_node(in_rank), per_expert, in_rank, EventOverlap(None)
         result: list = [topk_idx]
         with self._op(previous_event, async_finish, allocate_on_comm_stream, result):
             per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size, self._comm_stream)
-            result += [per_rank, per_expert, in_rank]
-        return per_rank, None, per_expert, in_rank, result[0]
+            per_node = self._per_node(in_rank)
+            result += [per_rank, per_expert, in_rank, per_node]
+        return per_rank, per_node, per_expert, in_rank, result[0]
+
+    def _per_node(self, is_token_in_rank: torch.Tensor) -> Optional[torch.Tensor]:
+        """num_tokens_per_rdma_rank: tokens with an expert on some rank of each node (None: one node)."""
+        nodes = self.nodes
+        if nodes.num_nodes == 1:
+            return None
+        per_node = is_token_in_rank.view(-1, nodes.num_nodes, nodes.ranks_per_node).any(dim=2)
+        return per_node.sum(dim=0, dtype=torch.int32)
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[DispatchHandle] = None,
@@ -274,10 +301,12 @@ class Buffer:
         config = check.config(config, lambda: self.get_dispatch_config(self.group_size))
         check.positive_int("expert_alignment", expert_alignment)
         check.positive_int("num_worst_tokens", num_worst_tokens, minimum=0)
-        if num_tokens_per_rdma_rank is not None:
-            raise ValueError("num_tokens_per_rdma_rank must be None: every rank of this group is in one NVLink domain")
+        if num_tokens_per_rdma_rank is not None:   # as DeepEP: given over several nodes, ignored within one
+            check.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, torch.int32, (self.nodes.num_nodes,),
+                         self.device)
 
         if handle is not None:
+            handle = self._inner(handle)
             check.dispatch_handle(handle, self._ctx.uid, num_tokens)
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("cached dispatch (handle given) takes no topk_idx / topk_weights")
@@ -320,8 +349,16 @@ class Buffer:
             res = backend.dispatch(args)
             result += [res.recv_x, res.recv_x_scales, res.recv_topk_idx, res.recv_topk_weights]
         out_x = (res.recv_x, res.recv_x_scales) if x_scales is not None else res.recv_x
+        handle = res.handle
+        if self.nodes.num_nodes > 1:   # DeepEP's internode handle (its positions), holding ours
+            handle = InternodeHandle(handle, self.nodes.ranks_per_node, self.rank)
         return (out_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
-                res.handle, result[0])
+                handle, result[0])
+
+    @staticmethod
+    def _inner(handle):
+        """The DispatchHandle an internode handle holds (any other object is checked as it is)."""
+        return handle.inner if isinstance(handle, InternodeHandle) else handle
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
@@ -331,6 +368,7 @@ class Buffer:
 
         Returns (combined_x [num_tokens, hidden] bf16, combined_topk_weights or None, event)."""
         backend = self._live()
+        handle = self._inner(handle)
         check.dispatch_handle(handle, self._ctx.uid)
         check.tensor("x", x, torch.bfloat16, (handle.num_recv_rows, None), self.device)
         hidden = x.size(1)
@@ -352,136 +390,6 @@ class Buffer:
             combined_x, combined_w = backend.combine(args)
             result += [combined_x, combined_w]
         return combined_x, combined_w, result[0]
-
-    # ---- low-latency mode ---------------------------------------------------------------------
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        check.low_latency(self._ctx, num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._live().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
-                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
-        """Send each (token, expert) pair to the expert's rank, packed per local expert.
-
-        Returns (recv_x, recv_count, handle, event, hook) as DeepEP; recv_x is (fp8, scales) with use_fp8.
-        Rows [0, recv_count[e]) of expert e hold one block per source rank, contiguous and in that rank's
-        token order; handle.layout_range[e][s] = begin << 32 | count says where each block starts. The
-        blocks' order is the order the sources reserved their rows (the LL kernels, as in DeepEP) or the
-        source order (reference transport; nvlink with DEEPEP_PORTABLE_LL_VMM=0). With the LL kernels
-        recv_x is a view of this Buffer's memory (the peers write it directly; not with
-        DEEPEP_PORTABLE_LL_VMM=0): as DeepEP warns, at most two LL results are valid at a time; the
-        next dispatch on the same buffer half (normally the next dispatch when dispatches and combines
-        alternate) overwrites it. Copy it to keep it longer."""
-        backend = self._live()
-        check.tensor("x", x, torch.bfloat16, (None, None), self.device)
-        num_tokens, hidden = x.shape
-        check.low_latency(self._ctx, num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if num_tokens > num_max_dispatch_tokens_per_rank:
-            raise ValueError(f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
-                             f"{num_max_dispatch_tokens_per_rank}")
-        check.tensor("topk_idx", topk_idx, topk_idx_t, (num_tokens, None), self.device)
-        check.topk_width(topk_idx)
-        check.expert_indices("topk_idx", topk_idx, num_experts)
-        if use_ue8m0 and not (use_fp8 and round_scale):
-            raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True")
-        if use_ue8m0 and (hidden // 128) % 4 != 0:
-            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden/128 ({hidden // 128}) must be divisible by 4")
-        num_local_experts = num_experts // self.group_size
-        if cumulative_local_expert_recv_stats is not None:
-            check.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32,
-                         (num_local_experts,), self.device)
-        if dispatch_wait_recv_cost_stats is not None:
-            check.tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64,
-                         (self.group_size,), self.device)
-        args = LowLatencyDispatchArgs(x=x, topk_idx=topk_idx,
-                                      num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-                                      num_experts=num_experts,
-                                      cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                                      dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
-                                      use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                                      return_recv_hook=return_recv_hook, num_sms=Buffer.num_sms)
-        result: list = [x, topk_idx]
-        with self._op(None, async_finish, False, result):
-            res = backend.low_latency_dispatch(args)
-            result += [res.recv_x, res.recv_x_scales, res.recv_count]
-        out_x = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
-        return out_x, res.recv_count, res.handle, result[0], res.hook
-
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
-                            async_finish: bool = False, return_recv_hook: bool = False,
-                            out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
-        """Weighted sum of each token's expert outputs. Returns (combined_x, event, hook)."""
-        backend = self._live()
-        handle = check.low_latency_handle(handle)
-        T, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        check.low_latency(self._ctx, T, hidden, num_experts)
-        if use_logfmt:
-            logfmt_chunk(hidden)   # hidden % 512 == 0, or a ValueError naming it
-            if zero_copy:
-                raise ValueError("use_logfmt=True cannot be combined with zero_copy=True (as in DeepEP): the "
-                                 "rows are encoded on the way out")
-        num_local_experts = num_experts // self.group_size
-        check.tensor("x", x, torch.bfloat16, (num_local_experts, self.group_size * T, hidden), self.device)
-        check.tensor("topk_idx", topk_idx, topk_idx_t, (None, None), self.device)
-        num_tokens, num_topk = topk_idx.shape
-        check.topk_width(topk_idx)
-        if num_tokens > T:
-            raise ValueError(f"topk_idx has {num_tokens} tokens, more than the handle's maximum {T}")
-        check.expert_indices("topk_idx", topk_idx, num_experts)
-        check.tensor("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk), self.device)
-        if out is not None:
-            check.tensor("out", out, torch.bfloat16, (num_tokens, hidden), self.device)
-        if combine_wait_recv_cost_stats is not None:
-            check.tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64,
-                         (self.group_size,), self.device)
-        args = LowLatencyCombineArgs(x=x, topk_idx=topk_idx, topk_weights=topk_weights, handle=handle,
-                                     zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out,
-                                     combine_wait_recv_cost_stats=combine_wait_recv_cost_stats,
-                                     num_sms=Buffer.num_sms, use_logfmt=bool(use_logfmt))
-        result: list = [x, topk_idx, topk_weights]
-        with self._op(None, async_finish, False, result):
-            combined_x, hook = backend.low_latency_combine(args)
-            result.append(combined_x)
-        return combined_x, result[0], hook
-
-    # ---- shrink mode (enable_shrink=True): ranks the low-latency ops leave out ------------------------
-    def _mask(self) -> torch.Tensor:
-        mask = self._live().shrink_mask()
-        if mask is None:
-            raise RuntimeError("the mask buffer needs a Buffer created with enable_shrink=True")
-        # The kernels write it on the comm stream (a peer that timed out): order the caller's stream after.
-        if self._comm_stream is not None:
-            torch.cuda.current_stream().wait_stream(self._comm_stream)
-        return mask
-
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mask (mask=True) or unmask a rank for the low-latency ops of this Buffer: a masked rank is neither
-        sent to nor waited for, and its rows count as absent. Unmasking takes a rank back only if it made
-        the same low-latency calls as every other rank meanwhile (clean_low_latency_buffer on every rank,
-        it included, resets the calls)."""
-        check.positive_int("rank_to_mask", rank_to_mask, minimum=0)
-        if rank_to_mask >= self.group_size:
-            raise ValueError(f"rank_to_mask must be < {self.group_size}, got {rank_to_mask}")
-        self._mask()[rank_to_mask] = 1 if mask else 0
-
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Write every rank's mask status (1 = masked) into `mask_status` (int32 [num_ranks])."""
-        check.tensor("mask_status", mask_status, torch.int32, (self.group_size,), self.device)
-        mask_status.copy_(self._mask())
-
-    def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank."""
-        self._mask().zero_()
-
-    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        handle = check.low_latency_handle(handle)
-        check.low_latency(self._ctx, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
-        return self._live().get_next_low_latency_combine_buffer(handle)
 
 
 def _flatten(items: List) -> List:

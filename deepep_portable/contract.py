@@ -76,7 +76,12 @@ class BufferContext:
     uid: int                             # unique per Buffer; stamped into handles
     timeout_s: float
     comm_stream: Optional[torch.cuda.Stream] = None   # where device work is enqueued (None on CPU)
+    ranks_per_node: int = 0              # topology.NodeLayout; 0 = every rank in one node
     options: dict = field(default_factory=dict)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_ranks // self.ranks_per_node if self.ranks_per_node else 1
 
 
 @dataclass

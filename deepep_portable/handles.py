@@ -45,3 +45,48 @@ class LowLatencyHandle(NamedTuple):
     num_max_dispatch_tokens_per_rank: int
     hidden: int
     num_experts: int
+
+
+class InternodeHandle(tuple):
+    """The handle of a dispatch over several nodes: DeepEP V1's ten entries, in its order (callers read
+    `handle[-4]`, the prefix sum of received rows per global source rank, and `handle[0]`), built from
+    the dispatch's DispatchHandle (`inner`, what cached dispatch and combine use). With one channel:
+      0 is_token_in_rank [N, R] bool          1 rdma_channel_prefix_matrix [M, 1]: my tokens per node
+      2 gbl_channel_prefix_matrix [R, 1]: my tokens per rank
+      3 recv_rdma_channel_prefix_matrix [M, 1]: rows received from each node
+      4 recv_rdma_rank_prefix_sum [M]: the same, cumulative
+      5 recv_gbl_channel_prefix_matrix [R, 1]: rows received from each rank
+      6 recv_gbl_rank_prefix_sum [R]: the same, cumulative (rows are ordered by global source rank)
+      7 recv_src_meta [rows, 2]: (source rank, source token) of each received row, -1 on padding
+      8 send_rdma_head [N, M]: index of my token among my tokens to node m, -1 if none go there
+      9 send_nvl_head [N, R]: row of my token at rank r, -1 if not sent
+    (int32 throughout except entry 0.)"""
+
+    inner: DispatchHandle
+
+    def __new__(cls, inner: DispatchHandle, ranks_per_node: int, rank: int) -> "InternodeHandle":
+        in_rank = inner.is_token_in_rank
+        num_tokens, num_ranks = in_rank.shape
+        num_nodes = num_ranks // ranks_per_node
+        in_node = in_rank.view(num_tokens, num_nodes, ranks_per_node).any(dim=2)
+        recv_prefix = inner.rank_prefix_matrix[:, rank].to(torch.int32).contiguous()
+        recv_per_rank = torch.diff(recv_prefix, prepend=recv_prefix.new_zeros(1))
+        recv_per_node = recv_per_rank.view(num_nodes, ranks_per_node).sum(dim=1, dtype=torch.int32)
+        rows = inner.recv_src_idx.numel()
+        row_ids = torch.arange(rows, device=recv_prefix.device, dtype=torch.int32)
+        src_rank = torch.searchsorted(recv_prefix, row_ids, right=True).to(torch.int32)
+        real = inner.recv_src_idx >= 0
+        meta = torch.stack([torch.where(real, src_rank, torch.full_like(src_rank, -1)), inner.recv_src_idx], dim=1)
+        node_head = torch.where(in_node, in_node.to(torch.int32).cumsum(dim=0, dtype=torch.int32) - 1,
+                                torch.full((num_tokens, num_nodes), -1, dtype=torch.int32, device=in_rank.device))
+        self = super().__new__(cls, (
+            in_rank, in_node.sum(dim=0, dtype=torch.int32).view(num_nodes, 1),
+            in_rank.sum(dim=0, dtype=torch.int32).view(num_ranks, 1), recv_per_node.view(num_nodes, 1),
+            recv_per_node.cumsum(0, dtype=torch.int32), recv_per_rank.view(num_ranks, 1), recv_prefix, meta,
+            node_head, inner.send_rows))
+        self.inner = inner
+        return self
+
+    @property
+    def recv_gbl_rank_prefix_sum(self) -> torch.Tensor:
+        return self[6]

@@ -185,10 +185,12 @@ def dispatch(rank: int, num_experts: int, x_all: Sequence[torch.Tensor],
 
 def combine(rank: int, combine_x_all: Sequence[torch.Tensor], is_token_in_rank_all: Sequence[torch.Tensor],
             topk_weights_all: Optional[Sequence[torch.Tensor]] = None,
-            bias_0: Optional[torch.Tensor] = None, bias_1: Optional[torch.Tensor] = None
-            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+            bias_0: Optional[torch.Tensor] = None, bias_1: Optional[torch.Tensor] = None,
+            ranks_per_node: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Normal-mode combine as seen by `rank`: combine_x_all[j] is what rank j passed to combine (its
-    rows in dispatched order, padding rows allowed), topk_weights_all[j] likewise."""
+    rows in dispatched order, padding rows allowed), topk_weights_all[j] likewise. With ranks_per_node
+    (several nodes, docs/INTERNODE.md): each node's rows summed first from +0.0 (bf16-rounded for x),
+    then added node by node."""
     num_ranks = len(combine_x_all)
     mine = is_token_in_rank_all[rank]
     num_tokens = mine.shape[0]
@@ -202,13 +204,21 @@ def combine(rank: int, combine_x_all: Sequence[torch.Tensor], is_token_in_rank_a
     weights = None
     if topk_weights_all is not None:
         weights = torch.zeros(num_tokens, topk_weights_all[rank].shape[1], dtype=torch.float32, device=device)
-    for j in range(num_ranks):
-        sent = mine[:, j].nonzero().flatten()
-        base = sum(int(is_token_in_rank_all[i][:, j].sum()) for i in range(rank))
-        rows = torch.arange(base, base + sent.numel(), device=device)
-        acc[sent] = acc[sent] + combine_x_all[j][rows].to(torch.float32)
-        if weights is not None:
-            weights[sent] = weights[sent] + topk_weights_all[j][rows]
+    step = ranks_per_node if 0 < ranks_per_node < num_ranks else num_ranks
+    for first in range(0, num_ranks, step):
+        part_x = acc if step == num_ranks else torch.zeros_like(acc)
+        part_w = weights if (step == num_ranks or weights is None) else torch.zeros_like(weights)
+        for j in range(first, first + step):
+            sent = mine[:, j].nonzero().flatten()
+            base = sum(int(is_token_in_rank_all[i][:, j].sum()) for i in range(rank))
+            rows = torch.arange(base, base + sent.numel(), device=device)
+            part_x[sent] = part_x[sent] + combine_x_all[j][rows].to(torch.float32)
+            if weights is not None:
+                part_w[sent] = part_w[sent] + topk_weights_all[j][rows]
+        if step != num_ranks:
+            acc = acc + part_x.to(torch.bfloat16).to(torch.float32)
+            if weights is not None:
+                weights = weights + part_w
     return acc.to(torch.bfloat16), weights
 
 

@@ -28,7 +28,7 @@ FLOORS = [
     {"windows"},
     {"engines"},
     {"transports"},
-    {"buffer", "tools"},
+    {"buffer", "_buffer_ll", "tools"},
     {"__main__", ""},          # "" = the package's __init__ (the public face)
 ]
 

@@ -73,8 +73,10 @@ BAD_DISPATCH = {
     "weights bf16": (lambda x, idx, w: dict(topk_weights=w.bfloat16()), TypeError, "dtype"),
     "is_token_in_rank int": (lambda x, idx, w: dict(is_token_in_rank=torch.ones(TOKENS, 1, dtype=torch.int32,
                                                                                  device=x.device)), TypeError, "dtype"),
-    "rdma counts given": (lambda x, idx, w: dict(num_tokens_per_rdma_rank=torch.zeros(1, dtype=torch.int32)),
-                          ValueError, "NVLink domain"),
+    # one node: DeepEP ignores num_tokens_per_rdma_rank, so do we, but a tensor that is not [num_nodes] is wrong
+    "rdma counts shape": (lambda x, idx, w: dict(num_tokens_per_rdma_rank=torch.zeros(2, dtype=torch.int32,
+                                                                                       device=x.device)),
+                          ValueError, "shape"),
     "alignment zero": (lambda x, idx, w: dict(expert_alignment=0), ValueError, "expert_alignment"),
     "worst tokens negative": (lambda x, idx, w: dict(num_worst_tokens=-1), ValueError, "num_worst_tokens"),
     "config wrong type": (lambda x, idx, w: dict(config=(20, 6, 256, 6, 128)), TypeError, "Config"),

@@ -245,7 +245,10 @@ class ReferenceTransport(Transport):
     def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Reduction order (fixed, hence deterministic): acc = +0.0 (float32), then += bias_0, += bias_1,
         then += the row returned by each rank that received the token, rank ascending; cast to bf16.
-        Top-k weights: +0.0, then += each receiving rank's row, rank ascending. No weights are applied."""
+        Top-k weights: +0.0, then += each receiving rank's row, rank ascending. No weights are applied.
+        Over several nodes (docs/INTERNODE.md) the rows of each node are summed first (float32 from +0.0,
+        rank ascending, rounded to bf16: what crosses the network), then acc += those, node ascending;
+        the weights the same way without the rounding."""
         x, handle, topk_weights, bias_0, bias_1 = args.x, args.handle, args.topk_weights, args.bias_0, args.bias_1
         device = x.device
         in_rank = handle.is_token_in_rank
@@ -269,22 +272,34 @@ class ReferenceTransport(Transport):
                 acc += bias.float()
         # index_add_ per destination: indices are unique within one destination, so each element gets
         # one addition per rank, in rank order, on CPU and CUDA alike.
-        offset = 0
-        for count in recv_counts:
-            acc.index_add_(0, tokens[offset:offset + count], values[offset:offset + count])
-            offset += count
+        per_node = self.ctx.ranks_per_node if self.ctx.num_nodes > 1 else 0
+        self._sum_by_rank(acc, values, tokens, recv_counts, per_node, torch.bfloat16)
         combined_x = acc.to(torch.bfloat16)
 
         combined_weights = None
         if topk_weights is not None:
             w = _from_bytes(cols[1], torch.float32, (topk_weights.shape[1],))
             combined_weights = torch.zeros(num_tokens, topk_weights.shape[1], dtype=torch.float32, device=device)
-            offset = 0
-            for count in recv_counts:
-                combined_weights.index_add_(0, tokens[offset:offset + count], w[offset:offset + count])
-                offset += count
+            self._sum_by_rank(combined_weights, w, tokens, recv_counts, per_node, None)
         _done(device)
         return combined_x, combined_weights
+
+    @staticmethod
+    def _sum_by_rank(acc: torch.Tensor, values: torch.Tensor, tokens: torch.Tensor, counts: Sequence[int],
+                     ranks_per_node: int, node_dtype: Optional[torch.dtype]) -> None:
+        """acc[token] += the rows each rank sent back (`counts[r]` rows of `values`, tokens `tokens`), rank
+        ascending; with ranks_per_node > 0, per node first (a partial from +0.0, rounded through
+        node_dtype if given), then the partials, node ascending."""
+        offsets = [0]
+        for count in counts:
+            offsets.append(offsets[-1] + count)
+        step = ranks_per_node or len(counts)
+        for first in range(0, len(counts), step):
+            part = acc if not ranks_per_node else torch.zeros_like(acc)
+            for r in range(first, first + step):
+                part.index_add_(0, tokens[offsets[r]:offsets[r + 1]], values[offsets[r]:offsets[r + 1]])
+            if ranks_per_node:
+                acc += part if node_dtype is None else part.to(node_dtype).to(acc.dtype)
 
     # ---- low-latency mode ----------------------------------------------------------------------
     def _flip_half(self) -> int:

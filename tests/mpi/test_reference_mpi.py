@@ -150,7 +150,8 @@ def ll_mpi_buffer(mpi_comm, pg):
 
 # ---- normal mode ---------------------------------------------------------------------------------
 def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=None, use_topk=True,
-               expert_alignment=1, num_worst_extra=None, num_bias=0, p_none=0.1, column_major_scales=False):
+               expert_alignment=1, num_worst_extra=None, num_bias=0, p_none=0.1, column_major_scales=False,
+               ranks_per_node=0):
     """dispatch, cached dispatch and combine of random inputs; everything compared to the oracle.
 
     fp8: None (bf16), "float" or "int32" scales. num_worst_extra: None, or pad num_worst_tokens to the
@@ -174,7 +175,12 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
     ck = Checker(pg)
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
     exp_rank, exp_expert, exp_in_rank = oracle.dispatch_layout(idx, experts, num_ranks)
-    ck.true(per_rdma is None, "num_tokens_per_rdma_rank is not None")
+    if ranks_per_node:   # several (logical) nodes: tokens per node, DeepEP's num_tokens_per_rdma_rank
+        nodes = num_ranks // ranks_per_node
+        exp_rdma = exp_in_rank.view(num_tokens, nodes, ranks_per_node).any(2).sum(0, dtype=torch.int32)
+        ck.bits(per_rdma, exp_rdma, "num_tokens_per_rdma_rank")
+    else:
+        ck.true(per_rdma is None, "num_tokens_per_rdma_rank is not None")
     ck.bits(per_rank, exp_rank, "num_tokens_per_rank")
     ck.bits(per_expert, exp_expert, "num_tokens_per_expert")
     ck.bits(in_rank, exp_in_rank, "is_token_in_rank")
@@ -205,6 +211,15 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
     ck.true(per_expert_list == expected.num_recv_tokens_per_expert_list,
             f"num_recv_tokens_per_expert_list {per_expert_list} != {expected.num_recv_tokens_per_expert_list}")
     n = expected.num_recv_tokens
+    if ranks_per_node:   # DeepEP's internode handle: ten entries; [-4] the per-source prefix sum, [0] the routing
+        ck.true(isinstance(handle, deep_ep.InternodeHandle) and len(handle) == 10, f"handle {type(handle)}")
+        ck.bits(handle[-4], expected.rank_prefix_matrix[:, rank], "handle[-4] (recv_gbl_rank_prefix_sum)")
+        ck.bits(handle[0], in_rank, "handle[0] (is_token_in_rank)")
+        prefix = expected.rank_prefix_matrix[:, rank].cpu().to(torch.int32).contiguous()
+        src = torch.searchsorted(prefix, torch.arange(n, dtype=torch.int32), right=True).to(torch.int32)
+        ck.bits(handle[7][:n, 0].cpu(), src, "handle[7] source ranks")
+        ck.bits(handle[7][:n, 1], expected.recv_src_idx[:n], "handle[7] source tokens")
+        outer, handle = handle, handle.inner
     ck.true(handle.num_recv_tokens == n, f"handle.num_recv_tokens {handle.num_recv_tokens} != {n}")
     ck.true(handle.num_recv_rows == (num_worst or n) == recv_x.shape[0],
             f"handle.num_recv_rows {handle.num_recv_rows}, recv_x rows {recv_x.shape[0]}, expected {num_worst or n}")
@@ -213,6 +228,8 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
     ck.bits(handle.send_rows, expected.send_rows, "send_rows")
     ck.true(handle.num_tokens == num_tokens and handle.hidden == hidden, "handle.num_tokens / hidden")
 
+    if ranks_per_node:
+        handle = outer   # the caller's handle goes back in as it came out
     # cached dispatch: same movement, payload only
     again, *rest = buf.dispatch((x, scales) if scales is not None else x, handle=handle)
     ck.true(all(r is None for r in rest[:4]), "cached dispatch must return None for topk/weights/list/handle")
@@ -228,13 +245,15 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
         magnitude = torch.exp2(torch.randint(-24, 24, (rows, 1), generator=gen).float())
         return (torch.randn(rows, cols, generator=gen) * magnitude).to(torch.bfloat16).to(device)
 
-    y = wide(handle.num_recv_rows, hidden)
-    y_w = wide(handle.num_recv_rows, topk).float() if use_topk else None
+    rows_here = recv_x.shape[0]
+    y = wide(rows_here, hidden)
+    y_w = wide(rows_here, topk).float() if use_topk else None
     biases = [wide(num_tokens, hidden) for _ in range(num_bias)]
     bias = None if num_bias == 0 else (biases[0] if num_bias == 1 else tuple(biases))
     combined, combined_w, _ = buf.combine(y, handle, topk_weights=y_w, bias=bias)
     exp_x, exp_w = oracle.combine(rank, allgather(y, pg), in_rank_all, allgather(y_w, pg),
-                                  biases[0] if num_bias else None, biases[1] if num_bias == 2 else None)
+                                  biases[0] if num_bias else None, biases[1] if num_bias == 2 else None,
+                                  ranks_per_node=ranks_per_node)
     ck.bits(combined, exp_x, "combined_x")
     ck.bits(combined_w, exp_w, "combined_topk_weights")
     ck.done()
@@ -299,6 +318,29 @@ def test_num_worst_tokens_too_small_raises_everywhere(buffer, pg, device, reques
                         num_tokens_per_expert=per_expert, num_worst_tokens=8 * num_ranks - 1)
     # nothing is left half-done: the next call works
     run_normal(buffer, pg, gen, device, **SMALL, num_tokens=3)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("fp8", [None, "float"])
+def test_internode_logical_nodes(pg, device, request, base_seed, fp8):
+    """Normal mode over logical nodes (ranks_per_node=1 and, with 4 ranks, 2): DeepEP's internode API on the
+    reference transport, the oracle of the internode kernels: per-node counts, rows ordered by global source
+    rank, DeepEP's handle positions, cached dispatch, and the combine summed node by node."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    for per_node in sorted({1, 2 if num_ranks % 2 == 0 and num_ranks > 2 else 1}):
+        nvl = deep_ep.Config().get_nvl_buffer_size_hint(7168 * 2, num_ranks, 256)
+        buf = deep_ep.Buffer(pg, nvl, 0, transport="reference", ranks_per_node=per_node)
+        ck = Checker(pg)
+        ck.true(buf.nodes.num_nodes == num_ranks // per_node, f"nodes {buf.nodes}")
+        with ck.guard("a kernel transport refuses normal mode over several nodes, before any set-up"):
+            with pytest.raises(ValueError, match="reference"):
+                deep_ep.Buffer(pg, nvl, 0, transport="nvlink", ranks_per_node=per_node)
+        ck.done()
+        run_normal(buf, pg, gen, device, **BIG, num_tokens=int(torch.randint(32, 97, (1,), generator=gen)), fp8=fp8,
+                   num_bias=2, ranks_per_node=per_node, num_worst_extra=3 if fp8 else None)
+        run_normal(buf, pg, gen, device, **SMALL, num_tokens=0 if rank == 1 else 5, ranks_per_node=per_node,
+                   use_topk=fp8 is None)
 
 
 @pytest.mark.mpi(min_size=2)
