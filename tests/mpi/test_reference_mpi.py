@@ -333,9 +333,11 @@ def test_internode_logical_nodes(pg, device, request, base_seed, fp8):
         buf = deep_ep.Buffer(pg, nvl, 0, transport="reference", ranks_per_node=per_node)
         ck = Checker(pg)
         ck.true(buf.nodes.num_nodes == num_ranks // per_node, f"nodes {buf.nodes}")
-        with ck.guard("a kernel transport refuses normal mode over several nodes, before any set-up"):
-            with pytest.raises(ValueError, match="reference"):
-                deep_ep.Buffer(pg, nvl, 0, transport="nvlink", ranks_per_node=per_node)
+        try:   # a kernel transport refuses normal mode over several nodes, before any set-up (every rank alike)
+            deep_ep.Buffer(pg, nvl, 0, transport="nvlink", ranks_per_node=per_node)
+            ck.true(False, "Buffer(transport='nvlink') over several nodes did not raise")
+        except ValueError as e:
+            ck.true("reference" in str(e), f"unexpected refusal: {e}")
         ck.done()
         run_normal(buf, pg, gen, device, **BIG, num_tokens=int(torch.randint(32, 97, (1,), generator=gen)), fp8=fp8,
                    num_bias=2, ranks_per_node=per_node, num_worst_extra=3 if fp8 else None)
