@@ -1,7 +1,9 @@
 """Performance configuration, DeepEP-compatible (`deep_ep.Config`)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Optional
 
 
 DEFAULT_NUM_SMS = 20   # SM budget of the communication kernels until Buffer.set_num_sms (DeepEP's default)
@@ -42,7 +44,14 @@ class Config:
 
         return normal_buffer_bytes(num_max_tokens_per_rank, int(hidden_bytes), num_ranks)
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int,
-                                  num_max_tokens_per_rank: int = 4096) -> int:
-        """Bytes of RDMA buffer for normal mode. Zero while every rank shares one NVLink domain."""
-        return 0
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_max_tokens_per_rank: int = 4096,
+                                  ranks_per_node: Optional[int] = None) -> int:
+        """Bytes of network buffer for normal mode over several nodes (docs/INTERNODE.md: one landing slot
+        per (source node, token)); 0 when every rank is on one node. `ranks_per_node` (ours): default
+        DEEPEP_PORTABLE_RANKS_PER_NODE, else DeepEP's assumption of 8 (min with num_ranks)."""
+        from .layout import internode_rdma_bytes
+        from .topology import RANKS_PER_NODE_ENV
+
+        if ranks_per_node is None:
+            ranks_per_node = int(os.environ.get(RANKS_PER_NODE_ENV) or min(8, num_ranks))
+        return internode_rdma_bytes(int(hidden_bytes), num_ranks, num_max_tokens_per_rank, ranks_per_node)

@@ -349,3 +349,90 @@ class SelftestLayout:
     @property
     def total_bytes(self) -> int:
         return self.stage_offset + self.num_ranks * self.bytes
+
+
+@dataclass(frozen=True)
+class InternodeLayout:
+    """The internode normal mode's windows for one call shape (docs/INTERNODE.md; identical on every rank).
+
+    Network window (num_rdma_bytes):
+        [ control | count signals u64 [R] | dispatch arrivals u64 [M][C] | combine arrivals u64 [M][C] |
+          count matrix int32 [R][R] | dispatch landing [M][N] slots | combine landing [M][N] rows |
+          dispatch staging [N] slots | combine staging [M][N] rows ]
+    A dispatch slot: payload | scales | top-k ids (int32) | top-k weights | P-bit destination mask | source
+    token; a combine row: the node's bf16 partial | its top-k weights (float32). Landing areas have one
+    slot per (source node, token): no sender ever waits for space. NVLink window (num_nvl_bytes): control,
+    then this rank's combine input rows [R*N] (what its node peers pull), as the intranode combine stages."""
+
+    num_ranks: int
+    ranks_per_node: int
+    hidden_bytes: int          # payload bytes of a dispatched row (hidden for FP8, 2 * hidden for BF16)
+    num_scales: int
+    num_topk: int
+    num_max_tokens: int        # N: the most tokens a rank dispatches in one call
+    channels: int = 1
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_ranks // self.ranks_per_node
+
+    @property
+    def dispatch_slot(self) -> int:
+        mask_bytes = 4 * ((self.ranks_per_node + 31) // 32)
+        return dispatch_slot_bytes(self.hidden_bytes, self.num_scales, self.num_topk) + align_up(mask_bytes + 4)
+
+    @property
+    def combine_row(self) -> int:
+        """A bf16 row of the hidden size (FP8 payload: hidden_bytes channels; BF16: hidden_bytes / 2)."""
+        hidden = self.hidden_bytes if self.num_scales else max(1, self.hidden_bytes // 2)
+        return combine_slot_bytes(hidden, self.num_topk)
+
+    count_signals_offset = 256   # after the control words of this mode
+
+    @property
+    def dispatch_arrivals_offset(self) -> int:
+        return self.count_signals_offset + 8 * self.num_ranks
+
+    @property
+    def combine_arrivals_offset(self) -> int:
+        return self.dispatch_arrivals_offset + 8 * self.num_nodes * self.channels
+
+    @property
+    def count_matrix_offset(self) -> int:
+        return align_up(self.combine_arrivals_offset + 8 * self.num_nodes * self.channels, 128)
+
+    @property
+    def dispatch_landing_offset(self) -> int:
+        return align_up(self.count_matrix_offset + 4 * self.num_ranks * self.num_ranks, 4096)
+
+    @property
+    def combine_landing_offset(self) -> int:
+        return self.dispatch_landing_offset + align_up(self.num_nodes * self.num_max_tokens * self.dispatch_slot, 4096)
+
+    @property
+    def dispatch_staging_offset(self) -> int:
+        return self.combine_landing_offset + align_up(self.num_nodes * self.num_max_tokens * self.combine_row, 4096)
+
+    @property
+    def combine_staging_offset(self) -> int:
+        return self.dispatch_staging_offset + align_up(self.num_max_tokens * self.dispatch_slot, 4096)
+
+    @property
+    def rdma_bytes(self) -> int:
+        return self.combine_staging_offset + align_up(self.num_nodes * self.num_max_tokens * self.combine_row, 4096)
+
+    @property
+    def nvl_bytes(self) -> int:
+        return 256 + align_up(self.num_ranks * self.num_max_tokens * self.combine_row, 4096)
+
+
+def internode_rdma_bytes(hidden_bytes: int, num_ranks: int, num_max_tokens_per_rank: int, ranks_per_node: int,
+                         num_topk: int = HINT_TOPK) -> int:
+    """num_rdma_bytes for internode calls of up to `num_max_tokens_per_rank` tokens: BF16 and FP8 (with
+    scales) of that hidden, top-k up to `num_topk`; 0 when every rank is on one node."""
+    if ranks_per_node >= num_ranks:
+        return 0
+    hidden = max(1, hidden_bytes // 2)
+    bf16 = InternodeLayout(num_ranks, ranks_per_node, hidden * 2, 0, num_topk, num_max_tokens_per_rank)
+    fp8 = InternodeLayout(num_ranks, ranks_per_node, hidden, hidden // 128, num_topk, num_max_tokens_per_rank)
+    return max(bf16.rdma_bytes, fp8.rdma_bytes)

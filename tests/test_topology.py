@@ -36,8 +36,8 @@ def test_internode_handle_entries():
     prefix = torch.zeros(4, 4, dtype=torch.int32)
     prefix[:, 1] = torch.tensor([2, 3, 3, 6], dtype=torch.int32)
     send_rows = torch.tensor([[5, -1, 0, 1], [-1, -1, -1, 2], [6, 2, -1, -1]], dtype=torch.int32)
-    inner = DispatchHandle(rank_prefix_matrix=prefix, recv_src_idx=torch.tensor([0, 4, 2, 1, 3, 7, -1, -1],
-                                                                                   dtype=torch.int32),
+    src_idx = torch.tensor([0, 4, 2, 1, 3, 7, -1, -1], dtype=torch.int32)
+    inner = DispatchHandle(rank_prefix_matrix=prefix, recv_src_idx=src_idx,
                            is_token_in_rank=in_rank, send_rows=send_rows, num_recv_tokens=6, num_recv_rows=8,
                            num_tokens=3, hidden=16, buffer_uid=1)
     h = InternodeHandle(inner, 2, 1)
@@ -51,3 +51,41 @@ def test_internode_handle_entries():
     assert h[9] is send_rows
     unpacked = tuple(h)   # callers unpack it like DeepEP's tuple
     assert unpacked[6] is h.recv_gbl_rank_prefix_sum
+
+
+@pytest.mark.parametrize("ranks,per_node,hidden_bytes,scales,topk,tokens", [
+    (16, 8, 7168, 56, 8, 4096), (16, 8, 7168 * 2, 0, 8, 4096), (8, 2, 4096, 32, 9, 1000), (6, 1, 256, 0, 1, 3),
+    (144, 72, 7168, 56, 8, 512)])
+def test_internode_layout_regions(ranks, per_node, hidden_bytes, scales, topk, tokens):
+    from deepep_portable import layout as L
+
+    lay = L.InternodeLayout(ranks, per_node, hidden_bytes, scales, topk, tokens, channels=4)
+    m = lay.num_nodes
+    regions = [("count signals", lay.count_signals_offset, 8 * ranks),
+               ("dispatch arrivals", lay.dispatch_arrivals_offset, 8 * m * 4),
+               ("combine arrivals", lay.combine_arrivals_offset, 8 * m * 4),
+               ("count matrix", lay.count_matrix_offset, 4 * ranks * ranks),
+               ("dispatch landing", lay.dispatch_landing_offset, m * tokens * lay.dispatch_slot),
+               ("combine landing", lay.combine_landing_offset, m * tokens * lay.combine_row),
+               ("dispatch staging", lay.dispatch_staging_offset, tokens * lay.dispatch_slot),
+               ("combine staging", lay.combine_staging_offset, m * tokens * lay.combine_row)]
+    assert regions[0][1] >= 256   # after the control words
+    for (a, off_a, n_a), (b, off_b, _) in zip(regions, regions[1:]):
+        assert off_a + n_a <= off_b, f"{a} overlaps {b}"
+    assert regions[-1][1] + regions[-1][2] <= lay.rdma_bytes
+    assert all(off % 8 == 0 for _, off, _ in regions[:3]) and all(off % 16 == 0 for _, off, _ in regions[3:])
+    # a slot holds the payload, the scales, top-k ids and weights, the destination mask and the source token
+    assert lay.dispatch_slot % 16 == 0
+    assert lay.dispatch_slot >= hidden_bytes + 4 * scales + 8 * topk + 4 * ((per_node + 31) // 32) + 4
+    assert lay.nvl_bytes >= ranks * tokens * lay.combine_row
+
+
+def test_rdma_size_hint():
+    import deepep_portable as deep_ep
+
+    cfg = deep_ep.Config()
+    assert cfg.get_rdma_buffer_size_hint(7168 * 2, 8) == 0                       # one node of 8
+    two = cfg.get_rdma_buffer_size_hint(7168 * 2, 16)                            # 2 x 8 (DeepEP's assumption)
+    assert two > 2 * 4096 * 7168 * 2                                             # two nodes' landing rows at least
+    assert cfg.get_rdma_buffer_size_hint(7168 * 2, 16, ranks_per_node=4) > two   # 4 x 4: more landing slots
+    assert cfg.get_rdma_buffer_size_hint(7168 * 2, 16, 1024, ranks_per_node=8) < two
