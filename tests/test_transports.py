@@ -218,6 +218,15 @@ def test_nccl_not_found_lists_search_path(fresh_probe, monkeypatch, tmp_path):
     assert f"libnccl.so.2 not found (searched: {tmp_path / 'nccl' / 'lib' / 'libnccl.so.2'}" in s.reason
 
 
+def test_nccl_without_gin_is_named(fresh_probe, monkeypatch):
+    """2.28.3 had the device API with LSA only; GIN arrived in 2.28.7 (shared/research/NCCL_GIN.md)."""
+    fake = dict(lib="/x/libnccl.so.2", version="2.28.3", version_code=22803, device_header="/x/nccl_device.h",
+                searched=[], header_searched=[], pip={})
+    monkeypatch.setattr(probe, "nccl_info", lambda: fake)
+    s = probe.probe_nccl_gin()
+    assert not s.usable and "NCCL 2.28.3 at /x/libnccl.so.2 has no GIN device API (needs >= 2.28.7)" in s.reason
+
+
 def test_real_nccl_wheel(fresh_probe):
     info = libraries.nccl_info()
     if not info["pip"] or os.environ.get("NCCL_HOME"):

@@ -22,7 +22,7 @@ from .libraries import _load_lib, _nccl_version_tuple, _searched_text, nccl_info
 from .rdma import SYSFS_INFINIBAND, is_mlx5, pyverbs_module, rdma_devices_sysfs
 
 NVSHMEM_MIN_CC = (7, 0)
-NCCL_GIN_MIN_VERSION = (2, 28, 0)
+NCCL_GIN_MIN_VERSION = (2, 28, 7)   # GIN arrived in 2.28.7 (2.28.3 had the device API with LSA only)
 
 
 def _gpu_check(min_cc: Optional[Tuple[int, int]] = None, what: str = "") -> Optional[str]:
@@ -151,7 +151,7 @@ def probe_nccl_gin() -> TransportStatus:
         details["lib"] = info["lib"]
         details["version"] = info["version"] or f"unknown ({info.get('version_error')})"
         details["device_header"] = info["device_header"] or "not found"
-        need = ".".join(map(str, NCCL_GIN_MIN_VERSION[:2]))
+        need = ".".join(map(str, NCCL_GIN_MIN_VERSION))
         lib_ok = True
         if info["version"] is None:
             problems.append(f"could not read the NCCL version of {info['lib']}: "
