@@ -79,15 +79,16 @@ def test_get_local_buffer_tensor(one_rank_group, use_rdma_buffer):
     buf.destroy()
 
 
-def test_fp8_dispatch_accepts_column_major_scales(one_rank_group, device):
+@pytest.mark.parametrize("hidden", [HIDDEN, 128])   # 128: one scale column, whose [N, 1] strides are odd
+def test_fp8_dispatch_accepts_column_major_scales(one_rank_group, device, hidden):
     """`(x_fp8, scales.T.contiguous().T)` (DeepGEMM's layout, DeepEP's test input) is accepted and moved
     exactly; received scales are row-major [rows, S] as DeepEP returns them."""
-    nvl = deep_ep.Config().get_nvl_buffer_size_hint(HIDDEN + HIDDEN // 128 * 4 + 64, 1, TOKENS)
+    nvl = deep_ep.Config().get_nvl_buffer_size_hint(hidden + hidden // 128 * 4 + 64, 1, TOKENS)
     buf = deep_ep.Buffer(one_rank_group, nvl, 0, transport="reference")
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(TOKENS, HIDDEN, generator=gen).to(torch.float8_e4m3fn).to(device)
-    scales = torch.rand(TOKENS, HIDDEN // 128, generator=gen).to(device).T.contiguous().T
-    assert not scales.is_contiguous()
+    x = torch.randn(TOKENS, hidden, generator=gen).to(torch.float8_e4m3fn).to(device)
+    scales = torch.rand(hidden // 128, TOKENS, generator=gen).to(device).T   # column-major, like .T.contiguous().T
+    assert scales.stride() == (1, TOKENS)   # (with one column torch calls it contiguous: odd strides all the same)
     idx = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(TOKENS)]).to(device)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
     (recv_x, recv_s), _, _, _, handle, _ = buf.dispatch((x, scales), num_tokens_per_rank=per_rank,

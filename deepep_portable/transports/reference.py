@@ -42,6 +42,9 @@ def _row_bytes(t: torch.Tensor) -> torch.Tensor:
     per_row = t.element_size()
     for d in t.shape[1:]:
         per_row *= d
+    if t.dim() > 1 and t.stride(-1) != 1:
+        # contiguous() keeps odd strides on size-1 dims (e.g. [N, 1] column-major scales): make them dense
+        t = t.clone(memory_format=torch.contiguous_format)
     return t.contiguous().view(torch.uint8).reshape(t.shape[0], per_row)
 
 

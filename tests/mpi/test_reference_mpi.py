@@ -58,7 +58,7 @@ def allgather(t: Optional[torch.Tensor], pg) -> Optional[List[torch.Tensor]]:
         return None
     _, num_ranks = world(pg)
     device, dtype = t.device, t.dtype
-    host = t.detach().to("cpu").contiguous()
+    host = t.detach().to("cpu").clone(memory_format=torch.contiguous_format)   # dense strides, even on size-1 dims
     if dtype == torch.bool:
         host = host.to(torch.uint8)
     flat = host.view(torch.uint8).reshape(-1)
@@ -98,8 +98,12 @@ class Checker:
                                       f"{expected.dtype}{list(expected.shape)}")
         if got.numel() == 0:
             return
-        g = got.contiguous().view(torch.uint8).reshape(got.shape[0] if got.dim() else 1, -1)
-        e = expected.contiguous().view(torch.uint8).reshape(g.shape)
+
+        def raw(t: torch.Tensor) -> torch.Tensor:   # dense (contiguous() keeps odd strides on size-1 dims)
+            return t.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+
+        g = raw(got).reshape(got.shape[0] if got.dim() else 1, -1)
+        e = raw(expected).reshape(g.shape)
         if not torch.equal(g, e):
             rows = (g != e).any(dim=1).nonzero().flatten()
             self.errors.append(f"{what}: {rows.numel()} of {g.shape[0]} rows differ from the oracle "
@@ -151,7 +155,7 @@ def ll_mpi_buffer(mpi_comm, pg):
 # ---- normal mode ---------------------------------------------------------------------------------
 def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=None, use_topk=True,
                expert_alignment=1, num_worst_extra=None, num_bias=0, p_none=0.1, column_major_scales=False,
-               ranks_per_node=0):
+               ranks_per_node=0, skew=False):
     """dispatch, cached dispatch and combine of random inputs; everything compared to the oracle.
 
     fp8: None (bf16), "float" or "int32" scales. num_worst_extra: None, or pad num_worst_tokens to the
@@ -166,6 +170,9 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
         x = oracle.fp8_cast(x)[0]
         scales = torch.randint(-2 ** 31, 2 ** 31 - 1, (num_tokens, hidden // 128), generator=gen, dtype=torch.int32)
     idx = make_topk(num_tokens, topk, experts, gen, p_none)
+    if skew:   # every token's first choice is expert 0 (one expert gets everything; rows stay distinct)
+        idx[idx == 0] = -1
+        idx[:, 0] = 0
     weights = torch.rand(num_tokens, topk, generator=gen)
     x, idx, weights = x.to(device), idx.to(device), weights.to(device)
     scales = scales.to(device) if scales is not None else None
@@ -175,6 +182,8 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
     ck = Checker(pg)
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
     exp_rank, exp_expert, exp_in_rank = oracle.dispatch_layout(idx, experts, num_ranks)
+    if not 0 < ranks_per_node < num_ranks:
+        ranks_per_node = 0   # one node
     if ranks_per_node:   # several (logical) nodes: tokens per node, DeepEP's num_tokens_per_rdma_rank
         nodes = num_ranks // ranks_per_node
         exp_rdma = exp_in_rank.view(num_tokens, nodes, ranks_per_node).any(2).sum(0, dtype=torch.int32)
