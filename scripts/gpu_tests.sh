@@ -7,7 +7,8 @@
 #   other steps: precompile (every kernel family for sm_90, all cores), mpi2 (the MPI suite at 2 ranks), ll (the low-latency GPU tests at N ranks),
 #   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs), lllegacy (the same over
 #   nvlink with a legacy CUDA IPC window: DEEPEP_PORTABLE_LL_VMM=0, the pack-on-receive dispatch),
-#   selftest (the transport contract's conformance kernel over every backend, N ranks), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
+#   selftest (the transport contract's conformance kernel over every backend, N ranks), fuzz (the seeded fuzz
+#   over FUZZ_TRANSPORT=nvlink, FUZZ_CASES=200 per mode; not run on a GPU yet), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
 #   benchll (bench --mode low_latency), hostcosts (scripts/host_costs.py: host cost of the steps before
 #   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT).
 #   NUM_SMS=16 (normal mode), LL_NUM_SMS (low-latency mode; default: Buffer's); BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420);
@@ -51,6 +52,11 @@ for s in $STEPS; do
     lllegacy) start_mps; DEEPEP_PORTABLE_LL_VMM=0 step lllegacy $MPIRUN -x DEEPEP_PORTABLE_LL_VMM -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
     llnvshmem) start_mps; DEEPEP_TEST_LL_TRANSPORT=nvshmem step llnvshmem $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
     selftest) start_mps; step selftest $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_transport_selftest_gpu_mpi.py; stop_mps ;;
+    fuzz)   start_mps   # the seeded fuzz (tests/mpi/test_fuzz_mpi.py) over FUZZ_TRANSPORT (default nvlink), FUZZ_CASES per mode
+            DEEPEP_FUZZ_TRANSPORT=${FUZZ_TRANSPORT:-nvlink} DEEPEP_FUZZ_CASES=${FUZZ_CASES:-200} step fuzz $MPIRUN \
+                -x DEEPEP_FUZZ_TRANSPORT -x DEEPEP_FUZZ_CASES ${DEEPEP_FUZZ_SEED:+-x DEEPEP_FUZZ_SEED} -n "$RANKS" \
+                $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_fuzz_mpi.py
+            stop_mps ;;
     profile) start_mps
             DEEPEP_PORTABLE_PROFILE=1 step profile $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 4096 16384 ${BENCH_ARGS:-}
             stop_mps ;;
