@@ -85,7 +85,11 @@ class InternodeHandle(tuple):
             recv_per_node.cumsum(0, dtype=torch.int32), recv_per_rank.view(num_ranks, 1), recv_prefix, meta,
             node_head, inner.send_rows))
         self.inner = inner
+        self._args = (inner, ranks_per_node, rank)
         return self
+
+    def __getnewargs__(self):   # copy / pickle rebuild it from what built it
+        return self._args
 
     @property
     def recv_gbl_rank_prefix_sum(self) -> torch.Tensor:

@@ -18,8 +18,8 @@ MIN_CLIP = 32.0
 
 def chunk_channels(hidden: int) -> int:
     """Channels per cast decision: 1024 when hidden % 1024 == 0, else 512 (hidden % 512 == 0)."""
-    if hidden % 512:
-        raise ValueError(f"use_logfmt needs hidden % 512 == 0, got {hidden}")
+    if hidden % 512 or hidden > 8192:
+        raise ValueError(f"use_logfmt needs hidden % 512 == 0 and hidden <= 8192, got {hidden}")
     return 1024 if hidden % 1024 == 0 else 512
 
 

@@ -81,9 +81,17 @@ def layout_from_hosts(hosts: Sequence[str], ranks_per_node: Optional[int] = None
 def node_layout(comm, ranks_per_node: Optional[int] = None) -> NodeLayout:
     """Collective over `comm`: this group's NodeLayout (`ranks_per_node`, else the environment variable,
     else the machines). Every rank gets the same answer or the same exception."""
-    if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
+    # Gather first, decide after: a rank whose argument or environment is bad must still take part in
+    # the collective, and every rank must reach the same answer (or the same exception).
+    mine = (node_identity(), ranks_per_node, os.environ.get(RANKS_PER_NODE_ENV) or None)
+    everyone = comm.allgather_object(mine)
+    asked = {(arg, env) for _, arg, env in everyone}
+    if len(asked) != 1:
+        raise ValueError(f"ranks disagree on ranks_per_node / {RANKS_PER_NODE_ENV}: {sorted(asked, key=str)}")
+    arg, env = asked.pop()
+    if arg is None and env is not None:
         try:
-            ranks_per_node = int(os.environ[RANKS_PER_NODE_ENV])
+            arg = int(env)
         except ValueError:
-            raise ValueError(f"{RANKS_PER_NODE_ENV} must be an integer, got {os.environ[RANKS_PER_NODE_ENV]!r}")
-    return layout_from_hosts(comm.allgather_object(node_identity()), ranks_per_node)
+            raise ValueError(f"{RANKS_PER_NODE_ENV} must be an integer, got {env!r}") from None
+    return layout_from_hosts([host for host, _, _ in everyone], arg)

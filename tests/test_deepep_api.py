@@ -123,3 +123,12 @@ def test_kernel_names_in_a_profile():
     with_op_words = sorted(n for n in names if "dispatch" in n or "combine" in n)
     assert with_op_words == ["deepep_portable::intranode::combine", "deepep_portable::intranode::dispatch",
                              "deepep_portable::low_latency::combine", "deepep_portable::low_latency::dispatch"]
+
+
+def test_logfmt_shapes_checked():
+    from deepep_portable.logfmt import chunk_channels
+
+    assert chunk_channels(7168) == 1024 and chunk_channels(7680) == 512
+    for bad in (7296, 8704):   # not a multiple of 512; more divisions than the decoder's warp reads
+        with pytest.raises(ValueError, match="use_logfmt"):
+            chunk_channels(bad)

@@ -63,9 +63,11 @@ def test_kernels_compile(source, hidden, topk):
     for arch in ("sm_90", "sm_80"):
         for defines in variants:
             assert jit.compile(source, VMM.kernel_defines(defines), arch, extra_flags=VMM.flags)
-    if source == ll.DISPATCH_SOURCE:   # the other placement: legacy IPC windows pack on receive
+    if source == ll.DISPATCH_SOURCE:   # the other placement: legacy IPC windows, and shrink mode, pack on receive
         assert jit.compile(source, LEGACY.kernel_defines(ll.kernel_defines(hidden, topk)), "sm_90",
                            extra_flags=LEGACY.flags)
+        assert jit.compile(source, VMM.kernel_defines(dict(ll.kernel_defines(hidden, topk), PACK_ON_RECEIVE=1)),
+                           "sm_90", extra_flags=VMM.flags)
 
 
 @needs_nvcc
@@ -76,6 +78,9 @@ def test_dispatch_placement_follows_the_window(tmp_path):
     legacy = _ptx(tmp_path, ll.DISPATCH_SOURCE, "sm_90", ll.kernel_defines(2048, 8), LEGACY)
     assert "atom.sys.add.u64" in _kernel_body(vmm, ll.DISPATCH_KERNEL)
     assert "atom.sys.add.u64" not in _kernel_body(legacy, ll.DISPATCH_KERNEL)
+    # shrink mode packs on receive on any window: no reservations a masked, still running rank could move
+    shrink = _ptx(tmp_path, ll.DISPATCH_SOURCE, "sm_90", dict(ll.kernel_defines(2048, 8), PACK_ON_RECEIVE=1), VMM)
+    assert "atom.sys.add.u64" not in _kernel_body(shrink, ll.DISPATCH_KERNEL)
 
 
 def _kernel_body(ptx: str, kernel: str) -> str:

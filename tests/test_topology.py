@@ -89,3 +89,40 @@ def test_rdma_size_hint():
     assert two > 2 * 4096 * 7168 * 2                                             # two nodes' landing rows at least
     assert cfg.get_rdma_buffer_size_hint(7168 * 2, 16, ranks_per_node=4) > two   # 4 x 4: more landing slots
     assert cfg.get_rdma_buffer_size_hint(7168 * 2, 16, 1024, ranks_per_node=8) < two
+
+
+class _FakeComm:
+    """allgather_object over pretend ranks: each call returns what every rank would contribute."""
+
+    def __init__(self, per_rank):
+        self.per_rank = per_rank
+
+    def allgather_object(self, mine):
+        return [tuple(p) for p in self.per_rank]
+
+
+def test_node_layout_is_decided_after_gathering(monkeypatch):
+    from deepep_portable import topology
+
+    monkeypatch.delenv(topology.RANKS_PER_NODE_ENV, raising=False)
+    same = _FakeComm([("a", None, "2")] * 4)
+    assert topology.node_layout(same).ranks_per_node == 2
+    with pytest.raises(ValueError, match="disagree"):
+        topology.node_layout(_FakeComm([("a", None, "2")] * 3 + [("a", None, "4")]))
+    with pytest.raises(ValueError, match="must be an integer"):
+        topology.node_layout(_FakeComm([("a", None, "two")] * 4))
+
+
+def test_internode_handle_copies_and_pickles():
+    import copy
+    import pickle
+
+    in_rank = torch.tensor([[1, 0, 1, 1]], dtype=torch.bool)
+    prefix = torch.zeros(4, 4, dtype=torch.int32)
+    prefix[:, 1] = torch.tensor([1, 1, 1, 2], dtype=torch.int32)
+    inner = DispatchHandle(prefix, torch.tensor([0, 0], dtype=torch.int32), in_rank,
+                           torch.zeros(1, 4, dtype=torch.int32), 2, 2, 1, 8, 1)
+    h = InternodeHandle(inner, 2, 1)
+    for again in (copy.deepcopy(h), pickle.loads(pickle.dumps(h))):
+        assert isinstance(again, InternodeHandle) and len(again) == 10
+        assert torch.equal(again[-4], h[-4]) and again.inner.num_tokens == 1

@@ -69,6 +69,7 @@ COMBINE_KERNEL = jit.kernel_symbol("deepep_portable::low_latency::combine", "LLC
 CLEAN_KERNEL = jit.kernel_symbol("deepep_portable::low_latency::clean_buffer", "LLCleanParams")
 PHASE_SEND, PHASE_RECV = 1, 2
 THREADS = 512                      # kThreads in protocol.cuh
+MAX_SHRINK_RANKS = 4096            # kMaxShrinkRanks in protocol.cuh
 TRACE_CALLS = 64                   # kTraceCalls in protocol.cuh
 TRACE_KERNELS = ("dispatch_stage", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")   # TraceKernel
 
@@ -129,6 +130,8 @@ class LowLatencyEngine(Engine):
             raise ValueError(f"low-latency mode needs num_rdma_bytes > {L.LL_CONTROL_BYTES} "
                              f"(Buffer.get_low_latency_rdma_size_hint), got {ctx.num_rdma_bytes}")
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
+        if ctx.options.get("enable_shrink") and self.num_ranks > MAX_SHRINK_RANKS:
+            raise ValueError(f"enable_shrink supports up to {MAX_SHRINK_RANKS} ranks, this group has {self.num_ranks}")
         # Everything zero: counters, arrival words, error claim and every signal (seq 0 = never written).
         self.window = make_window(ctx, ctx.num_rdma_bytes)
         self.dev, self.base = self.window.dev, self.window.base
@@ -138,11 +141,13 @@ class LowLatencyEngine(Engine):
         # window's mapping takes atomics at full speed (NVSHMEM's heap; nvlink's shareable VMM window) the
         # senders reserve rows and write recv_x in this buffer (the op returns a view of it); otherwise
         # (a legacy CUDA IPC window, DEEPEP_PORTABLE_LL_VMM=0) the receive packs the rows into a fresh tensor.
-        self.recv_x_in_buffer = self.window.cheap_fetch_add
-        self.profile = PhaseProfile(self.dev)   # DEEPEP_PORTABLE_PROFILE=1 (used by `bench`)
-        # Shrink mode: the ranks the kernels neither send to nor wait for (1 = masked); see the module docstring.
+        # Shrink mode: the ranks the kernels neither send to nor wait for (1 = masked); see the module
+        # docstring. It packs on receive whatever the window: a masked rank that is still running must not
+        # be able to move the live sources' rows with its reservations.
         self.mask = (torch.zeros(self.num_ranks, dtype=torch.int32, device=ctx.device)
                      if ctx.options.get("enable_shrink") else None)
+        self.recv_x_in_buffer = self.window.cheap_fetch_add and self.mask is None
+        self.profile = PhaseProfile(self.dev)   # DEEPEP_PORTABLE_PROFILE=1 (used by `bench`)
         # With profiling, the kernels also stamp their start / end per call (see trace_report).
         self.trace = (torch.zeros(TRACE_CALLS * len(TRACE_KERNELS) * 2, dtype=torch.int64, device=ctx.device)
                       if self.profile.enabled else None)
@@ -229,7 +234,10 @@ class LowLatencyEngine(Engine):
             self._common(template, lay)
             if dispatch:
                 template.send_stage_offset = lay.send_stage_offset
-                kernel = self.window.kernel(DISPATCH_SOURCE, DISPATCH_KERNEL, kernel_defines(hidden, num_topk))
+                defines = kernel_defines(hidden, num_topk)
+                if self.window.cheap_fetch_add and not self.recv_x_in_buffer:   # shrink mode: pack on receive
+                    defines["PACK_ON_RECEIVE"] = 1
+                kernel = self.window.kernel(DISPATCH_SOURCE, DISPATCH_KERNEL, defines)
             else:
                 kernel = self.window.kernel(COMBINE_SOURCE, COMBINE_KERNEL, kernel_defines(hidden, num_topk, logfmt))
             plan = self._plans[key] = (kernel, template)
@@ -371,6 +379,10 @@ class LowLatencyEngine(Engine):
         for half in (0, 1):   # the plan's offsets: no layout arithmetic per call
             if x.data_ptr() == self.base + p.combine_send_offset + half * p.data_half_stride:
                 p.expect_half = half
+        if args.use_logfmt and p.expect_half >= 0:
+            # The encoder stages rows for network peers in that very area (rows grow by their meta).
+            raise ValueError("use_logfmt=True needs x outside the zero-copy buffer "
+                             "(get_next_low_latency_combine_buffer): copy it, or combine without LogFMT")
         p.topk_idx, p.topk_weights, p.out, p.num_tokens = idx.data_ptr(), w.data_ptr(), out.data_ptr(), num_tokens
         p.wait_stats = ptr(args.combine_wait_recv_cost_stats)
         # Which row of each selected expert holds each of my tokens: the send kernel fills it, the receive

@@ -59,9 +59,12 @@ __global__ void __launch_bounds__(kThreads) clean_buffer(const __grid_constant__
     const Common& c = p.c;
     const Transport tr = c.transport;
     barrier(p, tr);
-    // The error claim is zeroed too: the host checked it before launching (a reported error raises).
+    // The error claim stays: the host saw it clear before launching, and a timeout of the first barrier
+    // (without shrink) must reach the host intact.
+    uint64_t* words = own<uint64_t>(c, 0);
     for (int64_t i = threadIdx.x; i < p.control_bytes / 8; i += blockDim.x)
-        own<uint64_t>(c, 0)[i] = 0;
+        if (reinterpret_cast<uint64_t>(words + i) != (reinterpret_cast<uint64_t>(c.error_claim) & ~7ull))
+            words[i] = 0;
     for (int64_t i = p.signals_begin / 8 + threadIdx.x; i < p.signals_end / 8; i += blockDim.x)
         own<uint64_t>(c, 0)[i] = 0;
     barrier(p, tr);

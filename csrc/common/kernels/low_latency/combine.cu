@@ -160,7 +160,8 @@ DEEPEP_DEVICE void send_phase(const LLCombineParams& p, const Transport& tr, con
         const int64_t range = p.layout_range[e * num_ranks + s];
         const int64_t begin = range >> 32, count = range & 0xffffffffll;
         const int g = me * num_local + e;
-        const uint64_t recvd = lane == 0 ? peer_recvd(tr, c, s) : 0;   // checked below, before the signal
+        // Checked below, before the signal; not in shrink mode (see dispatch.cu).
+        const uint64_t recvd = lane == 0 && c.mask == nullptr ? peer_recvd(tr, c, s) : ~0ull;
         send_rows(p, tr, half, e, s, g, p.x + (e * slots + begin) * kRowInt4, begin, count, lane);
         __threadfence_system();
         __syncwarp();
@@ -175,9 +176,28 @@ DEEPEP_DEVICE void send_phase(const LLCombineParams& p, const Transport& tr, con
         tr.flush(0);
 }
 
+// Shrink mode: which ranks this block counts as live, one bit each, snapshotted after its waits (the
+// mask may still change under other blocks' timeouts: every lane of a warp must take the same branch
+// around the warp-wide LogFMT decode, and every lane of a token the same rows).
+__shared__ uint32_t s_live[kMaxShrinkRanks / 32];
+
+DEEPEP_DEVICE void snapshot_live(const Common& c) {
+    if (c.mask == nullptr)
+        return;
+    for (int w = threadIdx.x; w < (static_cast<int>(c.num_ranks) + 31) / 32; w += blockDim.x) {
+        uint32_t bits = 0;
+        for (int b = 0; b < 32 && 32 * w + b < c.num_ranks; ++b)
+            bits |= rank_masked(c, 32 * w + b) ? 0u : 1u << b;
+        s_live[w] = bits;
+    }
+}
+
 // The rows one top-k entry contributes to: -1 when there are none (no expert, or a masked owner).
 DEEPEP_DEVICE int64_t contributing(const Common& c, int64_t g, int num_local) {
-    return g >= 0 && rank_masked(c, static_cast<int>(g / num_local)) ? -1 : g;
+    if (g < 0 || c.mask == nullptr)
+        return g;
+    const int owner = static_cast<int>(g / num_local);
+    return (s_live[owner / 32] >> (owner % 32)) & 1u ? g : -1;
 }
 
 // acc += v * w, rounded twice (the oracle's order of operations).
@@ -310,6 +330,8 @@ DEEPEP_DEVICE void receive_phase(const LLCombineParams& p, const Transport& tr, 
     }
     // Order every thread's reads of the rows after the acquires of the signals.
     __threadfence_system();
+    __syncthreads();
+    snapshot_live(c);
     __syncthreads();
     if (!s_ok || !table_ready)
         return;

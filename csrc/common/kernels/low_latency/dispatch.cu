@@ -63,7 +63,14 @@ constexpr int kRowInt4 = kHidden * 2 / 16;      // bf16 row in 16-byte words
 constexpr int kSideFp8 = kMsgHeader + (kNumScales * 4 + 15) / 16 * 16;
 constexpr int kSideBf16 = kMsgHeader;
 enum class Placement { kReserveRows, kPackOnReceive };
-constexpr Placement kPlacement = Transport::kCheapFetchAdd ? Placement::kReserveRows : Placement::kPackOnReceive;
+// PACK_ON_RECEIVE=1 (shrink mode) takes the second placement whatever the transport: there every
+// source writes only its own (expert, source) slots, so a masked rank that is still running (masked by
+// hand, or slow and timed out) cannot move rows of the live sources, as its reservations would.
+#ifndef PACK_ON_RECEIVE
+#define PACK_ON_RECEIVE 0
+#endif
+constexpr Placement kPlacement = Transport::kCheapFetchAdd && !PACK_ON_RECEIVE ? Placement::kReserveRows
+                                                                               : Placement::kPackOnReceive;
 static_assert(kHidden % kFp8Block == 0, "LL hidden must be a multiple of 128");
 static_assert(kNumTopk >= 1 && kNumTopk <= 128, "bad top-k");
 }  // namespace
@@ -154,7 +161,9 @@ DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr,
         const int dst = g / num_local, local = g % num_local;
         if (__shfl_sync(0xffffffffu, lane == 0 && rank_masked(c, dst), 0))
             continue;   // shrink mode: a masked rank is not sent to
-        const uint64_t recvd = lane == 0 ? peer_recvd(tr, c, dst) : 0;   // checked below, before the signal
+        // Checked below, before the signal. Not in shrink mode: a blocking get from a dead peer would never
+        // return (the check guards the hook order, which shrink mode callers keep anyway).
+        const uint64_t recvd = lane == 0 && c.mask == nullptr ? peer_recvd(tr, c, dst) : ~0ull;
         uint32_t count = 0;
         uint64_t begin = 0;
         if constexpr (kReserve) {

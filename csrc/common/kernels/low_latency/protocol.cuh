@@ -86,6 +86,7 @@ constexpr int kThreads = 512;          // __launch_bounds__ of every LL kernel (
 constexpr int kKindDispatch = 0;       // index of ctrl_last[kind][half]
 constexpr int kKindCombine = 1;
 constexpr int kMsgHeader = 16;         // head of a dispatch side message (int32 source token), before its scales
+constexpr int kMaxShrinkRanks = 4096;  // shrink mode's rank limit (the combine's per-block live bitmap)
 constexpr int kPhaseSend = 1;          // Common::phases: what a launch runs
 constexpr int kPhaseRecv = 2;
 
