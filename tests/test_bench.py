@@ -88,3 +88,17 @@ def test_segment_copy_rejects_bad_plans():
         SegmentCopy(src, [0, 0], [64, 16])    # more than the source holds
     with pytest.raises(ValueError):
         SegmentCopy(src, [0], [16, 16])       # one destination per segment
+
+
+def test_bench_compare_drives_a_peer_module():
+    """--compare MODULE: the module's Buffer (DeepEP's API) on the same inputs, rows beside ours and a ratio
+    per op (here the peer is this package itself, the only DeepEP-API module CI has)."""
+    r = run("bench", "--ranks", "2", "--tokens", "8", "--hidden", "256", "--topk", "2", "--experts", "8",
+            "--warmup", "0", "--iters", "1", "--no-progress", "--compare", "deepep_portable")
+    assert r.returncode == 0, r.stdout + r.stderr
+    peer_rows = [line.split() for line in r.stdout.splitlines() if line.split()[-1:] == ["deepep_portable"]]
+    assert sorted(row[0] for row in peer_rows) == ["combine", "dispatch", "layout"]
+    assert "deepep_portable time / ours" in r.stdout
+    ratios = [line for line in r.stdout.splitlines() if "tokens" in line and line.strip().endswith(tuple("0123456789"))
+              and " = " in line]
+    assert len(ratios) == 3

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..buffer import Buffer, topk_idx_t
 from ..config import Config
 from ..transports.reference import _fp8_cast as _reference_fp8_cast
+from . import compare
 from .ceilings import ceiling, copy_ceiling, nccl_all_to_all
 from .spawn import run_local
 from .timing import (LL_LOOP, graph_seconds, print_graph_trace, print_host_profile, print_profile, slowest,
@@ -263,8 +264,14 @@ def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
             pass
     for tokens in progress:
         (bench_normal if cfg.mode == "normal" else bench_low_latency)(rank, world, group, cfg, tokens, rows)
+        if cfg.compare and cfg.mode == "normal":
+            compare.bench_peer_normal(cfg.compare, rank, world, group, cfg, tokens, rows, Row, _random_topk)
     if rank == 0:
         print_table(rows, world, cfg.peer_ceiling)
+        if cfg.compare:
+            compare.print_comparison(rows, cfg.compare)
+            if cfg.mode != "normal":
+                print(f"(low-latency mode: {cfg.compare} not run; see deepep_portable/tools/compare.py)")
         if cfg.plot:
             plot(rows, cfg.plot, world)
 
@@ -341,6 +348,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where a timed sample starts on every rank: gpu (default): after a barrier, at a "
                         "one-thread kernel that all ranks' streams leave together; host: after the barrier "
                         "only (the processes' exit skew then counts in the op's time)")
+    p.add_argument("--compare", default=None, metavar="MODULE",
+                   help="also drive MODULE (a library with DeepEP V1's API, e.g. deep_ep) on the same inputs with "
+                        "the same timing, right after our rows, and print its time over ours (normal mode)")
     p.add_argument("--plot", default=None, metavar="FILE.png")
     p.add_argument("--no-progress", action="store_true")
 
