@@ -17,7 +17,8 @@ import torch
 
 from ..config import Config
 from ..transports.reference import _fp8_cast as _reference_fp8_cast
-from .timing import slowest, timer
+from ..buffer import Buffer
+from .timing import slowest, start_line, timer
 
 
 def _peer_buffer(mod, group, world: int, hidden: int, tokens: int):
@@ -58,10 +59,14 @@ def bench_peer_normal(module: str, rank: int, world: int, group, cfg: argparse.N
     combined, _, _ = buf.combine(combine_in, handle)
     if combined.shape != (tokens, hidden):
         raise AssertionError(f"rank {rank}: {module}'s combine returned {tuple(combined.shape)}")
-    t_layout = slowest(timer(device, lambda: buf.get_dispatch_layout(topk_idx, experts), cfg.warmup, cfg.iters,
-                             group), group)
-    t_dispatch = slowest(timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
-    t_combine = slowest(timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group), group)
+    # The same timing as our rows: every sample starts at the GPU start line (hosted by a Buffer of ours
+    # that moves nothing), after a barrier.
+    with start_line(Buffer(group, 0, 0, transport="reference"), cfg):
+        t_layout = slowest(timer(device, lambda: buf.get_dispatch_layout(topk_idx, experts), cfg.warmup,
+                                 cfg.iters, group), group)
+        t_dispatch = slowest(timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
+        t_combine = slowest(timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group),
+                            group)
     ours = {r.op: r for r in rows if r.tokens == tokens and r.transport != module}
     for op, t in (("layout", t_layout), ("dispatch", t_dispatch), ("combine", t_combine)):
         mine = ours[op]
