@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# compute-sanitizer (memcheck, racecheck, synccheck) over every kernel family on small shapes, on a GPU
+# machine (issue 20, item 4). Single-process tests run under each tool; the multi-rank suites run at 2 ranks
+# without MPS (the sanitizer does not attach to MPS clients), each rank under the tool, on their smallest
+# cases. Prints one line per (suite, tool) with the sanitizer's ERROR SUMMARY lines; logs in $OUT.
+#   usage: bash scripts/sanitize.sh [tools="memcheck racecheck synccheck"]
+set -uo pipefail
+TOOLS=${1:-"memcheck racecheck synccheck"}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+SAN=${COMPUTE_SANITIZER:-$CUDA_HOME/bin/compute-sanitizer}
+[ -x "$SAN" ] || { echo "compute-sanitizer not found at $SAN"; exit 2; }
+export DEEPEP_PORTABLE_TIMEOUT_S=${DEEPEP_PORTABLE_TIMEOUT_S:-60}   # everything runs much slower under the tool
+export DEEPEP_TEST_LL_TRANSPORT=${DEEPEP_TEST_LL_TRANSPORT:-nvlink}
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x PYTHONPATH -x CUDA_HOME -x DEEPEP_PORTABLE_CACHE_DIR
+        -x DEEPEP_PORTABLE_TIMEOUT_S -x PYTHONUNBUFFERED -x DEEPEP_TEST_DEVICE=cuda -x DEEPEP_TEST_LL_TRANSPORT -n 2)
+# name | ranks | test file | -k expression: the layout and copy kernels; intranode dispatch/combine (small
+# cases: top-3); low-latency dispatch/combine/clean (small, LogFMT, shrink); the transport conformance kernel.
+SUITES=("gpu|1|tests/gpu|"
+        "intranode|2|tests/mpi/test_intranode_gpu_mpi.py|top3"
+        "low_latency|2|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink"
+        "selftest|2|tests/mpi/test_transport_selftest_gpu_mpi.py|")
+declare -a SUMMARY
+for tool in $TOOLS; do
+    flags=(--tool "$tool" --print-limit 20 --error-exitcode 99)
+    [ "$tool" = memcheck ] && flags+=(--leak-check no)
+    for entry in "${SUITES[@]}"; do
+        IFS='|' read -r name ranks file expr <<<"$entry"
+        log="$OUT/sanitize_${name}_$tool.log"
+        cmd=("$SAN" "${flags[@]}" $PY -m pytest -q -p no:cacheprovider "$file")
+        [ -n "$expr" ] && cmd+=(-k "$expr")
+        if [ "$ranks" = 1 ]; then
+            timeout -k 10 "${STEP_TIMEOUT:-900}" "${cmd[@]}" >"$log" 2>&1
+        else
+            timeout -k 10 "${STEP_TIMEOUT:-900}" "${MPIRUN[@]}" "${cmd[@]}" --with-mpi >"$log" 2>&1
+        fi
+        rc=$?
+        SUMMARY+=("$(printf '%-12s %-10s rc=%-3s %s' "$name" "$tool" "$rc" \
+            "$(grep -a 'ERROR SUMMARY' "$log" | sort | uniq -c | tr -s ' ' | head -3 | tr '\n' ';')")")
+    done
+done
+echo; echo "=== compute-sanitizer (logs in $OUT)"
+printf '%s\n' "${SUMMARY[@]}"
