@@ -139,6 +139,8 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
         t_dispatch = slowest(timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
         if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (a collective op)
             print_host_profile(f"dispatch, {tokens} tokens", dispatch, device, rank == 0)
+            print_host_profile(f"get_dispatch_layout, {tokens} tokens",
+                               lambda: buf.get_dispatch_layout(topk_idx, experts), device, rank == 0)
         t_combine = slowest(timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group),
                             group)
         # The layout reads topk_idx once: its ceiling is one copy of those bytes (same timing method).
