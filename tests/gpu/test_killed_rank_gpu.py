@@ -70,8 +70,8 @@ def _worker(rank: int, store_dir: str, shrink: bool, out) -> None:
             buf.low_latency_query_mask_buffer(status)
             live = (idx // (EXPERTS // RANKS)) != DEAD
             expected = (x.float() * (w * live).sum(1, keepdim=True)).to(torch.bfloat16)
-            out.put((rank, "shrink", status.tolist(), bool(torch.allclose(combined.float(), expected.float(),
-                                                                        rtol=1e-2, atol=1e-2)),
+            out.put((rank, "shrink", status.tolist(),
+                     bool(torch.allclose(combined.float(), expected.float(), rtol=1e-2, atol=1e-2)),
                      time.monotonic() - t0))
             return
         caught = None
