@@ -104,3 +104,13 @@ def test_channels_alternate_over_rails():
     assert roce.spread_channels(5, rails) == [rails[0], rails[1], rails[2], rails[0], rails[1]]
     with pytest.raises(ValueError, match="no usable"):
         roce.spread_channels(2, [])
+
+
+def test_doctor_says_which_gid_ibgda_would_use(tmp_path):
+    from deepep_portable.tools import doctor
+
+    _fake_port(tmp_path, "mlx5_0", 1, "Ethernet", [(LINK_LOCAL, "RoCE v2"), (V4, "RoCE v2")])
+    _fake_port(tmp_path, "mlx5_1", 1, "Ethernet", [(LINK_LOCAL, "RoCE v2")])
+    devs = {d["name"]: d for d in rdma.rdma_devices_sysfs(str(tmp_path))}
+    assert doctor._gid_choice(devs["mlx5_0"]["ports"][0]).startswith(f"ibgda would use gid[1] {V4}: RoCE v2")
+    assert "no usable GID" in doctor._gid_choice(devs["mlx5_1"]["ports"][0])

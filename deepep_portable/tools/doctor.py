@@ -196,6 +196,36 @@ def _rdma(o: _Out) -> None:
                        + (f" on {g['netdev']}" if g.get("netdev") else ""), indent=6)
             if not p["gids"]:
                 o.line("no non-zero GIDs", indent=6)
+            o.line(_gid_choice(p), indent=6)
+    _closest_nics(o, devs)
+
+
+def _gid_choice(port) -> str:
+    """Which GID the ibgda backend would use on this port (options from the environment), or why none."""
+    from ..transports.ibgda import roce
+
+    try:
+        index, gid, why = roce.pick_gid(port, roce.ibgda_options())
+        return f"ibgda would use gid[{index}] {gid}: {why}"
+    except ValueError as e:
+        return f"ibgda: {e}"
+
+
+def _closest_nics(o: _Out, devs) -> None:
+    """Per GPU, the RDMA devices by PCIe distance (the ones the ibgda backend would pick first)."""
+    from ..transports import rdma, system
+    from ..transports.ibgda import roce
+
+    if not devs:
+        return
+    for g in system.gpu_info() or []:
+        bus = g.get("pci_bus_id")
+        gpu_dir = f"/sys/bus/pci/devices/{bus}" if bus else None
+        if not gpu_dir or not os.path.exists(gpu_dir):
+            continue
+        ranked = roce.rank_nics(gpu_dir, devs, rdma.SYSFS_INFINIBAND)
+        nics = ", ".join(f"{name} {roce.DISTANCE_NAMES[d].split()[0]}" for d, name in ranked)
+        o.line(f"GPU {g.get('index', '?')} ({bus}), closest RDMA devices first: {nics}")
 
 
 def _transports(o: _Out) -> None:
