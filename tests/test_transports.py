@@ -383,3 +383,23 @@ def test_available_transports_show_capabilities():
     assert set(st["nvshmem"].capabilities) == {"peer_load_store", "remote_atomics", "ordered_delivery",
                                                 "max_channels", "graph_safe", "network"}
     assert st["ibgda"].capabilities == {}   # no backend in this build
+
+
+def test_nccl_headers_must_match_the_library(fresh_probe, monkeypatch, tmp_path):
+    """GIN kernels compiled against other headers than the loaded libnccl's are rejected or wrong: a
+    version mismatch is a reason, named with both versions."""
+    (tmp_path / "nccl.h").write_text("#define NCCL_MAJOR 2\n#define NCCL_VERSION_CODE 22809\n")
+    assert libraries.nccl_header_version(str(tmp_path / "nccl.h")) == 22809
+    assert libraries.nccl_header_version(str(tmp_path / "missing.h")) is None
+    fake = dict(lib="/x/libnccl.so.2", version="2.30.4", version_code=23004, pip={}, searched=[],
+                header_searched=[], device_header=str(tmp_path / "nccl_device.h"), header_version_code=22809)
+    monkeypatch.setattr(probe, "nccl_info", lambda: fake)
+    s = probe.probe_nccl_gin()
+    assert not s.usable and "headers next to" in s.reason and "version 2.28.9" in s.reason and "2.30.4" in s.reason
+
+
+def test_real_nccl_wheel_headers_match(fresh_probe):
+    info = libraries.nccl_info()
+    if not info["pip"] or os.environ.get("NCCL_HOME") or info["device_header"] is None:
+        pytest.skip("nvidia-nccl-cu1x (with its headers) not installed, or NCCL_HOME overrides it")
+    assert info["header_version_code"] == info["version_code"], info

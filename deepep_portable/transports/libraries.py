@@ -209,7 +209,24 @@ def nccl_info() -> Dict:
             seen.append(d)
     info["header_searched"] = [os.path.join(d, "nccl_device.h") for d in seen]
     info["device_header"] = next((p for p in info["header_searched"] if os.path.isfile(p)), None)
+    # The headers the kernels would be compiled against must be the loaded library's: GIN device code
+    # built against other headers is rejected (2.29+ checks a magic) or silently wrong.
+    info["header_version_code"] = None
+    if info["device_header"] is not None:
+        info["header_version_code"] = nccl_header_version(os.path.join(os.path.dirname(info["device_header"]),
+                                                                       "nccl.h"))
     return info
+
+
+def nccl_header_version(nccl_h: str) -> Optional[int]:
+    """NCCL_VERSION_CODE as nccl.h defines it (None if the file or the define is missing)."""
+    try:
+        with open(nccl_h) as f:
+            text = f.read()
+    except OSError:
+        return None
+    m = re.search(r"^#define\s+NCCL_VERSION_CODE\s+(\d+)", text, re.M)
+    return int(m.group(1)) if m else None
 
 
 def _load_lib(soname: str) -> Tuple[Optional[str], str]:

@@ -165,6 +165,13 @@ def probe_nccl_gin() -> TransportStatus:
             problems.append("nccl_device.h not found (searched: "
                             f"{_searched_text(info['header_searched'])}); GIN kernels need it")
             lib_ok = False
+        elif info["version"] is not None and info.get("header_version_code") != info["version_code"]:
+            header = info.get("header_version_code")
+            problems.append(f"the NCCL headers next to {info['device_header']} are version "
+                            f"{'.'.join(map(str, _nccl_version_tuple(header))) if header else 'unknown'}, the "
+                            f"library {info['lib']} is {info['version']}: GIN kernels must be compiled against the "
+                            "loaded library's headers (set NCCL_HOME to one installation)")
+            lib_ok = False
         if lib_ok:
             libs_where = f"{info['lib']} (NCCL {info['version']}, {info['device_header']})"
     backend = _backend_check("nccl_gin", libs_where)
