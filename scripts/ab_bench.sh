@@ -7,7 +7,8 @@
 # every table, then one line per (bench, op): the op's time in each run of A and of B and B/A of the
 # medians. A tree is a checkout of this project (`git archive <commit> | tar -x -C dir` will do).
 # BENCHES: ';'-separated bench argument lists (default: FP8 and BF16 normal mode at 4096 tokens, LL
-# at 128 tokens over nvlink and nvshmem). Logs in $OUT (or .gpu_out).
+# at 128 tokens over nvlink and nvshmem). Logs in $OUT (or .gpu_out). AB_PYTHONPATH: extra import paths for
+# both trees' runs (e.g. a DeepEP build, with BENCHES="--mode normal --tokens 4096 --compare deep_ep").
 set -uo pipefail
 A=$(cd "$1" && pwd); B=$(cd "$2" && pwd)
 RANKS=${3:-8}; ROUNDS=${4:-2}
@@ -27,7 +28,7 @@ for round in $(seq 1 "$ROUNDS"); do
             tree=$A; [ $side = B ] && tree=$B
             log="$OUT/ab_${side}_${i}_${round}.log"
             echo "=== round $round, bench $i (${LIST[$i]}), tree $side"
-            (cd "$tree" && PYTHONPATH="$tree" DEEPEP_PORTABLE_CACHE_DIR="$tree/.jit_cache" \
+            (cd "$tree" && PYTHONPATH="$tree${AB_PYTHONPATH:+:$AB_PYTHONPATH}" DEEPEP_PORTABLE_CACHE_DIR="$tree/.jit_cache" \
                 timeout -k 10 "${STEP_TIMEOUT:-300}" $PY -m deepep_portable bench --no-progress --ranks "$RANKS" \
                 ${LIST[$i]}) >"$log" 2>&1
             grep -a -A12 "ranks on" "$log" | grep -a -v "^$" || tail -5 "$log"
