@@ -51,9 +51,10 @@ for i in range(n):
             for line in text.splitlines():
                 cells = line.split()
                 if len(cells) >= 12 and re.fullmatch(r"[\d.]+", cells[6] or "") and not cells[0].startswith("a2a"):
-                    times.setdefault((cells[0], cells[1], cells[5]), {"A": [], "B": []})[side].append(float(cells[6]))
-    for (op, tokens, prec), t in times.items():
+                    key = (cells[0], cells[1], cells[5], cells[11])   # op, tokens, precision, transport / library
+                    times.setdefault(key, {"A": [], "B": []})[side].append(float(cells[6]))
+    for (op, tokens, prec, lib), t in times.items():
         if t["A"] and t["B"]:
             ratio = statistics.median(t["B"]) / statistics.median(t["A"])
-            print(f"bench {i} {op:18s} {tokens:>6s} {prec:5s} A {t['A']}  B {t['B']}  B/A {ratio:.3f}")
+            print(f"bench {i} {op:18s} {tokens:>6s} {prec:5s} {lib:9s} A {t['A']}  B {t['B']}  B/A {ratio:.3f}")
 PY
