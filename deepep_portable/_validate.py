@@ -174,6 +174,8 @@ def low_latency(ctx, num_max_dispatch_tokens_per_rank: int, h: int, num_experts_
     if not ctx.low_latency_mode:
         raise ValueError("low-latency ops need a Buffer created with low_latency_mode=True")
     positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+    if num_max_dispatch_tokens_per_rank >= 1 << 24:   # a signal's count field (low_latency/protocol.cuh)
+        raise ValueError(f"num_max_dispatch_tokens_per_rank must be < {1 << 24}, got {num_max_dispatch_tokens_per_rank}")
     num_experts(num_experts_, ctx.num_ranks)
     if h % 128 != 0:
         raise ValueError(f"low-latency hidden must be a multiple of 128, got {h}")

@@ -132,3 +132,13 @@ def test_logfmt_shapes_checked():
     for bad in (7296, 8704):   # not a multiple of 512; more divisions than the decoder's warp reads
         with pytest.raises(ValueError, match="use_logfmt"):
             chunk_channels(bad)
+
+
+def test_low_latency_token_bound(one_rank_group, device):
+    """A signal's count field is 24 bits (low_latency/protocol.cuh): more tokens per rank are refused up front."""
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(8, 256, 1, 8)
+    buf = deep_ep.Buffer(one_rank_group, 0, rdma, low_latency_mode=True, transport="reference")
+    x = torch.zeros(4, 256, dtype=torch.bfloat16, device=device)
+    idx = torch.zeros(4, 2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="must be < 16777216"):
+        buf.low_latency_dispatch(x, idx, 1 << 24, 8)

@@ -500,6 +500,40 @@ def test_ll_two_micro_batches(pg, device, request, base_seed):
     ck.done()
 
 
+# ---- call numbers past 2^32 ---------------------------------------------------------------------------------
+def test_ll_call_counter_past_2_32(pg, device, request, base_seed):
+    """A signal carries the call number in 40 bits: a Buffer whose call counters are preset just below 2^32
+    crosses it (dispatch + combine pairs, hooks included) with every result exact. (A 32-bit field would
+    wrap there: weeks of decode steps on one Buffer.)"""
+    from deepep_portable import layout as L
+
+    rank, _ = world(pg)
+    gen = generator(request, base_seed, rank)
+    ck = GpuChecker(pg)
+    buf = ck.run("LL Buffer", lambda: _ll_buffer(pg, 2048))
+    if not ck.agree(buf is not None):
+        ck.done()
+        return
+    engine, start = _engine_of(buf), (1 << 32) - 3
+
+    def preset():   # every rank alike, before any call of this Buffer: its window is all zero but these words
+        torch.cuda.synchronize()
+        words = engine.window.view(0, L.LL_CONTROL_BYTES, device).view(torch.int64)
+        words[L.LL_CTRL_SENT // 8] = start
+        words[L.LL_CTRL_RECVD // 8] = start
+        torch.cuda.synchronize()
+        engine._calls = engine._recvs = start   # the host's mirror of the device counter (buffer halves)
+
+    ck.run("preset the call counters", preset)
+    dist.barrier(group=pg)
+    for rnd in range(4):
+        if not ck.agree(not ck.errors):
+            break
+        run_pair(buf, pg, gen, device, ck, hidden=2048, num_tokens=20, mode="fp8", hook=rnd % 2 == 1,
+                 tag=f"past 2^32, round {rnd}")
+    ck.done()
+
+
 # ---- shrink mode: a rank that stops participating is masked, the others go on ----------------------------
 def _shrink_round(buf, pg, gen, device, ck: GpuChecker, dead: int, tag: str, expect_timeout: bool) -> None:
     """One dispatch + combine on every rank but `dead` (which makes no LL call at all), checked against the

@@ -6,7 +6,7 @@
 //       pair's rows (layout_range[e][s] = begin << 32 | count): x[e][begin + j] for j < count, in the
 //       source's token order (dispatch packs them so). They go as ONE contiguous put to rows 0..count-1
 //       of the global expert's combine receive slots at s, then s's combine signal of the expert is
-//       SET to (seq << 32) | count (also for count 0). It never waits. With zero-copy, x already lies
+//       SET to signal_value(seq, count) (also for count 0). It never waits. With zero-copy, x already lies
 //       in my buffer: same code, no copy. Its warps also fill my slot table for my receive phase:
 //       slot[t][k] = j such that row j of expert topk_idx[t][k] holds my token t (the number of my
 //       tokens before t that selected that expert: the order the expert's rank sends them in).

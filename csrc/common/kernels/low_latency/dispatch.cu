@@ -9,7 +9,7 @@
 //   send:    one warp per global expert g (experts strided over every warp of the grid). The warp
 //            scans my tokens in order (32 at a time, __ballot_sync on "token lists g"), so the k-th
 //            token of mine that selected g is my k-th message for g, sent into g's rank's buffer; then
-//            it SETs the (local expert, me) signal there to (seq << 32) | count, also when count is 0.
+//            it SETs the (local expert, me) signal there to signal_value(seq, count), also for count 0.
 //            It never waits for a peer (the stage barrier before it waits for the rank's own blocks only).
 //   receive: one warp per (local expert e, source s) pair: waits for s's signal, writes
 //            layout_range[e][s] and the pair's rows of the outputs; the pair with s = R-1 also waits

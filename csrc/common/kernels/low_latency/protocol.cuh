@@ -27,9 +27,11 @@
 // running both. The send phase takes seq = SENT + 1 and its last block to finish stores SENT = seq;
 // the receive phase does the same with RECVD. So sends and receives pair up first-in first-out, even when hooks delay
 // receives, and a captured CUDA graph keeps counting on replay (the counters live in device memory).
-// half = seq & 1; every signal of call seq is SET to (seq << 32) | count, so no signal is ever
-// zeroed between calls; a receiver waits until the value reaches seq << 32 and reports an overrun if
-// it is already past seq (a peer two calls ahead: the caller broke the double-buffering rule).
+// half = seq & 1; every signal of call seq is SET to (seq << kCountBits) | count, so no signal is ever
+// zeroed between calls; a receiver waits until the value reaches seq << kCountBits and reports an overrun
+// if it is already past seq (a peer two calls ahead: the caller broke the double-buffering rule). With 24
+// bits of count (at most T rows per signal) the call number has 40: 2^40 calls, decades at a kHz, before
+// a Buffer needs clean_low_latency_buffer (a 32-bit field would have wrapped after 2^32, weeks of decode).
 //
 // Safety of the double buffer: peers write only receive areas and signals, and dispatch and combine
 // use disjoint ones in each half, so a send of call m can only clobber the half of the previous
@@ -227,8 +229,10 @@ DEEPEP_DEVICE void check_overwrite(const Common& c, int op, uint64_t recvd, cons
         report_error(sink_of(c, op), kErrorOverwrite, peer, static_cast<int>(call.seq));
 }
 
-DEEPEP_DEVICE uint64_t signal_value(uint64_t seq, uint32_t count) {
-    return (seq << 32) | count;
+constexpr int kCountBits = 24;   // low bits of a signal: its count (< 2^24; the host checks T); high: the call
+
+DEEPEP_HOST_DEVICE uint64_t signal_value(uint64_t seq, uint32_t count) {
+    return (seq << kCountBits) | count;
 }
 
 // Every block of my grid waits here until all of them have arrived (one launch's second part reads
@@ -261,14 +265,14 @@ DEEPEP_DEVICE int64_t wait_signal(const Tr& tr, const Common& c, int64_t off, ui
                                   const ErrorSink& sink, int peer) {
     if (rank_masked(c, peer))
         return 0;
-    if (!tr.wait_ge(off, seq << 32, deadline, sink, peer))
+    if (!tr.wait_ge(off, seq << kCountBits, deadline, sink, peer))
         return rank_masked(c, peer) ? 0 : -1;
     const uint64_t v = ld_acquire_sys(own<const uint64_t>(c, off));
-    if ((v >> 32) != seq) {
-        report_error(sink, kErrorOverrun, peer, static_cast<int>(v >> 32));
+    if ((v >> kCountBits) != seq) {
+        report_error(sink, kErrorOverrun, peer, static_cast<int>(v >> kCountBits));
         return -1;
     }
-    return static_cast<int64_t>(v & 0xffffffffull);
+    return static_cast<int64_t>(v & ((1ull << kCountBits) - 1));
 }
 
 DEEPEP_DEVICE int64_t dispatch_signal_off(const Common& c, int half, int local_expert, int src) {
