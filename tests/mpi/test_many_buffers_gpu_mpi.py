@@ -1,0 +1,62 @@
+"""Many Buffers created, used and destroyed in one process leave nothing behind on the GPU machine (issue
+20, item 3): device memory (IPC / VMM windows, NVSHMEM's heap), mapped host words, file descriptors
+(the windows' exchanged descriptors, sockets). Every rank alike, under mpirun (tests/mpi/conftest.py);
+DEEPEP_TEST_LL_TRANSPORT picks nvlink (default) or nvshmem for the low-latency window."""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import deepep_portable as deep_ep  # noqa: E402
+from test_reference_mpi import world  # noqa: E402
+
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="the windows live on a CUDA GPU")]
+TRANSPORT = os.environ.get("DEEPEP_TEST_LL_TRANSPORT", "nvlink")
+T, HIDDEN, EXPERTS = 8, 512, 16
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _cycle(pg, n: int) -> None:
+    _, num_ranks = world(pg)
+    experts = EXPERTS // num_ranks * num_ranks or num_ranks
+    nvl = deep_ep.Config().get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks, T)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, HIDDEN, num_ranks, experts)
+    for _ in range(n):
+        buf = deep_ep.Buffer(pg, nvl, rdma, low_latency_mode=True, explicitly_destroy=True, transport=TRANSPORT)
+        x = torch.randn(T, HIDDEN, device="cuda").to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(experts, device="cuda")[:2] for _ in range(T)])
+        recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=False)
+        buf.low_latency_combine(recv.clone(), idx, torch.ones(T, 2, device="cuda"), handle)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        recv_x, *_, nh, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                         num_tokens_per_expert=per_expert)
+        buf.combine(recv_x, nh)
+        torch.cuda.synchronize()
+        buf.destroy()
+        del buf, recv, handle, recv_x, nh
+    gc.collect()
+    torch.cuda.synchronize()
+    dist.barrier(group=pg)
+
+
+def test_many_buffers_leave_nothing(pg):
+    _cycle(pg, 5)   # warm-up: JIT modules, caches, lazy initialisations
+    fds, (free, _) = _open_fds(), torch.cuda.mem_get_info()
+    _cycle(pg, 100)
+    fds_after, (free_after, _) = _open_fds(), torch.cuda.mem_get_info()
+    print(f"\n[rank {dist.get_rank()}] after 100 Buffers: fds {fds} -> {fds_after}, "
+          f"free GPU memory {free >> 20} -> {free_after >> 20} MiB")
+    assert fds_after <= fds, f"file descriptors grew from {fds} to {fds_after}"
+    # other ranks share the GPU and free at their own pace: allow a little slack, never a Buffer's worth a time
+    assert free_after >= free - (256 << 20), f"free GPU memory fell from {free >> 20} to {free_after >> 20} MiB"
