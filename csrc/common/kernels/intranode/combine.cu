@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "common/kernels/bf16.cuh"
 #include "common/kernels/common.cuh"
 #include "common/kernels/intranode/protocol.cuh"
 #include "common/kernels/signal.cuh"
@@ -66,25 +67,6 @@ namespace {
 
 DEEPEP_DEVICE PeerBuffers bufs_of(const CombineParams& p) {
     return PeerBuffers{p.peer_bases, static_cast<int>(p.rank), kNumRanks};
-}
-
-DEEPEP_DEVICE void add_bf16x8(float (&acc)[8], const int4& v) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        acc[2 * i] = __fadd_rn(acc[2 * i], f.x);
-        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], f.y);
-    }
-}
-
-DEEPEP_DEVICE int4 pack_bf16x8(const float (&acc)[8]) {
-    int4 v;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    return v;
 }
 
 // send_rows[t][lane] for lanes < R (ranks beyond 32 are read directly by the caller).
