@@ -143,7 +143,10 @@ def unpack_bias(bias) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
 
 
 def capacity(ctx, op: str, num_tokens: int, layout: NormalLayout) -> None:
-    """The normal-mode buffer (num_nvl_bytes) holds `num_tokens` tokens per rank of this layout."""
+    """The normal-mode buffer (num_nvl_bytes) holds `num_tokens` tokens per rank of this layout. Over several
+    nodes the internode engine checks its own window (num_rdma_bytes) before launching; the reference needs none."""
+    if ctx.num_nodes > 1:
+        return
     room = layout.max_tokens_per_rank(ctx.num_nvl_bytes)
     if room < num_tokens:
         need = layout.buffer_bytes(num_tokens)

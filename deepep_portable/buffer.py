@@ -24,7 +24,7 @@ from .contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchAr
 from .engines.dispatch_layout import dispatch_layout, dispatch_layout_current_stream
 from .layout import NormalLayout, low_latency_rdma_size_hint
 from .topology import NodeLayout, node_layout
-from .transports import backend_class, resolve
+from .transports import backend_class, internode_normal_transports, resolve
 
 topk_idx_t = torch.int64
 _uids = itertools.count(1)
@@ -83,12 +83,14 @@ class Buffer(LowLatencyOps):
 
         self.nodes = self._node_layout(ranks_per_node, num_nvl_bytes)   # collective
         if self.nodes.num_nodes > 1 and num_nvl_bytes > 0:
-            # The internode normal mode runs on the reference transport only, so far (docs/INTERNODE.md).
+            names = internode_normal_transports()
             if transport == "auto":
+                # The internode kernels (nvshmem) have not run on a GPU yet: "auto" keeps to the oracle until
+                # they have (docs/INTERNODE.md); transport="nvshmem" asks for them.
                 transport = "reference"
-            elif transport != "reference":
-                raise ValueError(f"normal mode over {self.nodes.num_nodes} nodes (num_nvl_bytes > 0) is implemented by "
-                                 f"transport='reference' only so far, not {transport!r}")
+            elif transport not in names:
+                raise ValueError(f"normal mode over {self.nodes.num_nodes} nodes (num_nvl_bytes > 0) is implemented "
+                                 f"by transport={' / '.join(repr(n) for n in names)}, not {transport!r}")
         self.transport = resolve(transport, self.nodes.on_one_machine)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device

@@ -49,7 +49,7 @@ class Config:
         """Bytes of network buffer for normal mode over several nodes (docs/INTERNODE.md: one landing slot
         per (source node, token)); 0 when every rank is on one node. `ranks_per_node` (ours): default
         DEEPEP_PORTABLE_RANKS_PER_NODE, else DeepEP's assumption of 8 (min with num_ranks)."""
-        from .layout import internode_rdma_bytes
+        from .internode_layout import internode_rdma_bytes
         from .topology import RANKS_PER_NODE_ENV
 
         if ranks_per_node is None:

@@ -198,6 +198,7 @@ class Transport(abc.ABC):
     """One backend serving one Buffer."""
 
     name: str = "?"
+    internode_normal: bool = False   # serves normal-mode ops over several nodes (docs/INTERNODE.md)
     capabilities: Capabilities = Capabilities(peer_load_store=False, remote_atomics=False, ordered_delivery=False,
                                               max_channels=1, graph_safe=False, network="none")
 

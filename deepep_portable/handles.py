@@ -19,6 +19,16 @@ class IntranodeState(NamedTuple):
     num_recv: torch.Tensor              # [1] int32: rows received (the combine's row count)
 
 
+class InternodeState(NamedTuple):
+    """What the internode engine keeps of a dispatch for its combine and cached dispatch (device tensors on
+    the comm stream): the meta of the tokens that landed on this rank (csrc/common/kernels/internode)."""
+
+    num_recv: torch.Tensor              # [1] int32: rows received (the combine's row count)
+    landed_meta: torch.Tensor           # [M, N, P + 1] int32: per landed slot, positions at my node's ranks and token
+    landed_range: torch.Tensor          # [M, max chunks] int64: (lo << 32) | hi slots of each landed chunk
+    landed_chunks: torch.Tensor         # [M] int32: chunks of each source node's tokens that land here
+
+
 class DispatchHandle(NamedTuple):
     """Layout of one normal-mode dispatch, enough to repeat it (cached dispatch) or reverse it (combine).
 
@@ -34,7 +44,7 @@ class DispatchHandle(NamedTuple):
     num_tokens: int
     hidden: int
     buffer_uid: int
-    transport_state: Optional[IntranodeState] = None   # the kernels' extras (None: reference transport)
+    transport_state: Optional[NamedTuple] = None   # the engine's extras (Intranode/InternodeState; None: reference)
 
 
 class LowLatencyHandle(NamedTuple):

@@ -147,6 +147,59 @@ def test_nvshmem_backend_params(tmp_path):
              NVSHMEM_BUILD, nvshmem=True)
 
 
+def _internode_checks(transport_struct: type, c_transport: str, op: str, shape: dict) -> List[str]:
+    """The internode params (Common nested as `common`) and the slot / row constants the host layout repeats."""
+    from deepep_portable import internode_layout as IL
+    from deepep_portable.engines import internode
+
+    common_t, dispatch_t, combine_t = internode.params_types(transport_struct)
+    regions = IL.InternodeRegions(shape["NUM_RANKS"], shape["RANKS_PER_NODE"])
+    ns = "deepep_portable::internode"
+    checks = _asserts(c_transport, transport_struct) + _asserts(f"{ns}::Common", common_t)
+    checks += [f'static_assert({ns}::kChunkTokens == {IL.INTERNODE_CHUNK_TOKENS}, "chunk tokens");',
+               f'static_assert({ns}::kMaxChunks == {IL.INTERNODE_MAX_CHUNKS}, "max chunks");',
+               f'static_assert({ns}::kThreads == {internode.THREADS}, "threads");']
+    if op == "dispatch":
+        lay = IL.InternodeDispatchLayout(regions, shape["HIDDEN_BYTES"], shape["NUM_SCALES"], shape["NUM_TOPK"])
+        checks += _asserts("InternodeDispatchParams", dispatch_t)
+        checks += [f'static_assert({ns}::kBodyBytes == {lay.body_bytes}, "body bytes");',
+                   f'static_assert({ns}::kMetaBytes == {lay.meta_bytes}, "meta bytes");',
+                   f'static_assert({ns}::kSlotBytes == {lay.slot_bytes}, "slot bytes");']
+    else:
+        lay = IL.InternodeCombineLayout(regions, shape["HIDDEN"], shape["NUM_TOPK"])
+        checks += _asserts("InternodeCombineParams", combine_t)
+        checks += [f'static_assert({ns}::kRowBytes == {lay.row_bytes}, "row bytes");']
+    return checks
+
+
+INTERNODE_SHAPES = [("dispatch", dict(NUM_RANKS=16, RANKS_PER_NODE=8, HIDDEN_BYTES=7168, NUM_SCALES=56, NUM_TOPK=8)),
+                    ("dispatch", dict(NUM_RANKS=6, RANKS_PER_NODE=1, HIDDEN_BYTES=4096 * 2, NUM_SCALES=0, NUM_TOPK=0)),
+                    ("dispatch", dict(NUM_RANKS=8, RANKS_PER_NODE=2, HIDDEN_BYTES=2560, NUM_SCALES=20, NUM_TOPK=9)),
+                    ("combine", dict(NUM_RANKS=16, RANKS_PER_NODE=8, HIDDEN=7168, NUM_TOPK=8)),
+                    ("combine", dict(NUM_RANKS=144, RANKS_PER_NODE=72, HIDDEN=1280, NUM_TOPK=0))]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("op,shape", INTERNODE_SHAPES)
+def test_internode_params_and_sm90_compile(tmp_path, op, shape):
+    """The internode kernels compile for sm_90 for every backend build that can carry them (nvshmem; the
+    nvlink build too: the kernels use nothing beyond the contract) and their params / layout constants
+    match the host's."""
+    from deepep_portable.engines import internode
+
+    source = internode.DISPATCH_SOURCE if op == "dispatch" else internode.COMBINE_SOURCE
+    c_nvlink = "deepep_portable::transport::NvlinkTransport"
+    _compile(tmp_path, source, _internode_checks(NvlinkTransportParams, c_nvlink, op, shape), shape,
+             nvlink_build(True))
+    if libraries.nvshmem_info().get("include_dir"):
+        from deepep_portable.transports.nvshmem.abi import NvshmemTransportParams
+        from deepep_portable.transports.nvshmem.window import NVSHMEM_BUILD
+
+        c_nvshmem = "deepep_portable::transport::NvshmemTransport"
+        _compile(tmp_path, source, _internode_checks(NvshmemTransportParams, c_nvshmem, op, shape), shape,
+                 NVSHMEM_BUILD, nvshmem=True)
+
+
 # ---- records and constants ----------------------------------------------------------------------------
 
 def _read(rel: str) -> str:

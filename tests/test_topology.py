@@ -53,33 +53,6 @@ def test_internode_handle_entries():
     assert unpacked[6] is h.recv_gbl_rank_prefix_sum
 
 
-@pytest.mark.parametrize("ranks,per_node,hidden_bytes,scales,topk,tokens", [
-    (16, 8, 7168, 56, 8, 4096), (16, 8, 7168 * 2, 0, 8, 4096), (8, 2, 4096, 32, 9, 1000), (6, 1, 256, 0, 1, 3),
-    (144, 72, 7168, 56, 8, 512)])
-def test_internode_layout_regions(ranks, per_node, hidden_bytes, scales, topk, tokens):
-    from deepep_portable import layout as L
-
-    lay = L.InternodeLayout(ranks, per_node, hidden_bytes, scales, topk, tokens, channels=4)
-    m = lay.num_nodes
-    regions = [("count signals", lay.count_signals_offset, 8 * ranks),
-               ("dispatch arrivals", lay.dispatch_arrivals_offset, 8 * m * 4),
-               ("combine arrivals", lay.combine_arrivals_offset, 8 * m * 4),
-               ("count matrix", lay.count_matrix_offset, 4 * ranks * ranks),
-               ("dispatch landing", lay.dispatch_landing_offset, m * tokens * lay.dispatch_slot),
-               ("combine landing", lay.combine_landing_offset, m * tokens * lay.combine_row),
-               ("dispatch staging", lay.dispatch_staging_offset, tokens * lay.dispatch_slot),
-               ("combine staging", lay.combine_staging_offset, m * tokens * lay.combine_row)]
-    assert regions[0][1] >= 256   # after the control words
-    for (a, off_a, n_a), (b, off_b, _) in zip(regions, regions[1:]):
-        assert off_a + n_a <= off_b, f"{a} overlaps {b}"
-    assert regions[-1][1] + regions[-1][2] <= lay.rdma_bytes
-    assert all(off % 8 == 0 for _, off, _ in regions[:3]) and all(off % 16 == 0 for _, off, _ in regions[3:])
-    # a slot holds the payload, the scales, top-k ids and weights, the destination mask and the source token
-    assert lay.dispatch_slot % 16 == 0
-    assert lay.dispatch_slot >= hidden_bytes + 4 * scales + 8 * topk + 4 * ((per_node + 31) // 32) + 4
-    assert lay.nvl_bytes >= ranks * tokens * lay.combine_row
-
-
 def test_rdma_size_hint():
     import deepep_portable as deep_ep
 

@@ -55,5 +55,17 @@ def backend_class(name: str) -> Type[Transport]:
     return getattr(importlib.import_module(row.module, __package__), row.cls)
 
 
+def internode_normal_transports() -> list:
+    """Names of the backends that serve normal-mode ops over several nodes (whether usable here or not)."""
+    names = []
+    for backend in registry.BACKENDS:
+        try:
+            if backend.module is not None and backend_class(backend.name).internode_normal:
+                names.append(backend.name)
+        except Exception:   # a backend that does not import here is not one
+            pass
+    return names
+
+
 __all__ = ["BufferContext", "Capabilities", "Transport", "TransportStatus", "TRANSPORT_NAMES", "available_transports",
-           "resolve", "backend_class"]
+           "resolve", "backend_class", "internode_normal_transports"]

@@ -1,7 +1,9 @@
 """KernelTransport: a backend whose ops run this package's kernels.
 
-Normal-mode ops run the intranode kernels over CUDA IPC (engines/intranode.py; every rank on one
-node) whatever the backend. Low-latency ops run the kernels written against the transport contract
+Normal-mode ops run the intranode kernels over CUDA IPC (engines/intranode.py) when every rank is on
+one node, whatever the backend; over several nodes, the internode kernels (engines/internode.py) on a
+window of the backend (`make_ll_window`, with a peer table limited to the node: a backend whose window
+has no network path refuses). Low-latency ops run the kernels written against the transport contract
 (engines/low_latency.py) on a window the backend makes (`make_ll_window`): that window decides where
 the bytes live, how the kernels are built for the backend (its device header and Transport struct) and
 what the kernels receive. So a backend is a window, a Capabilities record and a probe; nothing here
@@ -18,9 +20,10 @@ import torch
 
 from ..contract import (BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult,
                         LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult, Transport)
+from ..engines.internode import InternodeEngine
 from ..engines.intranode import IntranodeEngine
 from ..engines.low_latency import LowLatencyEngine
-from ..handles import IntranodeState, LowLatencyHandle
+from ..handles import InternodeState, IntranodeState, LowLatencyHandle
 from ..windows.base import Window
 from .reference import ReferenceTransport
 
@@ -41,9 +44,17 @@ class KernelTransport(Transport):
         # Every rank passes the same sizes and environment, so all ranks take the same branches of these
         # collective set-ups. A Buffer with num_nvl_bytes=0 has no normal-mode buffer (Buffer rejects
         # normal-mode calls on it with the size they need).
-        self.normal_engine = IntranodeEngine(ctx) if ctx.num_nvl_bytes > 0 else None
+        self.normal_engine = None
+        if ctx.num_nvl_bytes > 0:
+            if ctx.num_nodes > 1:
+                self.normal_engine = InternodeEngine(ctx, self.make_ll_window, self.capabilities.max_channels)
+            else:
+                self.normal_engine = IntranodeEngine(ctx)
         self.ll_engine: Optional[LowLatencyEngine] = None
-        if ctx.num_rdma_bytes > 0 and low_latency_kernels_enabled():
+        # Over several nodes the network window belongs to the internode engine unless the Buffer is made
+        # for low-latency ops too (then each engine has its own window of num_rdma_bytes).
+        wants_ll = ctx.num_nodes == 1 or ctx.low_latency_mode or ctx.num_nvl_bytes == 0
+        if ctx.num_rdma_bytes > 0 and low_latency_kernels_enabled() and wants_ll:
             try:
                 self.ll_engine = LowLatencyEngine(ctx, self.make_ll_window)
             except BaseException:
@@ -59,7 +70,7 @@ class KernelTransport(Transport):
         return self.normal_engine.dispatch(args)
 
     def cached_dispatch(self, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if not isinstance(args.handle.transport_state, IntranodeState):
+        if not isinstance(args.handle.transport_state, (IntranodeState, InternodeState)):
             raise ValueError(f"handle was not produced by the {self.name} transport")
         return self.normal_engine.cached_dispatch(args)
 

@@ -111,6 +111,8 @@ def _done(device: torch.device) -> None:
 class ReferenceTransport(Transport):
     """Pure torch.distributed implementation of every op (see the module docstring)."""
 
+    internode_normal = True
+
     name = "reference"
     # torch.distributed collectives staged through the host: no peer pointers, not capturable.
     capabilities = Capabilities(peer_load_store=False, remote_atomics=False, ordered_delivery=True, max_channels=1,

@@ -98,6 +98,13 @@ class Window:
         the contract receive in their params."""
         raise NotImplementedError(f"{type(self).__name__} carries no transport")
 
+    def node_transport_params(self, node_ranks) -> ctypes.Structure:
+        """transport_params() whose peer table keeps load/store addresses for `node_ranks` only (the
+        internode kernels: every other rank through the transport's network path, also between logical
+        nodes of one machine). A window that reaches peers by load/store alone cannot."""
+        raise NotImplementedError(f"{type(self).__name__} reaches its peers by load/store only: it has no network "
+                                  f"path for ranks of another node")
+
     def _cap_blocks(self, my_uuid: str, peer_uuids) -> None:
         # Spinning blocks of every rank must be resident at once: ranks that share a GPU split its SMs.
         sharing = sum(1 for u in peer_uuids if u == my_uuid)

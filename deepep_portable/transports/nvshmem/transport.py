@@ -29,6 +29,7 @@ from .window import NVSHMEM_BUILD, NvshmemWindow
 
 class NvshmemTransport(KernelTransport):
     name = "nvshmem"
+    internode_normal = True   # its window reaches other nodes by NVSHMEM puts (engines/internode.py)
     # backends/nvshmem/device.cuh: peer load/store is known only at run time (nvshmem_ptr per PE)
     capabilities = Capabilities(peer_load_store=False, remote_atomics=True, ordered_delivery=False, max_channels=1,
                                 graph_safe=True, network="other")

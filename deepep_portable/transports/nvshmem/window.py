@@ -59,6 +59,7 @@ class NvshmemWindow(Window):
         self.errors = MappedWords(self.dev, ERROR_WORDS)
         self._params = NvshmemTransportParams(self.base, self.rt.my_pe, self.rt.n_pes, self.peer_bases.data_ptr())
         self._modules: Dict[Tuple, object] = {}
+        self._node_tables: list = []
         torch.cuda.synchronize(self.dev)
         self.rt.barrier_all()   # every PE's window is zeroed before any kernel runs
 
@@ -74,6 +75,16 @@ class NvshmemWindow(Window):
 
     def transport_params(self) -> NvshmemTransportParams:
         return self._params
+
+    def node_transport_params(self, node_ranks) -> NvshmemTransportParams:
+        """The struct with load/store addresses for `node_ranks` only: every other PE through NVSHMEM's puts
+        (device.cuh takes the load/store path only where peer_bases has an address), even when
+        nvshmem_ptr would map it (logical nodes on one machine)."""
+        keep = set(node_ranks)
+        bases = [b if pe in keep else 0 for pe, b in enumerate(self.bases)]
+        table = torch.tensor(bases, dtype=torch.int64, device=self.ctx.device)
+        self._node_tables.append(table)   # the struct holds its address: keep it alive with the window
+        return NvshmemTransportParams(self.base, self.rt.my_pe, self.rt.n_pes, table.data_ptr())
 
     def close(self) -> None:
         """Collective: wait until no PE can still touch this window, then free it (the runtime stays)."""

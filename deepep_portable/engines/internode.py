@@ -1,0 +1,286 @@
+"""Host side of the internode normal mode: ranks on several nodes (docs/INTERNODE.md; device protocol in
+csrc/common/kernels/internode/protocol.cuh, byte layout in internode_layout.py).
+
+`InternodeEngine` owns one window per rank made by the transport (`num_rdma_bytes`; the same kind of
+window the low-latency engine stands on), the table of its node's window bases (the only load/store
+addresses the kernels get), and the launch sequence of each op. The transport's struct is filled with a
+peer table that has no rank of another node (Window.node_transport_params), so every byte between nodes
+goes through the transport's put / signal, also between logical nodes of one machine.
+
+Dispatch: exchange_counts, send_tokens, forward_arrivals are launched at once; the host waits for the
+receive count (published by exchange_counts through mapped memory) unless the caller knows it
+(num_worst_tokens, cached dispatch: then the op is capturable), allocates the outputs and launches the
+pull (`dispatch`). Combine: stage_expert_rows, reduce_node_rows, combine. Everything runs on the
+Buffer's comm stream; outputs are allocated on the current stream (Buffer._op orders the two).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from .. import internode_layout as IL
+from .. import jit
+from ..contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult
+from ..errors import CommTimeoutError
+from ..handles import DispatchHandle, InternodeState
+from ..windows.base import MappedWords, Window
+from .base import Engine
+from .launch import launch, params_struct, ptr, stream_handle
+
+DISPATCH_SOURCE = "common/kernels/internode/dispatch.cu"
+COMBINE_SOURCE = "common/kernels/internode/combine.cu"
+THREADS = 512   # kThreads in internode/protocol.cuh
+# Launch order of each op; only the kernel named after the op moves its data to the caller.
+DISPATCH_KERNELS = tuple(jit.kernel_symbol(f"deepep_portable::internode::{k}", "InternodeDispatchParams")
+                         for k in ("exchange_counts", "send_tokens", "forward_arrivals", "dispatch"))
+COMBINE_KERNELS = tuple(jit.kernel_symbol(f"deepep_portable::internode::{k}", "InternodeCombineParams")
+                        for k in ("stage_expert_rows", "reduce_node_rows", "combine"))
+
+_COMMON = ["node_bases", "local_base", "rank", "ctrl_round", "ctrl_current", "hs_offset", "arrive_offset",
+           "forward_offset", "range_offset", "combine_arrive_offset", "staged_offset", "counts_offset",
+           "count_out_offset", "count_words", "data_offset", "max_tokens", "num_channels", "error_claim",
+           "error_host", "timeout_ns"]
+_DISPATCH = ["landing_offset", "staging_offset", "meta_staging_offset", "num_experts", "expert_alignment", "x",
+             "x_scales", "scale_token_stride", "scale_hidden_stride", "topk_idx", "topk_weights", "is_token_in_rank",
+             "num_tokens_per_expert", "num_tokens", "send_pos", "node_pos", "chunk_end", "rank_prefix_matrix",
+             "num_recv_out", "landed_meta", "landed_range", "landed_chunks", "send_rows", "host_out", "recv_x",
+             "recv_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "max_recv_rows"]
+_COMBINE = ["landing_offset", "partial_offset", "staging_offset", "max_rows", "x", "topk_weights", "num_recv",
+            "rank_prefix_matrix", "landed_meta", "landed_range", "landed_chunks", "meta_tokens", "is_token_in_rank",
+            "num_tokens", "bias_0", "bias_1", "out", "out_topk_weights"]
+
+
+@functools.lru_cache(maxsize=None)
+def params_types(transport_struct: type) -> Tuple[type, type, type]:
+    """(Common, InternodeDispatchParams, InternodeCombineParams) mirrors for kernels built for the backend
+    whose Transport struct `transport_struct` mirrors."""
+    common = params_struct("Common", [("transport", transport_struct), *_COMMON])
+    return (common, params_struct("InternodeDispatchParams", [("common", common), *_DISPATCH]),
+            params_struct("InternodeCombineParams", [("common", common), *_COMBINE]))
+
+
+def kernel_defines(num_ranks: int, ranks_per_node: int, **shape) -> dict:
+    return {"NUM_RANKS": num_ranks, "RANKS_PER_NODE": ranks_per_node, **shape}
+
+
+class InternodeEngine(Engine):
+    def __init__(self, ctx: BufferContext, make_window: Callable[[BufferContext, int], Window],
+                 channels: int = 1) -> None:
+        """make_window(ctx, nbytes): the transport's window (collective), all zero. `channels`: how many the
+        transport has (Capabilities.max_channels): a (node, chunk) pair's traffic takes channel
+        (node * max chunks + chunk) mod channels."""
+        P, R = ctx.ranks_per_node, ctx.num_ranks
+        self.ctx, self.rank, self.num_ranks, self.ranks_per_node = ctx, ctx.rank, R, P
+        self.regions = IL.InternodeRegions(R, P)
+        if ctx.num_rdma_bytes <= self.regions.data_offset:
+            raise ValueError(f"normal mode over {R // P} nodes needs num_rdma_bytes > {self.regions.data_offset} "
+                             f"(Config.get_rdma_buffer_size_hint), got {ctx.num_rdma_bytes}")
+        self.base: Optional[int] = None
+        self.window = make_window(ctx, ctx.num_rdma_bytes)
+        try:
+            node = self.rank // P
+            node_ranks = list(range(node * P, node * P + P))
+            missing = [r for r in node_ranks if self.window.bases[r] == 0]
+            if missing:
+                raise RuntimeError(f"ranks {missing} of node {node} (ranks_per_node={P}) are not reachable by "
+                                   f"load/store from rank {self.rank}: a node must be one NVLink domain")
+            # Raises for a window whose transport has no path but load/store (it could not keep nodes apart).
+            self.transport = self.window.node_transport_params(node_ranks)
+            self.node_bases = torch.tensor([self.window.bases[r] for r in node_ranks], dtype=torch.int64,
+                                           device=ctx.device)
+        except BaseException:
+            self.window.close()
+            raise
+        self.base, self.dev, self.errors = self.window.base, self.window.dev, self.window.errors
+        self.common_t, self.dispatch_t, self.combine_t = params_types(type(self.transport))
+        self.notify = MappedWords(self.dev, 2 + IL.INTERNODE_MAX_LOCAL_EXPERTS)
+        self.channels = max(1, int(channels))
+
+    # ---- shared ----------------------------------------------------------------------------------
+    def _common(self, max_tokens: int):
+        g = self.regions
+        c = self.common_t()
+        c.transport = self.transport
+        c.node_bases, c.local_base, c.rank = self.node_bases.data_ptr(), self.base, self.rank
+        c.ctrl_round, c.ctrl_current = IL.CTRL_ROUND, IL.CTRL_CURRENT
+        for name in ("hs_offset", "arrive_offset", "forward_offset", "range_offset", "combine_arrive_offset",
+                     "staged_offset", "counts_offset", "count_out_offset", "count_words", "data_offset"):
+            setattr(c, name, getattr(g, name))
+        c.max_tokens, c.num_channels = max_tokens, self.channels
+        c.error_claim, c.error_host = self.base + IL.CTRL_ERROR, self.errors.dev
+        c.timeout_ns = int(self.ctx.timeout_s * 1e9)
+        return c
+
+    def _kernels(self, source: str, names, defines: dict) -> tuple:
+        return tuple(self.window.kernel(source, name, defines) for name in names)
+
+    def grid(self, num_sms: int) -> int:
+        return self.window.grid(num_sms)
+
+    def _wait_notify(self, op: str) -> int:
+        """Spin until exchange_counts published the receive count, a kernel reported an error, or the
+        timeout passed."""
+        deadline = time.monotonic() + self.ctx.timeout_s + 5.0
+        w = self.notify.words
+        while w[0] == 0:
+            if self.errors.words[0] != 0:
+                self.check()
+            if time.monotonic() > deadline:
+                self.broken = (f"{op} timed out on rank {self.rank}: the GPU did not report the receive count "
+                               f"within {self.ctx.timeout_s:g} s (kernel never ran?)")
+                raise CommTimeoutError(op, self.rank, -1, -1, self.ctx.timeout_s)
+        self.check()
+        return w[1]
+
+    def _need(self, what: str, tokens: int, room: int, hint: str) -> None:
+        if tokens > room:
+            raise ValueError(f"{what} of {tokens} tokens per rank needs a larger buffer: num_rdma_bytes="
+                             f"{self.ctx.num_rdma_bytes} holds {room} for this shape over "
+                             f"{self.regions.num_nodes} nodes; {hint}")
+
+    # ---- dispatch ---------------------------------------------------------------------------------
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        return self._dispatch(args.x, args.x_scales, args.num_sms, fresh=args)
+
+    def cached_dispatch(self, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if not isinstance(args.handle.transport_state, InternodeState):
+            raise ValueError("handle was not produced by this Buffer's internode dispatch")
+        res = self._dispatch(args.x, args.x_scales, args.num_sms, handle=args.handle)
+        return res.recv_x, res.recv_x_scales
+
+    def _dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_sms: int,
+                  fresh: Optional[DispatchArgs] = None, handle: Optional[DispatchHandle] = None) -> DispatchResult:
+        self.check()
+        R, P, M = self.num_ranks, self.ranks_per_node, self.regions.num_nodes
+        T, hidden = x.shape
+        cached = handle is not None
+        topk = 0 if cached or fresh.topk_idx is None else fresh.topk_idx.size(1)
+        num_scales = 0 if x_scales is None else x_scales.size(1)
+        num_experts = R if cached else fresh.num_experts
+        if num_experts // R > IL.INTERNODE_MAX_LOCAL_EXPERTS:
+            raise ValueError(f"internode dispatch supports up to {IL.INTERNODE_MAX_LOCAL_EXPERTS} experts per rank, "
+                             f"got {num_experts // R}")
+        lay = IL.InternodeDispatchLayout(self.regions, hidden * x.element_size(), num_scales, topk)
+        N = lay.max_tokens(self.ctx.num_rdma_bytes)
+        self._need("dispatch", T, N, "Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, tokens) says how much")
+        kernels = self._kernels(DISPATCH_SOURCE, DISPATCH_KERNELS, kernel_defines(
+            R, P, HIDDEN_BYTES=lay.hidden_bytes, NUM_SCALES=num_scales, NUM_TOPK=topk))
+
+        in_rank = handle.is_token_in_rank if cached else fresh.is_token_in_rank
+        dev, comm = self.ctx.device, self.ctx.comm_stream
+        chunks = -(-T // IL.INTERNODE_CHUNK_TOKENS)
+        with torch.cuda.stream(comm):   # only comm-stream kernels write these
+            i32 = torch.empty(2 * T * R + T * M + chunks * M + R * R + 1 + M + M * N * (P + 1), dtype=torch.int32,
+                              device=dev)
+            landed_range = torch.empty(M, IL.INTERNODE_MAX_CHUNKS, dtype=torch.int64, device=dev)
+        views, at = [], 0
+        for n in (T * R, T * R, T * M, chunks * M, R * R, 1, M, M * N * (P + 1)):
+            views.append(i32[at:at + n])
+            at += n
+        send_pos, send_rows, node_pos, chunk_end, rank_prefix, num_recv_dev, landed_chunks, landed_meta = views
+
+        p = self.dispatch_t()
+        p.common = self._common(N)
+        p.landing_offset, p.staging_offset, p.meta_staging_offset = (
+            lay.landing_offset(N), lay.staging_offset(N), lay.meta_staging_offset(N))
+        p.num_experts, p.expert_alignment = num_experts, 1 if cached else fresh.expert_alignment
+        p.x, p.x_scales = x.data_ptr(), ptr(x_scales)
+        if x_scales is not None:   # any strides (column-major scales are read in place)
+            p.scale_token_stride, p.scale_hidden_stride = x_scales.stride()
+        p.topk_idx = 0 if cached else ptr(fresh.topk_idx)
+        p.topk_weights = 0 if cached else ptr(fresh.topk_weights)
+        p.is_token_in_rank = in_rank.data_ptr()
+        p.num_tokens_per_expert = 0 if cached else fresh.num_tokens_per_expert.data_ptr()
+        p.num_tokens = T
+        p.send_pos, p.node_pos, p.chunk_end = send_pos.data_ptr(), node_pos.data_ptr(), chunk_end.data_ptr()
+        p.rank_prefix_matrix, p.num_recv_out = rank_prefix.data_ptr(), num_recv_dev.data_ptr()
+        p.landed_meta, p.landed_range, p.landed_chunks = (landed_meta.data_ptr(), landed_range.data_ptr(),
+                                                          landed_chunks.data_ptr())
+        p.send_rows = send_rows.data_ptr()
+        num_worst = 0 if cached else fresh.num_worst_tokens
+        learn_count = not cached and num_worst == 0
+        if learn_count:
+            self.notify.words[0] = 0
+            p.host_out = self.notify.dev
+        s, grid = stream_handle(comm), self.grid(num_sms)
+        for k in kernels[:3]:
+            launch(k, grid, THREADS, p, s)
+
+        counts: List[int] = []
+        if cached:
+            rows, num_recv = handle.num_recv_rows, handle.num_recv_tokens
+        elif num_worst > 0:
+            rows, num_recv = num_worst, -1
+        else:
+            num_recv = rows = self._wait_notify("dispatch")
+            counts = list(self.notify.words[2:2 + num_experts // R])
+        recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
+        recv_scales = None if x_scales is None else torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
+        recv_idx = recv_w = None
+        if topk:
+            recv_idx = torch.empty(rows, topk, dtype=torch.int64, device=dev)
+            recv_w = torch.empty(rows, topk, dtype=torch.float32, device=dev)
+        recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        p.recv_x, p.recv_scales, p.recv_topk_idx, p.recv_topk_weights, p.recv_src_idx = (
+            recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w), recv_src.data_ptr())
+        p.max_recv_rows, p.host_out = rows, 0
+        launch(kernels[3], grid, THREADS, p, s)
+        if cached:
+            return DispatchResult(recv_x, recv_scales, None, None, [], handle)
+        state = InternodeState(num_recv=num_recv_dev, landed_meta=landed_meta.view(M, N, P + 1),
+                               landed_range=landed_range, landed_chunks=landed_chunks)
+        new_handle = DispatchHandle(
+            rank_prefix_matrix=rank_prefix.view(R, R), recv_src_idx=recv_src, is_token_in_rank=in_rank,
+            send_rows=send_rows.view(T, R), num_recv_tokens=num_recv, num_recv_rows=rows, num_tokens=T, hidden=hidden,
+            buffer_uid=self.ctx.uid, transport_state=state)
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts, new_handle)
+
+    # ---- combine ----------------------------------------------------------------------------------
+    def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        x, handle, topk_weights = args.x, args.handle, args.topk_weights
+        state = handle.transport_state
+        if not isinstance(state, InternodeState):
+            raise ValueError("handle was not produced by this Buffer's internode dispatch")
+        self.check()
+        R, P = self.num_ranks, self.ranks_per_node
+        hidden = x.size(1)
+        topk = 0 if topk_weights is None else topk_weights.size(1)
+        lay = IL.InternodeCombineLayout(self.regions, hidden, topk)
+        N = lay.max_tokens(self.ctx.num_rdma_bytes)
+        self._need("combine", handle.num_tokens, N, "Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, tokens)")
+        max_rows = lay.max_rows(N, self.ctx.num_rdma_bytes)
+        if handle.num_recv_rows > max_rows:
+            raise ValueError(f"combine of {handle.num_recv_rows} rows needs a larger buffer: num_rdma_bytes="
+                             f"{self.ctx.num_rdma_bytes} stages at most {max_rows} rows of this shape")
+        kernels = self._kernels(COMBINE_SOURCE, COMBINE_KERNELS, kernel_defines(R, P, HIDDEN=hidden, NUM_TOPK=topk))
+        p = self.combine_t()
+        p.common = self._common(N)
+        p.landing_offset, p.partial_offset, p.staging_offset = (lay.landing_offset(N), lay.partial_offset(N),
+                                                                lay.staging_offset(N))
+        p.max_rows = max_rows
+        p.x, p.topk_weights, p.num_recv = x.data_ptr(), ptr(topk_weights), state.num_recv.data_ptr()
+        p.rank_prefix_matrix = handle.rank_prefix_matrix.data_ptr()
+        p.landed_meta, p.landed_range, p.landed_chunks = (state.landed_meta.data_ptr(), state.landed_range.data_ptr(),
+                                                          state.landed_chunks.data_ptr())
+        p.meta_tokens = state.landed_meta.size(1)
+        p.is_token_in_rank, p.num_tokens = handle.is_token_in_rank.data_ptr(), handle.num_tokens
+        p.bias_0, p.bias_1 = ptr(args.bias_0), ptr(args.bias_1)
+        out = torch.empty(handle.num_tokens, hidden, dtype=torch.bfloat16, device=x.device)
+        out_w = None if topk == 0 else torch.empty(handle.num_tokens, topk, dtype=torch.float32, device=x.device)
+        p.out, p.out_topk_weights = out.data_ptr(), ptr(out_w)
+        s, grid = stream_handle(self.ctx.comm_stream), self.grid(args.num_sms)
+        for k in kernels:
+            launch(k, grid, THREADS, p, s)
+        return out, out_w
+
+    def destroy(self) -> None:
+        if self.base is None:
+            return
+        try:
+            self.window.close()
+        finally:
+            self.notify.free()
+            self.base = None
