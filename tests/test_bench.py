@@ -17,7 +17,9 @@ def run(*args, timeout=600):
 
 
 @pytest.mark.parametrize("mode,ops", [("normal", ("layout", "dispatch", "combine")),
-                                      ("low_latency", ("ll_dispatch", "ll_combine"))])
+                                      ("low_latency", ("ll_dispatch", "ll_combine")),
+                                      ("internode", ("dispatch", "combine", "dispatch:net", "dispatch:nvl",
+                                                     "combine:net", "combine:nvl"))])
 def test_bench_runs_checks_and_prints_the_ceiling(mode, ops):
     r = run("bench", "--mode", mode, "--ranks", "2", "--tokens", "8", "16", "--hidden", "256",
             "--topk", "2", "--experts", "8", "--warmup", "0", "--iters", "1", "--no-progress")

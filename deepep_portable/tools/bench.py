@@ -97,12 +97,38 @@ def _dispatch_row_bytes(hidden: int, fp8: bool) -> int:
     return hidden + hidden // 128 * 4 if fp8 else hidden * 2
 
 
+def _identity_round_trip(x: torch.Tensor, in_rank: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    """What combine returns when every expert hands its rows back unchanged: x once per destination rank,
+    summed as the oracle does (over nodes: a bf16 partial per node, node ascending)."""
+    if not ranks_per_node:
+        return (x.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
+    per_node = in_rank.view(in_rank.size(0), -1, ranks_per_node).sum(2).float()
+    acc = torch.zeros_like(x, dtype=torch.float32)
+    for m in range(per_node.size(1)):
+        acc += (x.float() * per_node[:, m:m + 1]).to(torch.bfloat16).float()
+    return acc.to(torch.bfloat16)
+
+
+def _internode_rows(in_rank: torch.Tensor, rank: int, ranks_per_node: int):
+    """(rows my tokens put on the network: one per other destination node, rows my node's ranks pull over
+    NVLink for my tokens: one per destination rank)."""
+    nodes = in_rank.view(in_rank.size(0), -1, ranks_per_node).any(2)
+    net = int(nodes.sum()) - int(nodes[:, rank // ranks_per_node].sum())
+    return net, int(in_rank.sum())
+
+
 def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: int, rows: List[Row]) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     gen = torch.Generator().manual_seed(1000 * rank + tokens)
     hidden, topk, experts = cfg.hidden, cfg.topk, cfg.experts
     nvl_bytes = Config().get_nvl_buffer_size_hint(hidden * 2, world, tokens)
-    buf = Buffer(group, nvl_bytes, 0, transport=cfg.transport)
+    per_node = 0
+    if cfg.mode == "internode":   # logical nodes of --ranks-per-node ranks (default: two nodes)
+        per_node = cfg.ranks_per_node or max(1, world // 2)
+        rdma = Config().get_rdma_buffer_size_hint(hidden * 2, world, tokens, ranks_per_node=per_node)
+        buf = Buffer(group, nvl_bytes, rdma, transport=cfg.transport, ranks_per_node=per_node)
+    else:
+        buf = Buffer(group, nvl_bytes, 0, transport=cfg.transport)
     with start_line(buf, cfg):
         x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
         topk_idx = _random_topk(tokens, experts, topk, device, gen)
@@ -127,7 +153,7 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
             if cfg.fp8 else recv_x
         combined, _, _ = buf.combine(combine_in, handle)
         ref_src = (x_in[0].float() * x_in[1].repeat_interleave(128, dim=1)).to(torch.bfloat16) if cfg.fp8 else x
-        expected = (ref_src.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
+        expected = _identity_round_trip(ref_src, in_rank, per_node)
         if not torch.equal(combined, expected):
             bad = (combined != expected).any(1).nonzero().flatten()[:5].tolist()
             raise AssertionError(f"rank {rank}: combine differs from the oracle at tokens {bad}")
@@ -153,9 +179,17 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
         print_profile(buf.backend.engine("normal"), rank, tokens)
         prec = "fp8" if cfg.fp8 else "bf16"
         c_layout = copy_ceiling(layout_bytes, device, cfg, group, _blocks(buf), 1, False)
-        _add_rows(rows, buf, cfg, tokens, (("layout", t_layout, c_layout, layout_bytes, "int64"),
-                                           ("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
-                                           ("combine", t_combine, c_combine, combine_bytes, "bf16")))
+        measured = [("layout", t_layout, c_layout, layout_bytes, "int64"),
+                    ("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
+                    ("combine", t_combine, c_combine, combine_bytes, "bf16")]
+        if per_node:   # DeepEP's two bandwidths: rows that cross the network once per node, and NVLink rows
+            net_rows, nvl_rows = _internode_rows(in_rank, rank, per_node)
+            for op, t, nbytes_row, p in (("dispatch", t_dispatch, row_bytes, prec), ("combine", t_combine, hidden * 2,
+                                                                                     "bf16")):
+                for part, n in (("net", net_rows), ("nvl", nvl_rows)):
+                    c = copy_ceiling(n * nbytes_row, device, cfg, group, _blocks(buf), 1, False)
+                    measured.append((f"{op}:{part}", t, c, n * nbytes_row, p))
+        _add_rows(rows, buf, cfg, tokens, measured)
         if cfg.baseline:
             _add_baseline_rows(rows, cfg, tokens, matrix, rank, group, device,
                                (("a2a_dispatch", True, row_bytes, dispatch_bytes, c_dispatch, prec),
@@ -265,7 +299,7 @@ def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
         except ImportError:
             pass
     for tokens in progress:
-        (bench_normal if cfg.mode == "normal" else bench_low_latency)(rank, world, group, cfg, tokens, rows)
+        (bench_low_latency if cfg.mode == "low_latency" else bench_normal)(rank, world, group, cfg, tokens, rows)
         if cfg.compare and cfg.mode == "normal":
             compare.bench_peer_normal(cfg.compare, rank, world, group, cfg, tokens, rows, Row, _random_topk)
     if rank == 0:
@@ -327,7 +361,9 @@ def plot(rows: List[Row], path: str, world: int) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     gpu = torch.cuda.is_available()
-    p.add_argument("--mode", choices=["normal", "low_latency"], default="normal")
+    p.add_argument("--mode", choices=["normal", "low_latency", "internode"], default="normal",
+                   help="internode: normal mode over logical nodes of --ranks-per-node ranks (docs/INTERNODE.md)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="internode mode: ranks per node (default: half)")
     p.add_argument("--ranks", type=int, default=4, help="local ranks to spawn (ignored under torchrun/mpirun)")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="tokens per rank, several values make a sweep (default: GPU 512 4096, CPU 64 256)")
