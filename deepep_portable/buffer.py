@@ -350,10 +350,16 @@ class Buffer(LowLatencyOps):
         with self._op(previous_event, async_finish, allocate_on_comm_stream, result):
             res = backend.dispatch(args)
             result += [res.recv_x, res.recv_x_scales, res.recv_topk_idx, res.recv_topk_weights]
+            handle = res.handle
+            if self.nodes.num_nodes > 1:
+                # DeepEP's internode handle (its positions), holding ours. Computed on the comm stream, after
+                # the kernels that write what it reads (async_finish: nobody waits for them in between).
+                on_comm = torch.cuda.stream(self._comm_stream) if self._comm_stream is not None else \
+                    contextlib.nullcontext()
+                with on_comm:
+                    handle = InternodeHandle(handle, self.nodes.ranks_per_node, self.rank)
+                result.append(handle)
         out_x = (res.recv_x, res.recv_x_scales) if x_scales is not None else res.recv_x
-        handle = res.handle
-        if self.nodes.num_nodes > 1:   # DeepEP's internode handle (its positions), holding ours
-            handle = InternodeHandle(handle, self.nodes.ranks_per_node, self.rank)
         return (out_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
                 handle, result[0])
 

@@ -205,6 +205,8 @@ class InternodeEngine(Engine):
         if learn_count:
             self.notify.words[0] = 0
             p.host_out = self.notify.dev
+        # Rows fixed up front (num_worst_tokens, a cached handle): exchange_counts checks them on every rank.
+        p.max_recv_rows = handle.num_recv_rows if cached else num_worst
         s, grid = stream_handle(comm), self.grid(num_sms)
         for k in kernels[:3]:
             launch(k, grid, THREADS, p, s)
@@ -223,9 +225,9 @@ class InternodeEngine(Engine):
         if topk:
             recv_idx = torch.empty(rows, topk, dtype=torch.int64, device=dev)
             recv_w = torch.empty(rows, topk, dtype=torch.float32, device=dev)
-        recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        recv_src = None if cached else torch.empty(rows, dtype=torch.int32, device=dev)   # a handle field
         p.recv_x, p.recv_scales, p.recv_topk_idx, p.recv_topk_weights, p.recv_src_idx = (
-            recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w), recv_src.data_ptr())
+            recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w), ptr(recv_src))
         p.max_recv_rows, p.host_out = rows, 0
         launch(kernels[3], grid, THREADS, p, s)
         if cached:

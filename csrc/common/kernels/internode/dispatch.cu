@@ -86,6 +86,15 @@ DEEPEP_DEVICE void publish_counts(const InternodeDispatchParams& p, uint64_t n) 
             count += counts_of(c, n, s)[kCountExpertsAt + e];
         p.host_out[2 + e] = align_up<int>(count, static_cast<int>(p.expert_alignment));
     }
+    // num_worst_tokens / a cached handle fixed the receive rows up front: every rank checks every rank's
+    // count (each holds the whole matrix), so all fail this op together instead of one rank later.
+    for (int j = threadIdx.x; j < kNumRanks && p.max_recv_rows > 0; j += blockDim.x) {
+        int rows = 0;
+        for (int s = 0; s < kNumRanks; ++s)
+            rows += counts_of(c, n, s)[j];
+        if (rows > p.max_recv_rows)
+            report_error(sink_of(c, kOpDispatch), kErrorCapacity, j, rows);
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
         int num_recv = 0;
@@ -324,6 +333,7 @@ __global__ void __launch_bounds__(kThreads) forward_arrivals(const __grid_consta
             st_release_sys(local<uint64_t>(c, c.forward_offset + chunk_slot(src_node, k)), (n << 32) | hi);
         }
     }
+    end_op(c, n);   // here, not in `dispatch`: the host launches this kernel with the first (protocol.cuh)
 }
 
 __global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ InternodeDispatchParams p) {
@@ -372,7 +382,7 @@ __global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ Int
             p.recv_topk_idx[i * kNumTopk + w] = -1;
             p.recv_topk_weights[i * kNumTopk + w] = 0.0f;
         }
-        if (lane == 0)
+        if (lane == 0 && p.recv_src_idx != nullptr)
             p.recv_src_idx[i] = -1;
     }
 
@@ -427,12 +437,11 @@ __global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ Int
                     p.recv_topk_weights[row * kNumTopk + w] =
                         here ? reinterpret_cast<const float*>(slot + kTopkWeightsAt)[w] : 0.0f;
                 }
-                if (lane == 0)
+                if (lane == 0 && p.recv_src_idx != nullptr)
                     p.recv_src_idx[row] = t;
             }
         }
     }
-    end_op(c, n);
 }
 
 }  // namespace deepep_portable::internode

@@ -75,5 +75,5 @@ struct InternodeDispatchParams {
     int64_t* recv_topk_idx;         // [max_recv_rows, NUM_TOPK] local expert ids (-1 elsewhere), or null
     float* recv_topk_weights;       // [max_recv_rows, NUM_TOPK]
     int* recv_src_idx;              // [max_recv_rows]: source token (-1: padding)
-    int64_t max_recv_rows;
+    int64_t max_recv_rows;          // the outputs' rows; 0 in the first kernels when the host learns them
 };

@@ -13,7 +13,7 @@
 //    that is how logical nodes on one machine test the network path).
 //
 // Ops. Every op (dispatch, cached dispatch, combine) is one step n of a per-Buffer counter kept in the
-// window (ROUND: the last completed op, written by an op's last kernel; CURRENT = n, written by its first),
+// window (ROUND: the last op numbered, see end_op; CURRENT = n, written by the op's first kernel),
 // so CUDA-graph replays keep counting. An op starts with a *handshake*: every rank signals HS[me] = n to
 // every rank (the dispatch's counts ride on it, as a put-with-signal) and waits until every rank's HS
 // >= n. A rank signals n only after its op n-1 ended (stream order), so after the handshake nobody still
@@ -114,7 +114,7 @@ DEEPEP_DEVICE ErrorSink sink_of(const Common& c, int op) {
     return ErrorSink{c.error_claim, c.error_host, op, static_cast<int>(c.rank)};
 }
 
-// First kernel of an op: n = ROUND + 1 (ROUND is written only by the previous op's last kernel).
+// First kernel of an op: n = ROUND + 1 (ROUND is written only by the previous op, end_op).
 DEEPEP_DEVICE uint64_t begin_op(const Common& c) {
     const uint64_t n = *local<volatile uint64_t>(c, c.ctrl_round) + 1;
     if (blockIdx.x == 0 && threadIdx.x == 0)
@@ -125,16 +125,23 @@ DEEPEP_DEVICE uint64_t begin_op(const Common& c) {
 // Later kernels of the op.
 DEEPEP_DEVICE uint64_t current_op(const Common& c) { return *local<volatile uint64_t>(c, c.ctrl_current); }
 
-// Last kernel of an op: the op is complete (read by the next op's first kernel only).
+// The op is complete as far as the next op's numbering goes (read by the next op's first kernel only).
+// Written by a kernel launched together with the first one, so a host error before the op's last launch
+// cannot leave the counter behind the signals this rank already sent.
 DEEPEP_DEVICE void end_op(const Common& c, uint64_t n) {
     if (blockIdx.x == 0 && threadIdx.x == 0)
         *local<volatile uint64_t>(c, c.ctrl_round) = n;
 }
 
-// Whether this rank's op already failed (a wait timed out: its record claimed the error word). The later
-// kernels of the op then do nothing: without the handshake they must not write into any peer's areas.
+// Whether this rank's op already failed (a wait timed out, or the counts did not fit: its record claimed the
+// error word). The later kernels of the op then do nothing: without the handshake they must not write into
+// any peer's areas. Block-uniform (read once per block), so a caller may return before a __syncthreads.
 DEEPEP_DEVICE bool op_failed(const Common& c) {
-    return *reinterpret_cast<volatile unsigned int*>(c.error_claim) != 0u;
+    __shared__ int s_failed;
+    if (threadIdx.x == 0)
+        s_failed = *reinterpret_cast<volatile unsigned int*>(c.error_claim) != 0u;
+    __syncthreads();
+    return s_failed != 0;
 }
 
 // The handshake's wait, by the threads of one block: every rank's HS >= n. Returns whether all arrived
