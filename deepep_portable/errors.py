@@ -76,6 +76,10 @@ def from_record(record: Tuple[int, int, int, int, int, int], timeout_s: float) -
                             f"call of the same kind in that buffer half (its data was being overwritten): a "
                             f"receive hook was called after the next-but-one low-latency op of the same kind; "
                             f"{gone}")
+    if name == "nic":
+        why = "no completion within the timeout (queue full or stuck)" if detail < 0 else \
+            f"an error completion, syndrome {detail:#x}"
+        return RuntimeError(f"{op} on rank {rank}: the RDMA queue pair to peer {peer} failed: {why}; {gone}")
     if name == "overrun":
         return RuntimeError(f"{op} on rank {rank}: peer {peer} is already at call {detail}, two calls ahead: "
                             f"a receive hook was called after the next-but-one low-latency op; {gone}")

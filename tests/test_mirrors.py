@@ -200,6 +200,31 @@ def test_internode_params_and_sm90_compile(tmp_path, op, shape):
                  NVSHMEM_BUILD, nvshmem=True)
 
 
+@needs_nvcc
+def test_ibgda_backend_params(tmp_path):
+    """The ibgda device structs (sq.cuh, ops.cuh, device.cuh) against their mirrors, and every kernel over the
+    contract (the self-test, the low-latency and internode ops) compiled for sm_90 with the ibgda backend."""
+    from deepep_portable.engines import internode
+    from deepep_portable.transports.ibgda.abi import (IBGDA_BUILD, SCRATCH_WORDS, EndpointParams,
+                                                      IbgdaTransportParams, SendQueueParams)
+
+    c_struct = "deepep_portable::transport::IbgdaTransport"
+    structs = (_asserts("deepep_portable::ibgda::SendQueue", SendQueueParams) +
+               _asserts("deepep_portable::ibgda::Endpoint", EndpointParams) +
+               [f'static_assert({c_struct}::kScratchWords == {SCRATCH_WORDS}, "scratch words");',
+                f'static_assert(!{c_struct}::kCheapFetchAdd, "a network fetch_add is not cheap");'])
+    _compile(tmp_path, transport_selftest.SOURCE, structs + _selftest_checks(IbgdaTransportParams, c_struct), {},
+             IBGDA_BUILD)
+    _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(IbgdaTransportParams, c_struct, "dispatch"),
+             ll.kernel_defines(7168, 8), IBGDA_BUILD)
+    _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(IbgdaTransportParams, c_struct, "combine"),
+             ll.kernel_defines(7168, 8, True), IBGDA_BUILD)
+    _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(IbgdaTransportParams, c_struct, "clean"), {}, IBGDA_BUILD)
+    for op, shape in INTERNODE_SHAPES[:1] + INTERNODE_SHAPES[3:4]:
+        source = internode.DISPATCH_SOURCE if op == "dispatch" else internode.COMBINE_SOURCE
+        _compile(tmp_path, source, _internode_checks(IbgdaTransportParams, c_struct, op, shape), shape, IBGDA_BUILD)
+
+
 # ---- records and constants ----------------------------------------------------------------------------
 
 def _read(rel: str) -> str:
@@ -243,7 +268,7 @@ def test_kernel_constants_the_host_repeats():
 
 def test_error_table_is_read_from_the_device_header():
     codes, ops = errors.table()
-    assert codes == {"none": 0, "timeout": 1, "capacity": 2, "overrun": 3, "overwrite": 4}
+    assert codes == {"none": 0, "timeout": 1, "capacity": 2, "overrun": 3, "overwrite": 4, "nic": 5}
     assert ops == {1: "dispatch", 2: "combine", 3: "low_latency_dispatch", 4: "low_latency_combine",
                    5: "transport_selftest", 6: "low_latency_clean"}
     # the decoder names the op and the peer from any record
@@ -256,3 +281,5 @@ def test_error_table_is_read_from_the_device_header():
     assert "two calls ahead" in str(errors.from_record((3, 4, 0, 2, 0, 9), 1.0))
     assert "still receiving" in str(errors.from_record((4, 3, 0, 2, 0, 9), 1.0))
     assert "kernel error code 77" in str(errors.from_record((77, 9, 0, 2, 0, 9), 1.0))
+    assert "peer 3 failed: an error completion, syndrome 0x13" in str(errors.from_record((5, 1, 0, 3, 0, 0x13), 1.0))
+    assert "no completion within the timeout" in str(errors.from_record((5, 1, 0, 3, 0, -1), 1.0))

@@ -12,6 +12,7 @@ enum ErrorCode : int {
     kErrorCapacity = 2,    // more rows arrived than the output holds (detail: rows; num_worst_tokens too small)
     kErrorOverrun = 3,     // LL: a signal already carries a later call (detail: it); peer -1: the half handed out differs
     kErrorOverwrite = 4,   // LL: a send found its destination still receiving the half's previous call (detail: call)
+    kErrorNic = 5,         // ibgda: an error completion or a stuck queue pair (peer: its peer; detail: syndrome, -1 = stuck)
 };
 
 enum OpId : int {

@@ -1,0 +1,239 @@
+// The `ibgda` transport's device side: every primitive of common/kernels/transport.cuh as WQEs the GPU
+// writes into its own mlx5 queue pairs (ops.cuh over sq.cuh, encoder mlx5.cuh), one RC QP per (peer,
+// channel); peers in the node with a load/store address take the nvlink protocol instead (peer_bases).
+//
+// "A signal never overtakes its data" on the network path: a put's WRITEs and the signal's inline WRITE
+// go to the same RC QP, in that order (the signal is posted after the warp's puts were posted: __syncwarp,
+// then lane 0 posts both, or the signal later from the same lane). An RC QP executes its requests in
+// order, and the NIC's writes into the receiver's memory are PCIe posted writes that stay in order as
+// long as the memory is registered WITHOUT relaxed ordering (IBV_ACCESS_RELAXED_ORDERING lets the root
+// complex reorder them; the host registers the windows without it). So once the receiver's acquire load
+// sees the signal value, every byte of the earlier WRITEs on that QP is in its memory. This rests on
+// RC ordering and PCIe posted-write ordering, not on the PRM's fence modes; a first run on real hardware
+// must check it (docs/IBGDA.md). Two puts on one QP also land in order, but the contract never relies on
+// it; different channels are different QPs with no order at all.
+//
+// Completions: every WQE asks for a CQE (ops.cuh), so get_value / fetch_add wait for their own WQE and
+// flush(ch) waits for everything posted on that channel's QPs. An error CQE or a wait past timeout_ns
+// (ring full, a QP stuck) is recorded once in `nic_error` ([code, peer, syndrome, wqe index]) and makes
+// the primitive give up; the next wait_ge of any thread reports it (kErrorNic: op, rank, peer, syndrome),
+// so a dead link becomes an exception, never a hang or a trap. A queue that failed is not used again.
+//
+// Scopes: put_warp / put2_warp / put_signal_warp are warp-collective (the lanes synchronize, lane 0
+// posts); signal / put_value / get_value / fetch_add / wait_ge / flush are one-thread calls. Several
+// warps may post on one QP at once (sq.cuh's reserve / turn protocol).
+#pragma once
+
+#include <cstdint>
+
+#include "backends/ibgda/ops.cuh"
+#include "common/kernels/common.cuh"
+#include "common/kernels/errors.cuh"
+#include "common/kernels/signal.cuh"
+#include "common/kernels/transport.cuh"
+
+namespace deepep_portable::transport {
+
+struct IbgdaTransport {
+    const ibgda::Endpoint* endpoints;   // [num_ranks * channels]: my QP to (peer, channel), every rank (self: loopback)
+    const uint64_t* peer_bases;         // [num_ranks] load/store address of a peer's window here, 0 = network
+    uint64_t base;                      // my window here (also what my lkey registers)
+    int64_t scratch_offset;             // u64 [kScratchWords] in my window: where READ / FETCH_ADD results land
+    unsigned int* scratch_ticket;       // device word handing out scratch words
+    int* nic_error;                     // device int32 [4]: first failure (code, peer, syndrome, wqe index), 0 = none
+    int32_t rank;
+    int32_t num_ranks;
+    int32_t channels;
+    int32_t reserved;
+    int64_t timeout_ns;                 // bound of every wait inside a primitive (ring space, its own completion)
+
+    static constexpr int kScratchWords = 1024;
+
+    // Known at run time only (which peers are load/store, the NIC's link layer, the channels the host made):
+    // declared conservatively here; the host's record says what this Buffer has.
+    static constexpr Capabilities capabilities() {
+        return Capabilities{false, true, true, 1, true, Network::kOther};
+    }
+
+    // A network FETCH_ADD costs a round trip per call: the LL dispatch takes its path without it.
+    static constexpr bool kCheapFetchAdd = false;
+
+    template <typename U = void>
+    DEEPEP_DEVICE U* local_ptr(int64_t off) const {
+        return reinterpret_cast<U*>(base + static_cast<uint64_t>(off));
+    }
+
+    template <typename U = void>
+    DEEPEP_DEVICE U* peer_ptr(int64_t off, int peer) const {
+        return peer_bases[peer] == 0 ? nullptr : reinterpret_cast<U*>(peer_bases[peer] + static_cast<uint64_t>(off));
+    }
+
+    DEEPEP_DEVICE const ibgda::Endpoint& endpoint(int ch, int peer) const {
+        return endpoints[peer * channels + (ch % channels)];
+    }
+
+    // Record the first failure of this rank's queues (code kErrorNic's detail: the syndrome).
+    DEEPEP_DEVICE void fail(int peer, int syndrome, int wqe_index) const {
+        if (atomicCAS(nic_error, 0, kErrorNic) == 0) {
+            nic_error[1] = peer;
+            nic_error[2] = syndrome;
+            nic_error[3] = wqe_index;
+            __threadfence();
+        }
+    }
+
+    DEEPEP_DEVICE bool failed() const { return *reinterpret_cast<const volatile int*>(nic_error) != 0; }
+
+    // A deadline-bound give_up for sq.cuh's waits; a rank whose queues failed posts nothing more.
+    struct Deadline {
+        uint64_t at;
+        const int* error;
+        DEEPEP_DEVICE bool operator()() const {
+            return *reinterpret_cast<const volatile int*>(error) != 0 || deepep_portable::globaltimer_ns() > at;
+        }
+    };
+    DEEPEP_DEVICE Deadline deadline() const {
+        return Deadline{deepep_portable::globaltimer_ns() + static_cast<uint64_t>(timeout_ns), nic_error};
+    }
+
+    // The outcome of one posting or waiting step: record a failure that is not already recorded.
+    DEEPEP_DEVICE bool check(bool ok, int peer, const ibgda::CqStatus& st) const {
+        if (!ok && !failed())
+            fail(peer, st.error ? st.cqe.syndrome : -1, st.error ? st.cqe.wqe_counter : -1);
+        return ok;
+    }
+
+    DEEPEP_DEVICE void write(int ch, int peer, uint64_t laddr, int64_t dst_off, int64_t bytes) const {
+        ibgda::CqStatus st{};
+        const ibgda::Word idx = ibgda::post_write(endpoint(ch, peer), laddr, static_cast<uint64_t>(dst_off),
+                                                  static_cast<uint32_t>(bytes), deadline(), &st);
+        check(idx != ibgda::kNotPosted, peer, st);
+    }
+
+    // Whole warp. No order, no visibility promise. The source must lie in my window for a network peer
+    // (the NIC reads it with my lkey), and its stores must be visible to the NIC: the lanes' stores are
+    // ordered before lane 0's post by the __syncwarp and sq.cuh's system-scope fence before the doorbell.
+    DEEPEP_DEVICE void put_warp(int ch, int peer, int64_t dst_off, const void* src, int64_t bytes, int lane) const {
+        if (void* dst = peer_ptr(dst_off, peer)) {
+            warp_copy_bytes(dst, src, bytes, lane);
+        } else {
+            __syncwarp();
+            if (lane == 0 && bytes > 0)
+                write(ch, peer, reinterpret_cast<uint64_t>(src), dst_off, bytes);
+        }
+        __syncwarp();
+    }
+
+    DEEPEP_DEVICE void put2_warp(int ch, int peer, int64_t off0, int64_t n0, int64_t off1, const void* src, int64_t n1,
+                                 int lane) const {
+        if (void* dst0 = peer_ptr(off0, peer)) {
+            warp_copy_split(dst0, n0, peer_ptr(off1, peer), src, n1, lane);
+        } else {
+            __syncwarp();
+            if (lane == 0) {
+                if (n0 > 0)
+                    write(ch, peer, reinterpret_cast<uint64_t>(src), off0, n0);
+                if (n1 > 0)
+                    write(ch, peer, reinterpret_cast<uint64_t>(src) + static_cast<uint64_t>(n0), off1, n1);
+            }
+        }
+        __syncwarp();
+    }
+
+    // Whole warp. The signal is posted after the data on the same QP (see the top of the file).
+    DEEPEP_DEVICE void put_signal_warp(int ch, int peer, int64_t dst_off, const void* src, int64_t bytes,
+                                       int64_t sig_off, uint64_t v, int lane) const {
+        put_warp(ch, peer, dst_off, src, bytes, lane);
+        if (lane == 0)
+            signal(ch, peer, sig_off, v);
+        __syncwarp();
+    }
+
+    // One thread. Load/store peers: system fence + release store (the nvlink protocol). Network peers: an
+    // inline WRITE on the (channel, peer) QP after everything this thread (and, after the contract's
+    // fence + __syncwarp, its warp's lane 0) posted there.
+    DEEPEP_DEVICE void signal(int ch, int peer, int64_t sig_off, uint64_t v) const {
+        if (uint64_t* sig = peer_ptr<uint64_t>(sig_off, peer)) {
+            __threadfence_system();
+            st_release_sys(sig, v);
+            return;
+        }
+        put_value(ch, peer, sig_off, v);
+    }
+
+    DEEPEP_DEVICE void put_value(int ch, int peer, int64_t dst_off, uint64_t v) const {
+        if (volatile uint64_t* dst = peer_ptr<volatile uint64_t>(dst_off, peer)) {
+            *dst = v;
+            return;
+        }
+        ibgda::CqStatus st{};
+        const ibgda::Word idx = ibgda::post_value(endpoint(ch, peer), static_cast<uint64_t>(dst_off), v, deadline(), &st);
+        check(idx != ibgda::kNotPosted, peer, st);
+    }
+
+    // A scratch word of my window for one READ / FETCH_ADD result (1024 in rotation: more results in
+    // flight at once than that would share words, which the LL and internode kernels never have).
+    DEEPEP_DEVICE volatile uint64_t* scratch() const {
+        const unsigned int i = atomicAdd(scratch_ticket, 1u) % kScratchWords;
+        return local_ptr<volatile uint64_t>(scratch_offset + 8 * static_cast<int64_t>(i));
+    }
+
+    // One thread. Blocking read of a u64 of the peer's window. On a failure: 0 (and the failure recorded).
+    DEEPEP_DEVICE uint64_t get_value(int ch, int peer, int64_t off) const {
+        if (const volatile uint64_t* src = peer_ptr<const volatile uint64_t>(off, peer))
+            return *src;
+        volatile uint64_t* result = scratch();
+        const ibgda::Endpoint& e = endpoint(ch, peer);
+        ibgda::CqStatus st{};
+        const ibgda::Word idx = ibgda::post_read(e, static_cast<uint64_t>(off), reinterpret_cast<uint64_t>(result), 8,
+                                                 deadline(), &st);
+        if (!check(idx != ibgda::kNotPosted, peer, st) || !check(ibgda::wait_completed(e.q, idx + 1, deadline(), &st), peer, st))
+            return 0;
+        return *result;   // the CQE was written after the data (the NIC's order; acquire in poll_cq)
+    }
+
+    // One thread. Atomic add on the peer's window, returning the old value. Every fetch_add on a word must go
+    // through the NIC (a GPU atomic and a NIC atomic are not atomic with respect to each other), so a
+    // load/store peer's word is updated by the NIC too (loopback through its QP) whenever the table has one.
+    DEEPEP_DEVICE uint64_t fetch_add(int ch, int peer, int64_t off, uint64_t v) const {
+        volatile uint64_t* result = scratch();
+        const ibgda::Endpoint& e = endpoint(ch, peer);
+        ibgda::CqStatus st{};
+        const ibgda::Word idx = ibgda::post_fetch_add(e, static_cast<uint64_t>(off), v, reinterpret_cast<uint64_t>(result),
+                                                      deadline(), &st);
+        if (!check(idx != ibgda::kNotPosted, peer, st) || !check(ibgda::wait_completed(e.q, idx + 1, deadline(), &st), peer, st))
+            return 0;
+        return ibgda::mlx5::be64(*result);   // the NIC delivers the old value big-endian
+    }
+
+    // One thread. Acquire-poll of MY window; a failure of my queues is reported here too (kErrorNic).
+    DEEPEP_DEVICE bool wait_ge(int64_t sig_off, uint64_t v, uint64_t deadline_ns, const ErrorSink& sink, int peer) const {
+        const uint64_t* sig = local_ptr<const uint64_t>(sig_off);
+        while (ld_acquire_sys(sig) < v) {
+            if (failed()) {
+                const volatile int* e = nic_error;
+                report_error(sink, kErrorNic, e[1], e[2]);
+                return false;
+            }
+            if (deepep_portable::globaltimer_ns() > deadline_ns) {
+                report_error(sink, kErrorTimeout, peer, static_cast<int>(v));
+                return false;
+            }
+        }
+        return true;
+    }
+
+    // One thread. Everything posted on channel ch is complete (sources reusable, results landed).
+    DEEPEP_DEVICE void flush(int ch) const {
+        for (int peer = 0; peer < num_ranks; ++peer) {
+            if (peer_bases[peer] != 0)
+                continue;
+            const ibgda::Endpoint& e = endpoint(ch, peer);
+            ibgda::CqStatus st{};
+            if (!check(ibgda::drain(e.q, deadline(), &st), peer, st))
+                return;
+        }
+    }
+};
+
+}  // namespace deepep_portable::transport
