@@ -107,3 +107,185 @@ def test_which_transports_serve_internode_normal_mode():
     names = internode_normal_transports()
     assert "reference" in names and "nvshmem" in names and "nvlink" not in names
     assert all(backend_class(n).internode_normal for n in names)
+
+
+# ---- the engine's host flow, with a window that records launches instead of running them ----------------
+class _Words:
+    def __init__(self, n):
+        import ctypes
+
+        self.words = (ctypes.c_int * n)()
+        self.dev = 0x1000
+
+    def free(self):
+        pass
+
+
+class _Kernel:
+    device = 0
+
+    def __init__(self, name, log, on_launch=None):
+        self.name, self.log, self.on_launch = name, log, on_launch
+
+    def launch(self, grid, block, shmem, stream, params, cluster, cooperative):
+        self.log.append((self.name, grid, block, bytes(params)))
+        if self.on_launch is not None:
+            self.on_launch()
+
+
+class _FakeWindow(Window):
+    """What InternodeEngine asks of a window, on the CPU: bases of every rank, a node-limited transport struct,
+    kernels that record their launches (exchange_counts also 'publishes' a receive count, as the GPU would)."""
+
+    def __init__(self, ctx, nbytes, recv_rows):
+        import torch
+
+        self.mem = torch.zeros(nbytes, dtype=torch.uint8)
+        self.base, self.size, self.dev = self.mem.data_ptr(), nbytes, 0
+        self.bases = [self.base + (r + 1) * (1 << 40) for r in range(ctx.num_ranks)]
+        self.errors, self.max_blocks, self.log, self.closed = _Words(8), 24, [], False
+        self.recv_rows, self.engine = recv_rows, None
+
+    def node_transport_params(self, node_ranks):
+        from deepep_portable.transports.nvshmem.abi import NvshmemTransportParams
+
+        self.node_ranks = list(node_ranks)
+        return NvshmemTransportParams(self.base, 0, len(self.bases), 0)
+
+    def kernel(self, source, name, defines):
+        self.defines = dict(defines)
+
+        def publish():
+            self.engine.notify.words[1] = self.recv_rows
+            for e in range(2, 10):
+                self.engine.notify.words[e] = e
+            self.engine.notify.words[0] = 1
+        return _Kernel(name, self.log, publish if "exchange_counts" in name else None)
+
+    def close(self):
+        self.closed = True
+
+
+def _engine(monkeypatch, rank=3, ranks=8, per_node=4, recv_rows=37):
+    import torch
+
+    from deepep_portable.contract import BufferContext
+
+    monkeypatch.setattr(internode, "MappedWords", lambda dev, n: _Words(n))
+    monkeypatch.setattr(internode, "stream_handle", lambda s: 0)
+    hint = deep_ep.Config().get_rdma_buffer_size_hint(1024 * 2, ranks, 64, ranks_per_node=per_node)
+    ctx = BufferContext(comm=None, rank=rank, num_ranks=ranks, device=torch.device("cpu"), num_nvl_bytes=1,
+                        num_rdma_bytes=hint, low_latency_mode=False, uid=7, timeout_s=1.0, ranks_per_node=per_node)
+    holder = {}
+
+    def make_window(c, nbytes):
+        holder["w"] = _FakeWindow(c, nbytes, recv_rows)
+        return holder["w"]
+    engine = internode.InternodeEngine(ctx, make_window)
+    holder["w"].engine = engine
+    return engine, holder["w"]
+
+
+def test_engine_dispatch_and_combine_host_flow(monkeypatch):
+    """Fresh dispatch (the host learns the count), cached dispatch, num_worst_tokens, combine: which kernels,
+    in which order, with which parameters and outputs (no GPU: the launches are recorded)."""
+    import torch
+
+    from deepep_portable.contract import CachedDispatchArgs, CombineArgs, DispatchArgs
+
+    engine, w = _engine(monkeypatch)
+    R, P, M, T, H = 8, 4, 2, 50, 1024
+    assert w.node_ranks == [0, 1, 2, 3] and engine.node_bases.tolist() == w.bases[:4]
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    in_rank = torch.rand(T, R) < 0.3
+    idx = torch.zeros(T, 4, dtype=torch.int64)
+    args = DispatchArgs(x=x, x_scales=None, topk_idx=idx, topk_weights=torch.zeros(T, 4),
+                        num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32), is_token_in_rank=in_rank,
+                        num_tokens_per_expert=torch.zeros(16, dtype=torch.int32), num_experts=16, expert_alignment=2,
+                        num_worst_tokens=0, num_sms=16, config=None)
+    res = engine.dispatch(args)
+    names = [n.split("internode")[1].split("E")[0] for n, *_ in w.log]
+    assert names == ["15exchange_counts", "11send_tokens", "16forward_arrivals", "8dispatch"]
+    assert w.defines == dict(NUM_RANKS=R, RANKS_PER_NODE=P, HIDDEN_BYTES=2 * H, NUM_SCALES=0, NUM_TOPK=4)
+    first = engine.dispatch_t.from_buffer_copy(w.log[0][3])
+    last = engine.dispatch_t.from_buffer_copy(w.log[3][3])
+    assert first.max_recv_rows == 0 and first.host_out == engine.notify.dev and last.host_out == 0
+    assert last.max_recv_rows == 37 and last.recv_x == res.recv_x.data_ptr() and res.recv_x.shape == (37, H)
+    assert res.num_recv_tokens_per_expert_list == [2, 3] and res.recv_topk_idx.shape == (37, 4)
+    c = last.common
+    g = engine.regions
+    assert (c.rank, c.local_base, c.data_offset, c.hs_offset) == (3, w.base, g.data_offset, g.hs_offset)
+    assert c.error_claim == w.base + 16 and c.node_bases == engine.node_bases.data_ptr() and c.num_channels == 1
+    lay = internode.IL.InternodeDispatchLayout(g, 2 * H, 0, 4)
+    N = lay.max_tokens(engine.ctx.num_rdma_bytes)
+    assert c.max_tokens == N >= 64 and last.landing_offset == g.data_offset
+    assert last.staging_offset == lay.staging_offset(N)
+    h = res.handle
+    assert h.num_recv_tokens == h.num_recv_rows == 37 and h.rank_prefix_matrix.shape == (R, R)
+    assert h.send_rows.shape == (T, R) and h.recv_src_idx.shape == (37,)
+    st = h.transport_state
+    assert st.landed_meta.shape == (M, N, P + 1) and st.landed_range.shape == (M, internode.IL.INTERNODE_MAX_CHUNKS)
+    assert last.landed_meta == st.landed_meta.data_ptr() and last.rank_prefix_matrix == h.rank_prefix_matrix.data_ptr()
+
+    # cached: no count to learn, rows from the handle, no source indices written
+    w.log.clear()
+    recv, scales = engine.cached_dispatch(CachedDispatchArgs(x=x, x_scales=None, handle=h, num_sms=8))
+    p0, p3 = (engine.dispatch_t.from_buffer_copy(w.log[i][3]) for i in (0, 3))
+    assert len(w.log) == 4 and p0.max_recv_rows == 37 and p0.host_out == 0 and p3.recv_src_idx == 0
+    assert w.defines["NUM_TOPK"] == 0 and recv.shape == (37, H) and scales is None
+
+    # combine: three kernels, the handle's landed metas and matrix
+    w.log.clear()
+    y = torch.zeros(37, H, dtype=torch.bfloat16)
+    out, out_w = engine.combine(CombineArgs(x=y, handle=h, topk_weights=torch.zeros(37, 4), bias_0=None, bias_1=None,
+                                            num_sms=8))
+    names = [n.split("internode")[1].split("E")[0] for n, *_ in w.log]
+    assert names == ["17stage_expert_rows", "16reduce_node_rows", "7combine"]
+    p = engine.combine_t.from_buffer_copy(w.log[0][3])
+    assert p.meta_tokens == N and p.landed_meta == st.landed_meta.data_ptr() and p.num_tokens == T
+    assert p.num_recv == st.num_recv.data_ptr() and out.shape == (T, H) and out_w.shape == (T, 4)
+    assert p.max_rows >= R * p.common.max_tokens
+
+
+def test_engine_num_worst_tokens_and_refusals(monkeypatch):
+    import torch
+
+    from deepep_portable.contract import DispatchArgs
+
+    engine, w = _engine(monkeypatch, recv_rows=999)
+    T, R = 10, 8
+    in_rank = torch.ones(T, R, dtype=torch.bool)
+
+    def args(tokens=T, worst=0, experts=16):
+        x = torch.zeros(tokens, 512, dtype=torch.bfloat16)
+        ir = torch.ones(tokens, R, dtype=torch.bool)
+        return DispatchArgs(x=x, x_scales=None, topk_idx=None, topk_weights=None,
+                            num_tokens_per_rank=ir.sum(0, dtype=torch.int32), is_token_in_rank=ir,
+                            num_tokens_per_expert=torch.zeros(experts, dtype=torch.int32), num_experts=experts,
+                            expert_alignment=1, num_worst_tokens=worst, num_sms=4, config=None)
+    res = engine.dispatch(args(worst=123))
+    first = engine.dispatch_t.from_buffer_copy(w.log[0][3])
+    assert first.max_recv_rows == 123 and first.host_out == 0 and res.handle.num_recv_tokens == -1
+    assert res.recv_x.shape == (123, 512) and res.handle.num_recv_rows == 123
+    w.log.clear()
+    with pytest.raises(ValueError, match="needs a larger buffer"):
+        engine.dispatch(args(tokens=100000))
+    with pytest.raises(ValueError, match="experts per rank"):
+        engine.dispatch(args(experts=8 * (internode.IL.INTERNODE_MAX_LOCAL_EXPERTS + 1)))
+    assert w.log == []   # refused before anything was launched
+    assert in_rank.shape == (T, R)
+
+
+def test_engine_refuses_a_node_that_is_not_load_store(monkeypatch):
+    """A rank of my node without a load/store address: the window is closed and the error names them."""
+    original = _FakeWindow.__init__
+
+    def holes(self, ctx, nbytes, recv_rows):
+        original(self, ctx, nbytes, recv_rows)
+        self.bases[1] = 0
+    monkeypatch.setattr(_FakeWindow, "__init__", holes)
+    made = {}
+    monkeypatch.setattr(_FakeWindow, "close", lambda self: made.setdefault("closed", True))
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of node 0"):
+        _engine(monkeypatch)
+    assert made == {"closed": True}
