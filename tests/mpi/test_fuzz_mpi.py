@@ -7,7 +7,8 @@ skewed routing, hooks, zero-copy...) comes from its seed, the same on every rank
     DEEPEP_FUZZ_SEED=<seed> DEEPEP_FUZZ_CASES=1 mpirun -n <ranks> python -m pytest --with-mpi tests/mpi/test_fuzz_mpi.py
 DEEPEP_FUZZ_CASES (default 60 per mode) sets how many cases run; DEEPEP_FUZZ_SEED (default: from the run's
 base seed) the first seed. DEEPEP_FUZZ_TRANSPORT (default "reference") runs the same cases on another
-transport (on a GPU machine: "nvlink", whose normal mode needs one node, so logical nodes are left out).
+transport (on a GPU machine: "nvlink", whose normal mode needs one node, so logical nodes are left out;
+"nvshmem", whose cases over logical nodes run the internode kernels).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from test_reference_mpi import num_experts_for, run_low_latency, run_normal, wor
 pytestmark = pytest.mark.mpi
 CASES = int(os.environ.get("DEEPEP_FUZZ_CASES", "60"))
 TRANSPORT = os.environ.get("DEEPEP_FUZZ_TRANSPORT", "reference")
+INTERNODE = ("reference", "nvshmem")   # transports whose normal mode spans (logical) nodes
 
 
 def _first_seed(base_seed: int, salt: int) -> int:
@@ -44,7 +46,7 @@ def normal_case(seed: int, num_ranks: int) -> dict:
                 use_topk=r.random() < 0.8, expert_alignment=r.choice([1, 1, 2, 4, 8]),
                 num_worst_extra=r.choice([None, None, 0, 3]), num_bias=r.randint(0, 2),
                 p_none=r.choice([0.0, 0.1, 0.5, 1.0]), skew=r.random() < 0.15,
-                ranks_per_node=r.choice(divisors) if TRANSPORT == "reference" and r.random() < 0.4 else 0,
+                ranks_per_node=r.choice(divisors) if TRANSPORT in INTERNODE and r.random() < 0.4 else 0,
                 max_tokens=r.choice([1, 2, 17, 64]))
 
 
@@ -81,7 +83,9 @@ def test_fuzz_normal(pg, device, base_seed):
         gen = torch.Generator().manual_seed(seed * 131 + rank)
         most, per_node = p.pop("max_tokens"), p.pop("ranks_per_node")
         nvl = deep_ep.Config().get_nvl_buffer_size_hint(p["hidden"] * 2, num_ranks, max(most, 1))
-        buf = deep_ep.Buffer(pg, nvl, 0, transport=TRANSPORT, ranks_per_node=per_node or None)
+        rdma = 0 if TRANSPORT == "reference" or not per_node else deep_ep.Config().get_rdma_buffer_size_hint(
+            p["hidden"] * 2, num_ranks, max(most, 1), ranks_per_node=per_node)   # the internode kernels' window
+        buf = deep_ep.Buffer(pg, nvl, rdma, transport=TRANSPORT, ranks_per_node=per_node or None)
         _run("normal", seed, dict(p, ranks_per_node=per_node), lambda: run_normal(
             buf, pg, gen, device, num_tokens=_tokens(seed, rank, most), ranks_per_node=per_node, **p))
 
