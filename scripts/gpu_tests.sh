@@ -8,7 +8,8 @@
 #   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs), lllegacy (the same over
 #   nvlink with a legacy CUDA IPC window: DEEPEP_PORTABLE_LL_VMM=0, the pack-on-receive dispatch),
 #   selftest (the transport contract's conformance kernel over every backend, N ranks), internode (the
-#   internode kernels over logical nodes of N ranks, nvshmem; not run on a GPU yet), fuzz (the seeded fuzz
+#   internode kernels over logical nodes of N ranks, nvshmem; not run on a GPU yet), benchinternode (bench
+#   --mode internode, RANKS_PER_NODE=N/2 by default), fuzz (the seeded fuzz
 #   over FUZZ_TRANSPORT=nvlink, FUZZ_CASES=200 per mode; not run on a GPU yet), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
 #   benchll (bench --mode low_latency), hostcosts (scripts/host_costs.py: host cost of the steps before
 #   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT).
@@ -54,6 +55,9 @@ for s in $STEPS; do
     llnvshmem) start_mps; DEEPEP_TEST_LL_TRANSPORT=nvshmem step llnvshmem $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
     internode) start_mps   # the internode kernels over logical nodes (nvshmem), every node shape of N ranks
             step internode $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_internode_gpu_mpi.py
+            stop_mps ;;
+    benchinternode) start_mps   # the issue-16 headline: FP8 dispatch / BF16 combine over logical nodes (nvshmem)
+            step bench_internode $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvshmem --mode internode --ranks-per-node "${RANKS_PER_NODE:-$((RANKS / 2))}" --num-sms "${NUM_SMS:-16}" --tokens 4096 ${BENCH_ARGS:-}
             stop_mps ;;
     selftest) start_mps; step selftest $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_transport_selftest_gpu_mpi.py; stop_mps ;;
     fuzz)   start_mps   # the seeded fuzz (tests/mpi/test_fuzz_mpi.py) over FUZZ_TRANSPORT (default nvlink), FUZZ_CASES per mode
