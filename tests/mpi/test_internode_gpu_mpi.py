@@ -202,6 +202,29 @@ def test_cuda_graph(pg, device, request, base_seed, per_node):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_op_counter_past_2_32(pg, device, request, base_seed, per_node):
+    """The op counter preset just below 2^32 on every rank of a fresh Buffer: dispatch, cached dispatch and
+    combine keep matching the oracle across the wrap of a 32-bit field (chunk signals stamp 40 bits)."""
+    _usable(pg)
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    rdma = deep_ep.Config().get_rdma_buffer_size_hint(2048 * 2, num_ranks, 64, ranks_per_node=per_node)
+    buf = deep_ep.Buffer(pg, 1 << 20, rdma, transport=TRANSPORT, ranks_per_node=per_node)
+    _BUFFERS[("wrap", per_node)] = buf
+    engine = buf.backend.engine("normal")
+    torch.cuda.synchronize()
+    engine.window.view(0, 8, device).view(torch.int64)[0] = (1 << 32) - 2   # ROUND (internode_layout.CTRL_ROUND)
+    torch.cuda.synchronize()
+    pg_barrier = torch.zeros(1)
+    torch.distributed.all_reduce(pg_barrier, group=pg)   # every rank preset before anyone signals
+    for _ in range(3):   # three ops each: ops 2^32 - 1 .. 2^32 + 7
+        run_normal(buf, pg, gen, device, hidden=2048, topk=4, experts=num_experts_for(32, num_ranks),
+                   num_tokens=int(torch.randint(1, 65, (1,), generator=gen)), ranks_per_node=per_node, num_bias=1)
+    round_now = int(engine.window.view(0, 8, device).view(torch.int64)[0])
+    assert round_now == (1 << 32) - 2 + 9, round_now
+
+
+@pytest.mark.mpi(min_size=2)
 def test_timeout_names_the_missing_rank(pg, device, request, base_seed, per_node):
     """Rank 0 never calls: every other rank raises CommTimeoutError naming a rank (0 first) within the timeout.
     Last test of the file: that Buffer is unusable afterwards, the shared ones are untouched."""

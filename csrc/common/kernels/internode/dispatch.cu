@@ -9,11 +9,11 @@
 //   send_tokens       a warp per chunk of kChunkTokens of my tokens: each token's row is staged once
 //                     in my window (a NIC reads only registered memory), then put to its landing slot at
 //                     every destination node, the meta (destination positions in that node + source
-//                     token) beside it; then one signal per (node, chunk): ARRIVE = (n << 32) | rows so far.
+//                     token) beside it; then one signal per (node, chunk): ARRIVE = stamp(n, rows so far).
 //                     Nothing here waits: the handshake already freed every landing area.
 //   forward_arrivals  the landing role: a warp per (source node, chunk) waits for ARRIVE in my window,
 //                     copies the slots' meta into the handle (what the combine needs), and republishes
-//                     the chunk to my node as FORWARD = (n << 32) | hi with the slot range beside it
+//                     the chunk to my node as FORWARD = stamp(n, hi) with the slot range beside it
 //                     (a release store after the acquire: node peers never read a network signal
 //                     themselves, only mine, so no third-party visibility is assumed of a NIC write).
 //   dispatch          the pull: a warp per (source rank, chunk) waits for FORWARD at the landing rank
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) send_tokens(const __grid_constant__ 
             for (int m = 0; m < kNumNodes; ++m)
                 c.transport.signal(channel_of(c, m, k), m * kRanksPerNode + me_local,
                                    c.arrive_offset + chunk_slot(node, k),
-                                   (n << 32) | static_cast<uint32_t>(p.chunk_end[k * kNumNodes + m]));
+                                   stamp(n, static_cast<uint32_t>(p.chunk_end[k * kNumNodes + m])));
         __syncwarp();
     }
     // Staged rows are rewritten by the next op: every put must have read them.
@@ -303,12 +303,13 @@ __global__ void __launch_bounds__(kThreads) forward_arrivals(const __grid_consta
         int ok = 1;
         uint32_t lo = 0, hi = 0;
         if (lane == 0) {
-            ok = c.transport.wait_ge(c.arrive_offset + chunk_slot(src_node, k), n << 32, deadline, sink, source);
+            ok = c.transport.wait_ge(c.arrive_offset + chunk_slot(src_node, k), stamp(n, 0), deadline, sink, source);
             if (ok && k > 0)
-                ok = c.transport.wait_ge(c.arrive_offset + chunk_slot(src_node, k - 1), n << 32, deadline, sink, source);
+                ok = c.transport.wait_ge(c.arrive_offset + chunk_slot(src_node, k - 1), stamp(n, 0), deadline, sink,
+                                           source);
             if (ok) {
-                hi = static_cast<uint32_t>(*local<volatile uint64_t>(c, c.arrive_offset + chunk_slot(src_node, k)));
-                lo = k > 0 ? static_cast<uint32_t>(*local<volatile uint64_t>(c, c.arrive_offset + chunk_slot(src_node, k - 1))) : 0;
+                hi = stamp_count(*local<volatile uint64_t>(c, c.arrive_offset + chunk_slot(src_node, k)));
+                lo = k > 0 ? stamp_count(*local<volatile uint64_t>(c, c.arrive_offset + chunk_slot(src_node, k - 1))) : 0;
             }
         }
         __syncwarp();   // the other lanes read the landed slots after lane 0's acquire
@@ -330,7 +331,7 @@ __global__ void __launch_bounds__(kThreads) forward_arrivals(const __grid_consta
             p.landed_range[src_node * kMaxChunks + k] = range;
             *local<volatile int64_t>(c, c.range_offset + chunk_slot(src_node, k)) = range;
             __threadfence_system();
-            st_release_sys(local<uint64_t>(c, c.forward_offset + chunk_slot(src_node, k)), (n << 32) | hi);
+            st_release_sys(local<uint64_t>(c, c.forward_offset + chunk_slot(src_node, k)), stamp(n, hi));
         }
     }
     end_op(c, n);   // here, not in `dispatch`: the host launches this kernel with the first (protocol.cuh)
@@ -398,7 +399,7 @@ __global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ Int
         int64_t range = 0;
         if (lane == 0) {
             ok = deepep_portable::wait_ge(node_peer<const uint64_t>(c, landing_local, c.forward_offset + chunk_slot(src_node, k)),
-                                          n << 32, deadline, sink, node * kRanksPerNode + landing_local);
+                                          stamp(n, 0), deadline, sink, node * kRanksPerNode + landing_local);
             if (ok)
                 range = *node_peer<const volatile int64_t>(c, landing_local, c.range_offset + chunk_slot(src_node, k));
         }

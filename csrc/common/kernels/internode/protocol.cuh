@@ -70,8 +70,8 @@ struct Common {
     int64_t ctrl_round;             // u64: last completed op
     int64_t ctrl_current;           // u64: the op in progress
     int64_t hs_offset;              // u64 [R]: HS[s] = the op rank s has started
-    int64_t arrive_offset;          // u64 [M][kMaxChunks]: (n << 32) | rows landed through chunk k (sender-written)
-    int64_t forward_offset;         // u64 [M][kMaxChunks]: (n << 32) | hi once chunk k is readable here (own)
+    int64_t arrive_offset;          // u64 [M][kMaxChunks]: stamp(n, rows landed through chunk k) (sender-written)
+    int64_t forward_offset;         // u64 [M][kMaxChunks]: stamp(n, hi) once chunk k is readable here (own)
     int64_t range_offset;           // i64 [M][kMaxChunks]: (lo << 32) | hi slots of chunk k (own, before the flag)
     int64_t combine_arrive_offset;  // u64 [M][kMaxChunks]: n once node m's partials of chunk k landed here
     int64_t staged_offset;          // u64: n once my combine rows of op n are staged (own; node peers read it)
@@ -103,6 +103,14 @@ DEEPEP_DEVICE U* node_peer(const Common& c, int local_index, int64_t off) {
 
 DEEPEP_DEVICE int my_node(const Common& c) { return static_cast<int>(c.rank) / kRanksPerNode; }
 DEEPEP_DEVICE int my_local(const Common& c) { return static_cast<int>(c.rank) % kRanksPerNode; }
+
+// A chunk signal: the op number in the high 40 bits, a row count (< kMaxChunks * kChunkTokens <= 2^24) in the
+// low 24. Values grow with the op, so `>= stamp(n, 0)` means "op n or later" for 2^40 ops (a 32-bit op field
+// would wrap after 2^32 dispatches on one Buffer, weeks at a kHz, and let stale signals pass).
+constexpr int kCountBits = 24;
+static_assert(kMaxChunks * kChunkTokens < (1 << kCountBits), "a chunk signal's row count has 24 bits");
+DEEPEP_HOST_DEVICE uint64_t stamp(uint64_t n, uint32_t count) { return (n << kCountBits) | count; }
+DEEPEP_HOST_DEVICE uint32_t stamp_count(uint64_t v) { return static_cast<uint32_t>(v & ((1u << kCountBits) - 1u)); }
 
 DEEPEP_DEVICE int64_t chunk_slot(int node, int chunk) { return 8 * (static_cast<int64_t>(node) * kMaxChunks + chunk); }
 
