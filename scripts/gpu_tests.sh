@@ -9,7 +9,8 @@
 #   nvlink with a legacy CUDA IPC window: DEEPEP_PORTABLE_LL_VMM=0, the pack-on-receive dispatch),
 #   selftest (the transport contract's conformance kernel over every backend, N ranks), internode (the
 #   internode kernels over logical nodes of N ranks, nvshmem; not run on a GPU yet), benchinternode (bench
-#   --mode internode, RANKS_PER_NODE=N/2 by default), fuzz (the seeded fuzz
+#   --mode internode, RANKS_PER_NODE=N/2 by default), soak (python -m deepep_portable soak: normal and LL,
+#   eager and graph, SOAK_ROUNDS=100000 per case; not run on a GPU yet), fuzz (the seeded fuzz
 #   over FUZZ_TRANSPORT=nvlink, FUZZ_CASES=200 per mode; not run on a GPU yet), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
 #   benchll (bench --mode low_latency), hostcosts (scripts/host_costs.py: host cost of the steps before
 #   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT).
@@ -58,6 +59,9 @@ for s in $STEPS; do
             stop_mps ;;
     benchinternode) start_mps   # the issue-16 headline: FP8 dispatch / BF16 combine over logical nodes (nvshmem)
             step bench_internode $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvshmem --mode internode --ranks-per-node "${RANKS_PER_NODE:-$((RANKS / 2))}" --num-sms "${NUM_SMS:-16}" --tokens 4096 ${BENCH_ARGS:-}
+            stop_mps ;;
+    soak)   start_mps   # issue 20: SOAK_ROUNDS (100000) rounds per case, checked every 1000, memory / fds / time flat
+            step soak $PY -m deepep_portable soak --ranks "$RANKS" --transport "${SOAK_TRANSPORT:-nvlink}" --rounds "${SOAK_ROUNDS:-100000}"
             stop_mps ;;
     selftest) start_mps; step selftest $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_transport_selftest_gpu_mpi.py; stop_mps ;;
     fuzz)   start_mps   # the seeded fuzz (tests/mpi/test_fuzz_mpi.py) over FUZZ_TRANSPORT (default nvlink), FUZZ_CASES per mode

@@ -104,3 +104,26 @@ def test_bench_compare_drives_a_peer_module():
     ratios = [line for line in r.stdout.splitlines() if "tokens" in line and line.strip().endswith(tuple("0123456789"))
               and " = " in line]
     assert len(ratios) == 3
+
+
+def test_soak_runs_and_passes_on_the_cpu():
+    r = run("soak", "--ranks", "2", "--rounds", "20", "--check-every", "5", "--modes", "normal", "low_latency")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "soak: PASS" in r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["normal"], ["low_latency"])]
+    assert len(rows) == 8 and all(row[3] == "0" for row in rows)   # 4 windows per mode, nothing changed
+
+
+def test_soak_verdict_catches_growth_and_slowdown():
+    import argparse
+
+    from deepep_portable.tools.soak import _verdict
+
+    def row(i, **kw):
+        return dict(dict(case="normal", rounds=10 * i, ms=1.0, changed=0, torch_mb=100, gpu_mb=1000, rss_mb=500,
+                         fds=30), **kw)
+    cfg = argparse.Namespace(slowdown=1.5)
+    assert _verdict([row(1, torch_mb=50), row(2), row(3), row(4)], cfg) == []   # warm-up growth is not a leak
+    assert any("fds grew" in p for p in _verdict([row(1), row(2), row(3), row(4, fds=31)], cfg))
+    assert any("rss_mb grew" in p for p in _verdict([row(1), row(2), row(3), row(4, rss_mb=600)], cfg))
+    assert any("last window" in p for p in _verdict([row(1), row(2), row(3), row(4, ms=2.0)], cfg))
