@@ -3,10 +3,12 @@ exception (after which the engine refuses every op: a kernel that timed out left
 state)."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from .. import errors
 from ..contract import BufferContext
+from ..errors import CommTimeoutError
 
 
 class Engine:
@@ -25,3 +27,19 @@ class Engine:
             err = errors.from_record(record, self.ctx.timeout_s)
             self.broken = str(err)
             raise err
+
+    def wait_for_count(self, op: str, notify) -> int:
+        """Spin (GIL held, no sleep: this is the latency-critical path) until a kernel published the receive
+        count in the mapped words `notify` ([0] = ready, [1] = count), a kernel reported an error (raised),
+        or the timeout passed (CommTimeoutError; the engine is unusable after)."""
+        deadline = time.monotonic() + self.ctx.timeout_s + 5.0
+        w = notify.words
+        while w[0] == 0:
+            if self.window.errors.words[0] != 0:
+                self.check()
+            if time.monotonic() > deadline:
+                self.broken = (f"{op} timed out on rank {self.ctx.rank}: the GPU did not report the receive count "
+                               f"within {self.ctx.timeout_s:g} s (kernel never ran?)")
+                raise CommTimeoutError(op, self.ctx.rank, -1, -1, self.ctx.timeout_s)
+        self.check()
+        return w[1]

@@ -16,7 +16,6 @@ Buffer's comm stream; outputs are allocated on the current stream (Buffer._op or
 from __future__ import annotations
 
 import functools
-import time
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -24,7 +23,6 @@ import torch
 from .. import internode_layout as IL
 from .. import jit
 from ..contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult
-from ..errors import CommTimeoutError
 from ..handles import DispatchHandle, InternodeState
 from ..windows.base import MappedWords, Window
 from .base import Engine
@@ -120,21 +118,6 @@ class InternodeEngine(Engine):
     def grid(self, num_sms: int) -> int:
         return self.window.grid(num_sms)
 
-    def _wait_notify(self, op: str) -> int:
-        """Spin until exchange_counts published the receive count, a kernel reported an error, or the
-        timeout passed."""
-        deadline = time.monotonic() + self.ctx.timeout_s + 5.0
-        w = self.notify.words
-        while w[0] == 0:
-            if self.errors.words[0] != 0:
-                self.check()
-            if time.monotonic() > deadline:
-                self.broken = (f"{op} timed out on rank {self.rank}: the GPU did not report the receive count "
-                               f"within {self.ctx.timeout_s:g} s (kernel never ran?)")
-                raise CommTimeoutError(op, self.rank, -1, -1, self.ctx.timeout_s)
-        self.check()
-        return w[1]
-
     def _need(self, what: str, tokens: int, room: int, hint: str) -> None:
         if tokens > room:
             raise ValueError(f"{what} of {tokens} tokens per rank needs a larger buffer: num_rdma_bytes="
@@ -217,7 +200,7 @@ class InternodeEngine(Engine):
         elif num_worst > 0:
             rows, num_recv = num_worst, -1
         else:
-            num_recv = rows = self._wait_notify("dispatch")
+            num_recv = rows = self.wait_for_count("dispatch", self.notify)
             counts = list(self.notify.words[2:2 + num_experts // R])
         recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
         recv_scales = None if x_scales is None else torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)

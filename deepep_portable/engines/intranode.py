@@ -15,7 +15,6 @@ import torch
 from .. import jit
 from .. import layout as L
 from ..contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult
-from ..errors import CommTimeoutError
 from ..handles import DispatchHandle, IntranodeState
 from ..jit import forced_arch
 from ..profiling import PhaseProfile
@@ -74,22 +73,6 @@ class IntranodeEngine(Engine):
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
                      L.ctrl_count_to(self.num_ranks), L.ctrl_expert_count(self.num_ranks), L.CTRL_COUNTED,
                      L.CTRL_STAGE_TICKET]
-
-    # ---- errors --------------------------------------------------------------------------------
-    def _wait_notify(self, op: str) -> int:
-        """Spin (GIL held, no sleep: this is the latency-critical path) until the stage kernel
-        published the receive count, a kernel reported an error, or the timeout passed."""
-        deadline = time.monotonic() + self.ctx.timeout_s + 5.0
-        w = self.notify.words
-        while w[0] == 0:
-            if self.errors.words[0] != 0:
-                self.check()
-            if time.monotonic() > deadline:
-                self.broken = (f"{op} timed out on rank {self.rank}: the GPU did not report the receive count "
-                               f"within {self.ctx.timeout_s:g} s (kernel never ran?)")
-                raise CommTimeoutError(op, self.rank, -1, -1, self.ctx.timeout_s)
-        self.check()
-        return w[1]
 
     # ---- shared parameter setup ------------------------------------------------------------------
     def _common(self, params) -> None:
@@ -259,7 +242,7 @@ class IntranodeEngine(Engine):
             rows, num_recv = num_worst_tokens, -1
         else:
             t_wait = time.perf_counter()
-            num_recv = self._wait_notify("dispatch")
+            num_recv = self.wait_for_count("dispatch", self.notify)
             self.profile.host_time("dispatch:wait_notify", t_wait)
             t_wait = time.perf_counter()
             counts_list = self.notify.words[2:2 + experts_per_rank]
