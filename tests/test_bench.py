@@ -107,7 +107,9 @@ def test_bench_compare_drives_a_peer_module():
 
 
 def test_soak_runs_and_passes_on_the_cpu():
-    r = run("soak", "--ranks", "2", "--rounds", "20", "--check-every", "5", "--modes", "normal", "low_latency")
+    # --slowdown: time per round on a shared 2-core CI machine is noise; the verdict's rule has its own test
+    r = run("soak", "--ranks", "2", "--rounds", "20", "--check-every", "5", "--modes", "normal", "low_latency",
+            "--slowdown", "1000")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "soak: PASS" in r.stdout
     rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["normal"], ["low_latency"])]
