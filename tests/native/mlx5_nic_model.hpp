@@ -3,8 +3,11 @@
 // to the doorbell record in order, checks what hardware would reject (WQE index, QPN, opcode, keys and
 // bounds, a doorbell record that ran ahead of the doorbell), and writes collapsed CQEs (bytes 0-59 first,
 // then the word at 60 in one store). Executes RDMA WRITE (gather or inline), RDMA READ and 8-byte
-// FETCH_ADD (old value big-endian). After an error CQE the queue is in error: later WQEs are flushed
-// without CQEs. Chaos (optional): a WRITE's 16-byte pieces land in random order, and the NIC pauses
+// FETCH_ADD (old value big-endian, or in host order with atomic_be = false: HCAs report which). After an
+// error CQE the queue is in error: later WQEs are not executed, and each signalled one completes with a
+// WR_FLUSH (syndrome 0x05) error entry, as hardware does (overwriting the first error on a collapsed CQ).
+// Checked as hardware would: WQE index and QPN, keys and bounds, the segment count of each opcode, and
+// that a doorbell never runs ahead of its doorbell record. Chaos (optional): a WRITE's 16-byte pieces land in random order, and the NIC pauses
 // between WQEs; the order of WQEs on one queue is kept (what RC guarantees and ibgda/device.cuh relies on).
 #pragma once
 
@@ -44,6 +47,7 @@ struct Model {
     const std::vector<Region>* keys = nullptr;   // key k -> (*keys)[k]
     uint8_t* cqe = nullptr;
     bool chaos = false;
+    bool atomic_be = true;
     std::mt19937_64 rng{1};
     uint64_t hw_ci = 0, last_db = 0, unwrapped_pi = 0;
     uint16_t db_pi = 0;
@@ -100,6 +104,7 @@ struct Model {
             if (head & m::kInline) {   // inline data right after its 4-byte header
                 const uint32_t len = head & ~m::kInline;
                 if (len > static_cast<uint32_t>(m::kMaxInlineInOneWqebb)) return 0x02;
+                if (ds != 2 + (4 + len + 15) / 16) return 0x02;   // the segment count must cover the inline data
                 if (!key_ok(rkey, raddr, len)) return 0x13;
                 if (len == 8) {   // one aligned 8-byte value lands whole (a signal)
                     uint64_t v;
@@ -110,10 +115,12 @@ struct Model {
                 }
                 return 0;
             }
+            if (ds != 3) return 0x02;
             m::DataSeg d;
             memcpy(&d, w + 32, 16);
             const uint64_t laddr = m::be64(d.addr);
             const uint32_t len = m::be32(d.byte_count);
+            if (len == 0 || (len & m::kInline)) return 0x02;   // 0 would mean 2 GiB; bit 31 is not a length bit
             if (!key_ok(m::be32(d.lkey), laddr, len)) return 0x04;
             if (!key_ok(rkey, raddr, len)) return 0x13;
             place(reinterpret_cast<uint8_t*>(raddr), reinterpret_cast<const uint8_t*>(laddr), len);
@@ -140,8 +147,8 @@ struct Model {
             if (!key_ok(m::be32(d.lkey), laddr, 8)) return 0x04;
             if (!key_ok(rkey, raddr, 8) || raddr % 8 != 0) return 0x13;
             const uint64_t old = reinterpret_cast<std::atomic<uint64_t>*>(raddr)->fetch_add(m::be64(a.swap_add));
-            const uint64_t be_old = m::be64(old);
-            memcpy(reinterpret_cast<void*>(laddr), &be_old, 8);
+            const uint64_t delivered = atomic_be ? m::be64(old) : old;
+            memcpy(reinterpret_cast<void*>(laddr), &delivered, 8);
             return 0;
         }
         return 0x02;   // an opcode (or shape) this model does not execute
@@ -161,10 +168,15 @@ struct Model {
             unwrapped_pi += stepped;
             db_pi = pi;
             ++doorbells;
+            // The record is written before the doorbell: seen after it, it covers at least the doorbell's WQEs.
+            const uint16_t dbr = static_cast<uint16_t>(
+                m::be32(reinterpret_cast<std::atomic<uint32_t>*>(q.dbr)->load(std::memory_order_acquire)));
+            if (static_cast<int16_t>(static_cast<uint16_t>(dbr - pi)) < 0) {
+                printf("doorbell pi %u ahead of its doorbell record %u (qpn %u)\n", pi, dbr, q.qpn);
+                ++problems;
+            }
         }
-        const uint16_t dbr = static_cast<uint16_t>(
-            m::be32(reinterpret_cast<std::atomic<uint32_t>*>(q.dbr)->load(std::memory_order_acquire)));
-        if (dbr != db_pi || static_cast<uint16_t>(hw_ci) == db_pi)   // nothing rung yet (or the record ran ahead)
+        if (static_cast<uint16_t>(hw_ci) == db_pi)   // nothing rung since the last step
             return false;
         while (static_cast<uint16_t>(hw_ci) != db_pi) {
             const uint8_t* w = q.ring + (hw_ci & (q.depth - 1)) * m::kWqebbBytes;
@@ -181,6 +193,8 @@ struct Model {
             if (syndrome && !in_error) {
                 in_error = true;
                 complete(index, opcode, m::kCqeReqErr, syndrome);
+            } else if (syndrome && (ctrl.fm_ce_se & m::kCqUpdate)) {
+                complete(index, opcode, m::kCqeReqErr, syndrome);   // WR_FLUSH of a WQE after the error
             } else if (!syndrome && (ctrl.fm_ce_se & m::kCqUpdate)) {
                 complete(index, opcode, m::kCqeReq, 0);
             }

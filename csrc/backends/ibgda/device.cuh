@@ -15,9 +15,18 @@
 //
 // Completions: every WQE asks for a CQE (ops.cuh), so get_value / fetch_add wait for their own WQE and
 // flush(ch) waits for everything posted on that channel's QPs. An error CQE or a wait past timeout_ns
-// (ring full, a QP stuck) is recorded once in `nic_error` ([code, peer, syndrome, wqe index]) and makes
-// the primitive give up; the next wait_ge of any thread reports it (kErrorNic: op, rank, peer, syndrome),
-// so a dead link becomes an exception, never a hang or a trap. A queue that failed is not used again.
+// (ring full, a QP stuck) is recorded once in `nic_error` and makes the primitive give up; the next wait_ge
+// of any thread reports it (kErrorNic: op, rank, peer, syndrome), so a dead link becomes an exception,
+// never a hang or a trap. After a failure every wait inside a primitive gives up at once (a post that finds
+// ring space posts anyway: harmless, the op is lost). On a collapsed CQ a later WQE's WR_FLUSH (0x05) entry
+// can overwrite the error entry before a poller reads it: the recorded syndrome may then be 0x05; the host
+// can ask the QP's state for the first cause.
+//
+// fetch_add goes through the NIC for every peer (a GPU atomic and a NIC atomic on one word are not atomic
+// with respect to each other), always on channel 0 (NIC atomics are atomic only against atomics of the same
+// responder NIC, and channels may map to different NICs): the endpoint table has a QP to every rank, self
+// included (loopback). The old value comes back in the byte order the HCA reports
+// (atomic_req_8B_endianness_mode): `atomic_result_be` says which.
 //
 // Scopes: put_warp / put2_warp / put_signal_warp are warp-collective (the lanes synchronize, lane 0
 // posts); signal / put_value / get_value / fetch_add / wait_ge / flush are one-thread calls. Several
@@ -40,14 +49,15 @@ struct IbgdaTransport {
     uint64_t base;                      // my window here (also what my lkey registers)
     int64_t scratch_offset;             // u64 [kScratchWords] in my window: where READ / FETCH_ADD results land
     unsigned int* scratch_ticket;       // device word handing out scratch words
-    int* nic_error;                     // device int32 [4]: first failure (code, peer, syndrome, wqe index), 0 = none
+    int* nic_error;                     // device int32 [5]: claim, peer, syndrome, wqe index, code (published last)
     int32_t rank;
     int32_t num_ranks;
     int32_t channels;
-    int32_t reserved;
+    int32_t atomic_result_be;           // 1: the HCA returns 8-byte atomic results big-endian
     int64_t timeout_ns;                 // bound of every wait inside a primitive (ring space, its own completion)
 
-    static constexpr int kScratchWords = 1024;
+    static constexpr int kScratchWords = 8192;
+    static constexpr int64_t kMaxMessage = int64_t(1) << 30;   // bytes of one WRITE (log_msg_max 30; < the inline flag)
 
     // Known at run time only (which peers are load/store, the NIC's link layer, the channels the host made):
     // declared conservatively here; the host's record says what this Buffer has.
@@ -72,24 +82,25 @@ struct IbgdaTransport {
         return endpoints[peer * channels + (ch % channels)];
     }
 
-    // Record the first failure of this rank's queues (code kErrorNic's detail: the syndrome).
+    // Record the first failure of this rank's queues: claim, fields, then the code (readers test the code).
     DEEPEP_DEVICE void fail(int peer, int syndrome, int wqe_index) const {
-        if (atomicCAS(nic_error, 0, kErrorNic) == 0) {
+        if (atomicCAS(nic_error, 0, 1) == 0) {
             nic_error[1] = peer;
             nic_error[2] = syndrome;
             nic_error[3] = wqe_index;
             __threadfence();
+            atomicExch(nic_error + 4, static_cast<int>(kErrorNic));
         }
     }
 
-    DEEPEP_DEVICE bool failed() const { return *reinterpret_cast<const volatile int*>(nic_error) != 0; }
+    DEEPEP_DEVICE bool failed() const { return *reinterpret_cast<const volatile int*>(nic_error + 4) != 0; }
 
-    // A deadline-bound give_up for sq.cuh's waits; a rank whose queues failed posts nothing more.
+    // A deadline-bound give_up for sq.cuh's waits; after a failure of this rank's queues every wait gives up.
     struct Deadline {
         uint64_t at;
         const int* error;
         DEEPEP_DEVICE bool operator()() const {
-            return *reinterpret_cast<const volatile int*>(error) != 0 || deepep_portable::globaltimer_ns() > at;
+            return *reinterpret_cast<const volatile int*>(error + 4) != 0 || deepep_portable::globaltimer_ns() > at;
         }
     };
     DEEPEP_DEVICE Deadline deadline() const {
@@ -103,11 +114,17 @@ struct IbgdaTransport {
         return ok;
     }
 
+    // A WRITE of any size: pieces of at most kMaxMessage bytes, in order on the one QP.
     DEEPEP_DEVICE void write(int ch, int peer, uint64_t laddr, int64_t dst_off, int64_t bytes) const {
-        ibgda::CqStatus st{};
-        const ibgda::Word idx = ibgda::post_write(endpoint(ch, peer), laddr, static_cast<uint64_t>(dst_off),
-                                                  static_cast<uint32_t>(bytes), deadline(), &st);
-        check(idx != ibgda::kNotPosted, peer, st);
+        for (int64_t done = 0; done < bytes; done += kMaxMessage) {
+            const int64_t n = bytes - done < kMaxMessage ? bytes - done : kMaxMessage;
+            ibgda::CqStatus st{};
+            const ibgda::Word idx = ibgda::post_write(endpoint(ch, peer), laddr + static_cast<uint64_t>(done),
+                                                      static_cast<uint64_t>(dst_off + done), static_cast<uint32_t>(n),
+                                                      deadline(), &st);
+            if (!check(idx != ibgda::kNotPosted, peer, st))
+                return;
+        }
     }
 
     // Whole warp. No order, no visibility promise. The source must lie in my window for a network peer
@@ -171,14 +188,16 @@ struct IbgdaTransport {
         check(idx != ibgda::kNotPosted, peer, st);
     }
 
-    // A scratch word of my window for one READ / FETCH_ADD result (1024 in rotation: more results in
-    // flight at once than that would share words, which the LL and internode kernels never have).
+    // A scratch word of my window for one READ / FETCH_ADD result, in rotation: two results share a word only
+    // if kScratchWords others were handed out during one call's life (the kernels here take at most a few
+    // per (expert, peer) and launch; a call that failed may still land later, but its queue is dead then).
     DEEPEP_DEVICE volatile uint64_t* scratch() const {
         const unsigned int i = atomicAdd(scratch_ticket, 1u) % kScratchWords;
         return local_ptr<volatile uint64_t>(scratch_offset + 8 * static_cast<int64_t>(i));
     }
 
-    // One thread. Blocking read of a u64 of the peer's window. On a failure: 0 (and the failure recorded).
+    // One thread. Blocking read of a u64 of the peer's window. On a failure: ~0 (the failure is recorded and
+    // the next wait_ge reports it; ~0 passes the "has the peer moved on" checks callers make with it).
     DEEPEP_DEVICE uint64_t get_value(int ch, int peer, int64_t off) const {
         if (const volatile uint64_t* src = peer_ptr<const volatile uint64_t>(off, peer))
             return *src;
@@ -188,22 +207,25 @@ struct IbgdaTransport {
         const ibgda::Word idx = ibgda::post_read(e, static_cast<uint64_t>(off), reinterpret_cast<uint64_t>(result), 8,
                                                  deadline(), &st);
         if (!check(idx != ibgda::kNotPosted, peer, st) || !check(ibgda::wait_completed(e.q, idx + 1, deadline(), &st), peer, st))
-            return 0;
+            return ~0ull;
         return *result;   // the CQE was written after the data (the NIC's order; acquire in poll_cq)
     }
 
-    // One thread. Atomic add on the peer's window, returning the old value. Every fetch_add on a word must go
-    // through the NIC (a GPU atomic and a NIC atomic are not atomic with respect to each other), so a
-    // load/store peer's word is updated by the NIC too (loopback through its QP) whenever the table has one.
-    DEEPEP_DEVICE uint64_t fetch_add(int ch, int peer, int64_t off, uint64_t v) const {
+    // One thread. Atomic add on the peer's window, returning the old value: through the NIC for every peer,
+    // on channel 0 (see the top of the file). A rank without a QP to `peer` records a failure.
+    DEEPEP_DEVICE uint64_t fetch_add(int /*ch*/, int peer, int64_t off, uint64_t v) const {
+        const ibgda::Endpoint& e = endpoint(0, peer);
+        if (e.q.ring == nullptr) {
+            fail(peer, -2, -1);
+            return 0;
+        }
         volatile uint64_t* result = scratch();
-        const ibgda::Endpoint& e = endpoint(ch, peer);
         ibgda::CqStatus st{};
         const ibgda::Word idx = ibgda::post_fetch_add(e, static_cast<uint64_t>(off), v, reinterpret_cast<uint64_t>(result),
                                                       deadline(), &st);
         if (!check(idx != ibgda::kNotPosted, peer, st) || !check(ibgda::wait_completed(e.q, idx + 1, deadline(), &st), peer, st))
             return 0;
-        return ibgda::mlx5::be64(*result);   // the NIC delivers the old value big-endian
+        return atomic_result_be ? ibgda::mlx5::be64(*result) : *result;
     }
 
     // One thread. Acquire-poll of MY window; a failure of my queues is reported here too (kErrorNic).
@@ -212,7 +234,7 @@ struct IbgdaTransport {
         while (ld_acquire_sys(sig) < v) {
             if (failed()) {
                 const volatile int* e = nic_error;
-                report_error(sink, kErrorNic, e[1], e[2]);
+                report_error(sink, kErrorNic, e[1], e[2]);   // fields written before the code (fail)
                 return false;
             }
             if (deepep_portable::globaltimer_ns() > deadline_ns) {

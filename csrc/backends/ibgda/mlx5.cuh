@@ -174,6 +174,15 @@ struct Cqe {
     uint16_t wqe_counter;
 };
 
+// The CQE's last 32-bit word (bytes 60-63: be16 wqe_counter, signature, op_own), which the NIC writes in one
+// store after the rest of the entry: read it once (one load), then decode it, so an opcode and a counter
+// can never come from two different entries.
+DEEPEP_HOST_DEVICE uint8_t cqe_opcode(uint32_t tail) { return static_cast<uint8_t>(tail >> 28); }
+DEEPEP_HOST_DEVICE uint16_t cqe_counter(uint32_t tail) {
+    return static_cast<uint16_t>(((tail & 0xffu) << 8) | ((tail >> 8) & 0xffu));   // bytes 60 (high), 61 (low)
+}
+
+// The whole entry; its fields other than the tail are meaningful once the tail named it (read behind an acquire).
 DEEPEP_HOST_DEVICE Cqe read_cqe(const void* cqe) {
     const auto* b = static_cast<const uint8_t*>(cqe);
     const uint32_t sop = be32(*reinterpret_cast<const uint32_t*>(b + kCqeSopDropQpn));

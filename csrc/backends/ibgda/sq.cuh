@@ -35,7 +35,7 @@ using SysAtomic = cuda::atomic_ref<T, cuda::thread_scope_system>;
 
 struct SendQueue {
     uint8_t* ring;          // depth WQEBBs of 64 bytes (memory the NIC reads)
-    uint32_t depth;         // a power of two, <= 16384 (poll_cq's 16-bit differences stay exact)
+    uint32_t depth;         // a power of two, <= 16384 (poll_cq's 16-bit differences stay exact; the host checks)
     uint32_t qpn;
     Word* reserve;          // next WQEBB to hand out
     Word* turn;             // WQEBBs published, in order
@@ -52,22 +52,35 @@ struct CqStatus {
 };
 
 // Read the collapsed CQE and advance `completed` to just past the WQE it names (monotonic, widened from
-// 16 bits). Any thread may call it at any time.
+// 16 bits, never past what was published). Any thread may call it at any time. The entry's tail word is
+// loaded once with an acquire (the NIC writes it last, in one store): an opcode and a counter from two
+// different entries cannot mix; the rest of an error entry is read after that acquire.
 DEEPEP_HOST_DEVICE CqStatus poll_cq(const SendQueue& q) {
-    const mlx5::Cqe cqe = mlx5::read_cqe(q.cq);
-    if (cqe.opcode == mlx5::kCqeReqErr || cqe.opcode == mlx5::kCqeRespErr)
+    const uint32_t tail = SysAtomic<uint32_t>(*const_cast<uint32_t*>(reinterpret_cast<const uint32_t*>(
+        q.cq + mlx5::kCqeWqeCounter))).load(cuda::memory_order_acquire);
+    const uint8_t opcode = mlx5::cqe_opcode(tail);
+    if (opcode == mlx5::kCqeReqErr || opcode == mlx5::kCqeRespErr) {
+        mlx5::Cqe cqe = mlx5::read_cqe(q.cq);
+        cqe.opcode = opcode;
+        cqe.wqe_counter = mlx5::cqe_counter(tail);
         return CqStatus{true, cqe};
-    if (cqe.opcode != mlx5::kCqeReq)   // still the 0xff fill: nothing completed yet
+    }
+    mlx5::Cqe cqe{};
+    cqe.opcode = opcode;
+    cqe.wqe_counter = mlx5::cqe_counter(tail);
+    if (opcode != mlx5::kCqeReq)   // still the 0xff fill: nothing completed yet
         return CqStatus{false, cqe};
     SysAtomic<Word> completed(*q.completed);
+    const Word published = SysAtomic<Word>(*q.turn).load(cuda::memory_order_acquire);
     Word seen = completed.load(cuda::memory_order_acquire);
     for (;;) {
         // The completed WQE's distance from the last one counted (seen - 1), from 16 bits: in-flight WQEs
         // are fewer than the depth (<= 2^14), so a signed 16-bit difference is exact; <= 0 means this CQE
-        // was already counted (another poller moved `seen` past it).
+        // was already counted (another poller moved `seen` past it). A CQE read long before another poller
+        // moved `seen` 2^15 further could alias forward: never count past what was published.
         const int16_t delta = static_cast<int16_t>(static_cast<uint16_t>(cqe.wqe_counter - static_cast<uint16_t>(seen - 1)));
-        if (delta <= 0 || completed.compare_exchange_weak(seen, seen + static_cast<Word>(delta),
-                                                          cuda::memory_order_acq_rel))
+        if (delta <= 0 || seen + static_cast<Word>(delta) > published ||
+            completed.compare_exchange_weak(seen, seen + static_cast<Word>(delta), cuda::memory_order_acq_rel))
             return CqStatus{false, cqe};
     }
 }

@@ -9,7 +9,7 @@ from ...windows.base import KernelBuild
 
 # Kernels over the contract for this backend (selected_transport.cuh); fetch_add is not cheap (a network AMO).
 IBGDA_BUILD = KernelBuild("backends/ibgda/device.cuh", "IbgdaTransport")
-SCRATCH_WORDS = 1024   # IbgdaTransport::kScratchWords: u64 result words at scratch_offset of the window
+SCRATCH_WORDS = 8192   # IbgdaTransport::kScratchWords: u64 result words at scratch_offset of the window
 
 
 class SendQueueParams(ctypes.Structure):
@@ -28,9 +28,11 @@ class EndpointParams(ctypes.Structure):
 
 
 class IbgdaTransportParams(ctypes.Structure):
-    """transport::IbgdaTransport (csrc/backends/ibgda/device.cuh)."""
+    """transport::IbgdaTransport (csrc/backends/ibgda/device.cuh). `endpoints`: [ranks * channels] EndpointParams,
+    one QP to every rank (self included: fetch_add goes through the NIC for all); `nic_error`: int32 [5];
+    `atomic_result_be`: the HCA's atomic_req_8B_endianness_mode says big-endian results."""
 
     _fields_ = [("endpoints", ctypes.c_uint64), ("peer_bases", ctypes.c_uint64), ("base", ctypes.c_uint64),
                 ("scratch_offset", ctypes.c_int64), ("scratch_ticket", ctypes.c_uint64), ("nic_error", ctypes.c_uint64),
                 ("rank", ctypes.c_int32), ("num_ranks", ctypes.c_int32), ("channels", ctypes.c_int32),
-                ("reserved", ctypes.c_int32), ("timeout_ns", ctypes.c_int64)]
+                ("atomic_result_be", ctypes.c_int32), ("timeout_ns", ctypes.c_int64)]
