@@ -289,3 +289,13 @@ def test_engine_refuses_a_node_that_is_not_load_store(monkeypatch):
     with pytest.raises(RuntimeError, match=r"ranks \[1\] of node 0"):
         _engine(monkeypatch)
     assert made == {"closed": True}
+
+
+def test_precompile_covers_the_gpu_suites_shapes():
+    """Every internode kernel shape the GPU suites and bench use is in `precompile --nvshmem`'s list."""
+    variants = {(src, tuple(sorted(d.items()))) for src, d in internode.precompile_variants()}
+    for ranks, per_node in ((8, 4), (8, 2), (16, 8)):
+        bench_fp8 = internode.kernel_defines(ranks, per_node, HIDDEN_BYTES=7168, NUM_SCALES=56, NUM_TOPK=8)
+        bench_combine = internode.kernel_defines(ranks, per_node, HIDDEN=7168, NUM_TOPK=0)
+        assert (internode.DISPATCH_SOURCE, tuple(sorted(bench_fp8.items()))) in variants
+        assert (internode.COMBINE_SOURCE, tuple(sorted(bench_combine.items()))) in variants

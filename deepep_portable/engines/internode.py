@@ -269,3 +269,22 @@ class InternodeEngine(Engine):
         finally:
             self.notify.free()
             self.base = None
+
+
+# The shapes the GPU tests and `bench --mode internode` compile (precompiled with the nvshmem backend by
+# `python -m deepep_portable precompile --nvshmem`, so the tests do not spend their time in nvcc): dispatch
+# (payload bytes, scale words, top-k; top-k 0 is also the cached dispatch) and combine (hidden, top-k).
+PRECOMPILE_DISPATCH = [(7168 * 2, 0, 8), (7168, 56, 8), (7168 * 2, 0, 0), (7168, 56, 0), (512, 0, 3), (512, 0, 0),
+                       (256, 2, 3), (256, 2, 0), (4096, 0, 4), (4096, 0, 0)]
+PRECOMPILE_COMBINE = [(7168, 8), (7168, 0), (256, 3), (256, 0), (2048, 4)]
+PRECOMPILE_NODES = [(8, 4), (8, 2), (16, 8), (16, 4), (16, 2)]   # (ranks, ranks per node) of the GPU suites
+
+
+def precompile_variants() -> List[Tuple[str, dict]]:
+    """(source, defines) of every internode kernel the GPU suites use."""
+    out = []
+    for ranks, per_node in PRECOMPILE_NODES:
+        out += [(DISPATCH_SOURCE, kernel_defines(ranks, per_node, HIDDEN_BYTES=h, NUM_SCALES=sc, NUM_TOPK=k))
+                for h, sc, k in PRECOMPILE_DISPATCH]
+        out += [(COMBINE_SOURCE, kernel_defines(ranks, per_node, HIDDEN=h, NUM_TOPK=k)) for h, k in PRECOMPILE_COMBINE]
+    return out

@@ -21,7 +21,7 @@ from typing import Optional
 
 from ... import jit
 from ...contract import BufferContext, Capabilities
-from ...engines import low_latency
+from ...engines import internode, low_latency
 from ..kernel import KernelTransport
 from . import link
 from .window import NVSHMEM_BUILD, NvshmemWindow
@@ -46,12 +46,13 @@ class NvshmemTransport(KernelTransport):
 
 
 def precompile(archs=("sm_90",), jobs: Optional[int] = None):
-    """Device-link the low-latency kernel families' variants for this backend (in parallel, `jobs` nvcc
-    processes). Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc is missing."""
+    """Device-link the low-latency kernel families' variants and the internode suites' for this backend (in
+    parallel, `jobs` nvcc processes). Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc is missing."""
     ll = low_latency
     variants = [(ll.DISPATCH_SOURCE, ll.kernel_defines(h, 8)) for h in ll.HIDDENS] + \
         [(ll.COMBINE_SOURCE, ll.kernel_defines(h, 8, False)) for h in ll.HIDDENS] + \
         [(ll.COMBINE_SOURCE, ll.kernel_defines(7168, 8, True)), (ll.CLEAN_SOURCE, {})]
+    variants += internode.precompile_variants()
     tasks = [(source, defines, arch) for source, defines in variants for arch in archs]
 
     def run(task):
