@@ -47,7 +47,8 @@ class NvshmemTransport(KernelTransport):
 
 def precompile(archs=("sm_90",), jobs: Optional[int] = None):
     """Device-link the low-latency kernel families' variants and the internode suites' for this backend (in
-    parallel, `jobs` nvcc processes). Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc is missing."""
+    parallel, `jobs` nvcc processes). Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc
+    is missing."""
     ll = low_latency
     variants = [(ll.DISPATCH_SOURCE, ll.kernel_defines(h, 8)) for h in ll.HIDDENS] + \
         [(ll.COMBINE_SOURCE, ll.kernel_defines(h, 8, False)) for h in ll.HIDDENS] + \
