@@ -54,6 +54,7 @@ struct ErrorSink {
     int op;
     int rank;
     int* mask = nullptr;   // shrink mode: int32 [ranks], 1 = masked (see the top of the file)
+    int channel = -1;      // the transport channel a wait is on, for the record (-1: the block index instead)
 };
 
 DEEPEP_DEVICE void report_error(const ErrorSink& sink, int code, int peer, int detail) {
@@ -70,7 +71,7 @@ DEEPEP_DEVICE void report_error(const ErrorSink& sink, int code, int peer, int d
     h[1] = sink.op;
     h[2] = sink.rank;
     h[3] = peer;
-    h[4] = static_cast<int>(blockIdx.x);
+    h[4] = sink.channel >= 0 ? sink.channel : static_cast<int>(blockIdx.x);
     h[5] = detail;
     __threadfence_system();
     h[0] = code;  // written last: the host reads the record only once the code is set

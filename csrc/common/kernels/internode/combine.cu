@@ -216,10 +216,13 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Inte
     for (int k = static_cast<int>(global_warp()); k < chunks; k += static_cast<int>(grid_warps())) {
         // Every landing rank signals every chunk of mine (with or without rows from its node).
         int ok = 1;
-        for (int m = lane; m < kNumNodes; m += 32)
-            if (!c.transport.wait_ge(c.combine_arrive_offset + chunk_slot(m, k), n, deadline, sink,
+        for (int m = lane; m < kNumNodes; m += 32) {
+            ErrorSink on_channel = sink;   // a timeout names the channel node m's partials travel on
+            on_channel.channel = channel_of(c, my_node(c), k);
+            if (!c.transport.wait_ge(c.combine_arrive_offset + chunk_slot(m, k), n, deadline, on_channel,
                                      m * kRanksPerNode + me_local))
                 ok = 0;
+        }
         ok = __all_sync(0xffffffffu, ok);
         __syncwarp();   // every lane reads every node's rows after the lanes' acquires
         if (!ok)

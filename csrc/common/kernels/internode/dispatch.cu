@@ -300,13 +300,16 @@ __global__ void __launch_bounds__(kThreads) forward_arrivals(const __grid_consta
             ++src_node;
         const int k = static_cast<int>(task - s_first[src_node]);
         const int source = src_node * kRanksPerNode + me_local;
+        ErrorSink on_channel = sink;   // a timeout names the channel the chunk travels on (the sender's
+        on_channel.channel = channel_of(c, my_node(c), k);   // channel_of(destination node, chunk))
         int ok = 1;
         uint32_t lo = 0, hi = 0;
         if (lane == 0) {
-            ok = c.transport.wait_ge(c.arrive_offset + chunk_slot(src_node, k), stamp(n, 0), deadline, sink, source);
+            ok = c.transport.wait_ge(c.arrive_offset + chunk_slot(src_node, k), stamp(n, 0), deadline, on_channel,
+                                     source);
             if (ok && k > 0)
-                ok = c.transport.wait_ge(c.arrive_offset + chunk_slot(src_node, k - 1), stamp(n, 0), deadline, sink,
-                                           source);
+                ok = c.transport.wait_ge(c.arrive_offset + chunk_slot(src_node, k - 1), stamp(n, 0), deadline,
+                                         on_channel, source);
             if (ok) {
                 hi = stamp_count(*local<volatile uint64_t>(c, c.arrive_offset + chunk_slot(src_node, k)));
                 lo = k > 0 ? stamp_count(*local<volatile uint64_t>(c, c.arrive_offset + chunk_slot(src_node, k - 1))) : 0;
@@ -395,11 +398,13 @@ __global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ Int
             ++s;
         const int k = static_cast<int>(task - s_task[s]);
         const int src_node = s / kRanksPerNode, landing_local = s % kRanksPerNode;
+        ErrorSink on_channel = sink;   // the channel the chunk crossed the network on, to my node
+        on_channel.channel = channel_of(c, node, k);
         int ok = 1;
         int64_t range = 0;
         if (lane == 0) {
             ok = deepep_portable::wait_ge(node_peer<const uint64_t>(c, landing_local, c.forward_offset + chunk_slot(src_node, k)),
-                                          stamp(n, 0), deadline, sink, node * kRanksPerNode + landing_local);
+                                          stamp(n, 0), deadline, on_channel, node * kRanksPerNode + landing_local);
             if (ok)
                 range = *node_peer<const volatile int64_t>(c, landing_local, c.range_offset + chunk_slot(src_node, k));
         }
