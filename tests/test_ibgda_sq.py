@@ -2,7 +2,6 @@
 model of the NIC's send side (tests/native/ibgda_sq_model.cu): many posters on one small ring, past the
 16-bit WQE-index wrap, every WQE or every 8th signalled, doorbells never backwards, every write landed;
 and a bad remote key coming back as an error CQE to a waiting poster. Also compiled for sm_90."""
-import os
 import subprocess
 
 import pytest
@@ -13,18 +12,10 @@ try:
     NVCC = jit.find_nvcc()
 except Exception:   # pragma: no cover - CI installs a compiler
     NVCC = None
-MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "ibgda_sq_model.cu")
 
 
-@pytest.mark.skipif(NVCC is None, reason="no nvcc")
-def test_posting_against_the_nic_model(tmp_path):
-    exe = tmp_path / "sq_model"
-    build = subprocess.run([NVCC, "-std=c++17", "-O2", "--expt-relaxed-constexpr", f"-I{jit.kernel_root()}", MODEL,
-                            "-o", str(exe), "-Xcompiler", "-pthread"], capture_output=True, text=True)
-    assert build.returncode == 0, build.stdout + build.stderr
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    print(run.stdout)
-    assert run.returncode == 0 and "failures 0" in run.stdout, run.stdout + run.stderr
+def test_posting_against_the_nic_model(run_native):
+    run_native("ibgda_sq_model")
 
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc")

@@ -23,14 +23,20 @@ struct Endpoint {
     uint32_t lkey;
 };
 
-// RDMA WRITE of `bytes` from my registered memory at `laddr` to the peer's window at `roff`.
+// RDMA WRITE (kOpRdmaWrite: my `laddr` -> the peer's window at `roff`) or READ (kOpRdmaRead: the other way)
+// of `bytes`, one WQE of ctrl + raddr + data segments.
+template <typename GiveUp>
+DEEPEP_HOST_DEVICE Word post_rdma(const Endpoint& e, uint8_t opcode, uint64_t laddr, uint64_t roff, uint32_t bytes,
+                                  GiveUp give_up, CqStatus* error) {
+    return post(e.q, [&](uint8_t* w, uint16_t pi) {
+        mlx5::write_rdma(w, opcode, pi, e.q.qpn, mlx5::kCqUpdate, e.raddr_base + roff, e.rkey, laddr, e.lkey, bytes);
+    }, give_up, error);
+}
+
 template <typename GiveUp>
 DEEPEP_HOST_DEVICE Word post_write(const Endpoint& e, uint64_t laddr, uint64_t roff, uint32_t bytes, GiveUp give_up,
                                    CqStatus* error) {
-    return post(e.q, [&](uint8_t* w, uint16_t pi) {
-        mlx5::write_rdma(w, mlx5::kOpRdmaWrite, pi, e.q.qpn, mlx5::kCqUpdate, e.raddr_base + roff, e.rkey, laddr,
-                         e.lkey, bytes);
-    }, give_up, error);
+    return post_rdma(e, mlx5::kOpRdmaWrite, laddr, roff, bytes, give_up, error);
 }
 
 // RDMA WRITE of one 8-byte value carried in the WQE (no local memory): signals and put_value.
@@ -41,14 +47,10 @@ DEEPEP_HOST_DEVICE Word post_value(const Endpoint& e, uint64_t roff, uint64_t va
     }, give_up, error);
 }
 
-// RDMA READ of `bytes` of the peer's window at `roff` into my registered memory at `laddr`.
 template <typename GiveUp>
 DEEPEP_HOST_DEVICE Word post_read(const Endpoint& e, uint64_t roff, uint64_t laddr, uint32_t bytes, GiveUp give_up,
                                   CqStatus* error) {
-    return post(e.q, [&](uint8_t* w, uint16_t pi) {
-        mlx5::write_rdma(w, mlx5::kOpRdmaRead, pi, e.q.qpn, mlx5::kCqUpdate, e.raddr_base + roff, e.rkey, laddr,
-                         e.lkey, bytes);
-    }, give_up, error);
+    return post_rdma(e, mlx5::kOpRdmaRead, laddr, roff, bytes, give_up, error);
 }
 
 // 8-byte FETCH_ADD on the peer's window at `roff`; the old value lands big-endian at my `laddr`.
