@@ -74,8 +74,9 @@ class InternodeRegions:
 
     @property
     def count_words(self) -> int:
-        """int32 words of a count message: per rank, per node, token count, per expert of the receiver."""
-        return align_up(self.num_ranks + self.num_nodes + 1 + INTERNODE_MAX_LOCAL_EXPERTS, 4)
+        """int32 words of a count message: per rank, per node, token count, the sender's receive capacity, per
+        expert of the receiver."""
+        return align_up(self.num_ranks + self.num_nodes + 2 + INTERNODE_MAX_LOCAL_EXPERTS, 4)
 
     @property
     def counts_offset(self) -> int:

@@ -31,8 +31,9 @@ def test_fixed_regions(ranks, per_node):
     _no_overlap(regions)
     assert all(off % 8 == 0 for _, off, _ in regions) and g.counts_offset % 16 == 0 and g.data_offset % 4096 == 0
     assert max(IL.CTRL_ROUND, IL.CTRL_CURRENT, IL.CTRL_ERROR) + 8 <= IL.INTERNODE_CONTROL_BYTES
-    # a count message: per rank, per node, the token count, the receiver's experts; whole 16-byte words
-    assert g.count_words >= ranks + m + 1 + IL.INTERNODE_MAX_LOCAL_EXPERTS and (4 * g.count_words) % 16 == 0
+    # a count message: per rank, per node, the token count, the sender's capacity, the receiver's experts;
+    # whole 16-byte words
+    assert g.count_words >= ranks + m + 2 + IL.INTERNODE_MAX_LOCAL_EXPERTS and (4 * g.count_words) % 16 == 0
 
 
 @pytest.mark.parametrize("ranks,per_node", SHAPES)

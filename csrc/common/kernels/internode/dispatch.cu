@@ -86,13 +86,15 @@ DEEPEP_DEVICE void publish_counts(const InternodeDispatchParams& p, uint64_t n) 
             count += counts_of(c, n, s)[kCountExpertsAt + e];
         p.host_out[2 + e] = align_up<int>(count, static_cast<int>(p.expert_alignment));
     }
-    // num_worst_tokens / a cached handle fixed the receive rows up front: every rank checks every rank's
-    // count (each holds the whole matrix), so all fail this op together instead of one rank later.
-    for (int j = threadIdx.x; j < kNumRanks && p.max_recv_rows > 0; j += blockDim.x) {
+    // num_worst_tokens / a cached handle fixed a rank's receive rows up front, and its count message says
+    // how many (ranks differ: a cached handle holds that rank's own count). Every rank checks every rank
+    // (each holds the whole matrix), so all fail this op together instead of one rank later.
+    for (int j = threadIdx.x; j < kNumRanks; j += blockDim.x) {
+        const int capacity = counts_of(c, n, j)[kCountCapacityAt];
         int rows = 0;
         for (int s = 0; s < kNumRanks; ++s)
             rows += counts_of(c, n, s)[j];
-        if (rows > p.max_recv_rows)
+        if (capacity > 0 && rows > capacity)
             report_error(sink_of(c, kOpDispatch), kErrorCapacity, j, rows);
     }
     __syncthreads();
@@ -178,6 +180,8 @@ __global__ void __launch_bounds__(kThreads) exchange_counts(const __grid_constan
                     v = s_count[i];
                 else if (i == kCountTokensAt)
                     v = static_cast<int>(p.num_tokens);
+                else if (i == kCountCapacityAt)
+                    v = static_cast<int>(p.max_recv_rows);
                 else if (i - kCountExpertsAt < experts_per_rank && p.num_tokens_per_expert != nullptr)
                     v = p.num_tokens_per_expert[r * experts_per_rank + i - kCountExpertsAt];
                 msg[i] = v;
