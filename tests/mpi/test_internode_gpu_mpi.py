@@ -51,6 +51,11 @@ def _node_shapes(num_ranks: int):
     return [p for p in (8, 4, 2) if p < num_ranks and num_ranks % p == 0] or [1]
 
 
+def experts_at_least(base: int, num_ranks: int) -> int:
+    """About `base` experts, at least one per rank (16 ranks have no multiple of 16 at or below 12)."""
+    return max(num_experts_for(base, num_ranks), num_ranks)
+
+
 def _usable(pg) -> None:
     status = deep_ep.available_transports()[TRANSPORT]
     everyone = allgather(torch.tensor([int(status.usable)]), pg)
@@ -112,11 +117,11 @@ def test_dispatch_combine(pg, device, request, base_seed, per_node, fp8):
 @pytest.mark.parametrize("case", ["no-topk", "rank1-empty", "skew", "num-worst", "dense", "all-none"])
 def test_odd_shapes(pg, device, request, base_seed, per_node, case):
     _usable(pg)
-    rank, _ = world(pg)
+    rank, num_ranks = world(pg)
     gen = generator(request, base_seed, rank)
     buf = _buffer(pg, per_node)
-    kwargs = dict(SMALL, num_tokens=0 if (case == "rank1-empty" and rank == 1) else 3 + 5 * rank,
-                  ranks_per_node=per_node)
+    kwargs = dict(SMALL, experts=experts_at_least(SMALL["experts"], num_ranks),
+                  num_tokens=0 if (case == "rank1-empty" and rank == 1) else 3 + 5 * rank, ranks_per_node=per_node)
     if case == "no-topk":
         run_normal(buf, pg, gen, device, **kwargs, use_topk=False, expert_alignment=4)
     elif case == "skew":
@@ -233,10 +238,11 @@ def test_timeout_names_the_missing_rank(pg, device, request, base_seed, per_node
     buf = _buffer(pg, per_node, timeout_s=2.0)
     gen = generator(request, base_seed, rank)
     x = torch.randn(4, 256, generator=gen).to(torch.bfloat16).to(device)
-    idx = make_topk(4, 2, num_experts_for(8, num_ranks), gen).to(device)
+    experts = experts_at_least(8, num_ranks)
+    idx = make_topk(4, 2, experts, gen).to(device)
     ck = Checker(pg)
     if rank != 0:
-        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts_for(8, num_ranks))
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
         try:
             buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                          topk_idx=idx, topk_weights=torch.ones(4, 2, device=device))
