@@ -300,3 +300,62 @@ def test_precompile_covers_the_gpu_suites_shapes():
         bench_combine = internode.kernel_defines(ranks, per_node, HIDDEN=7168, NUM_TOPK=0)
         assert (internode.DISPATCH_SOURCE, tuple(sorted(bench_fp8.items()))) in variants
         assert (internode.COMBINE_SOURCE, tuple(sorted(bench_combine.items()))) in variants
+
+
+# ---- the bench's ceiling plan (tools/internode_ceiling.py) ----------------------------------------------------
+
+def _routing(ranks: int, per_node: int, tokens: int, seed: int):
+    """(matrix[s][d], node_counts[s][m]) of a random is_token_in_rank per source."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    matrix, node_counts = [], []
+    for _ in range(ranks):
+        in_rank = torch.rand(tokens, ranks, generator=gen) < 0.3
+        matrix.append([int(v) for v in in_rank.sum(0)])
+        node_counts.append([int(v) for v in in_rank.view(tokens, -1, per_node).any(2).sum(0)])
+    return matrix, node_counts
+
+
+@pytest.mark.parametrize("ranks,per_node", [(16, 8), (8, 4), (8, 2), (6, 1), (4, 4)])
+def test_ceiling_traffic_is_the_ops(ranks, per_node):
+    """Combine moves exactly the dispatch's rows back: per (source, node) on the network, per (source,
+    destination) in the node; nothing crosses the network inside a node, nothing leaves it by load/store."""
+    from deepep_portable.tools.internode_ceiling import internode_traffic
+
+    matrix, node_counts = _routing(ranks, per_node, 50, ranks * 100 + per_node)
+    row = 7392
+    totals = {}
+    for forward in (True, False):
+        net_total = nvl_total = 0
+        for r in range(ranks):
+            net, nvl = internode_traffic(matrix, node_counts, r, per_node, forward, row)
+            assert all(d // per_node != r // per_node and d % per_node == r % per_node for d, _ in net)
+            assert all(0 <= j < per_node for j, _ in nvl) and all(n > 0 for _, n in net + nvl)
+            net_total += sum(n for _, n in net)
+            nvl_total += sum(n for _, n in nvl)
+        totals[forward] = (net_total, nvl_total)
+    off_node = sum(node_counts[s][m] for s in range(ranks) for m in range(ranks // per_node) if m != s // per_node)
+    assert totals[True] == totals[False] == (off_node * row, sum(map(sum, matrix)) * row)
+
+
+def test_ceiling_pieces_cover_the_traffic():
+    """Every destination gets exactly its bytes in pieces of at most PIECE_BYTES, interleaved across
+    destinations, 16-byte aligned, inside the data region; ranks start writing at different places."""
+    from deepep_portable.tools.internode_ceiling import VIA_NODE, VIA_TRANSPORT, traffic_pieces
+
+    net, nvl = [(4, 200_000), (12, 16)], [(0, 64 * 1024), (3, 130_000 // 16 * 16)]
+    region = (8192, 8192 + 1_000_000)
+    pieces = traffic_pieces(net, nvl, region, rank=5, num_ranks=16, piece_bytes=65536)
+    got = {}
+    for head, dst, src, n in pieces:
+        key = (head & 0xffffffff, head >> 32)
+        got[key] = got.get(key, 0) + n
+        assert 0 < n <= 65536 and n % 16 == 0 and dst % 16 == 0 and src % 16 == 0
+        assert region[0] <= dst and dst + n <= region[1] and region[0] <= src and src + n <= region[1]
+    assert got == {**{(d, VIA_TRANSPORT): n for d, n in net}, **{(j, VIA_NODE): n for j, n in nvl}}
+    assert [p[0] & 0xffffffff for p in pieces[:4]] == [4, 12, 0, 3]   # one piece of each before any second
+    other = traffic_pieces(net, nvl, region, rank=6, num_ranks=16, piece_bytes=65536)
+    assert other[0][1] != pieces[0][1]
+    with pytest.raises(ValueError, match="holds no"):
+        traffic_pieces(net, nvl, (0, 8), rank=0, num_ranks=2)

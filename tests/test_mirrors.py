@@ -152,7 +152,7 @@ def _internode_checks(transport_struct: type, c_transport: str, op: str, shape: 
     from deepep_portable import internode_layout as IL
     from deepep_portable.engines import internode
 
-    common_t, dispatch_t, combine_t = internode.params_types(transport_struct)
+    common_t, dispatch_t, combine_t, ceiling_t = internode.params_types(transport_struct)
     regions = IL.InternodeRegions(shape["NUM_RANKS"], shape["RANKS_PER_NODE"])
     ns = "deepep_portable::internode"
     checks = _asserts(c_transport, transport_struct) + _asserts(f"{ns}::Common", common_t)
@@ -165,10 +165,12 @@ def _internode_checks(transport_struct: type, c_transport: str, op: str, shape: 
         checks += [f'static_assert({ns}::kBodyBytes == {lay.body_bytes}, "body bytes");',
                    f'static_assert({ns}::kMetaBytes == {lay.meta_bytes}, "meta bytes");',
                    f'static_assert({ns}::kSlotBytes == {lay.slot_bytes}, "slot bytes");']
-    else:
+    elif op == "combine":
         lay = IL.InternodeCombineLayout(regions, shape["HIDDEN"], shape["NUM_TOPK"])
         checks += _asserts("InternodeCombineParams", combine_t)
         checks += [f'static_assert({ns}::kRowBytes == {lay.row_bytes}, "row bytes");']
+    else:
+        checks += _asserts("TrafficCeilingParams", ceiling_t)
     return checks
 
 
@@ -176,7 +178,8 @@ INTERNODE_SHAPES = [("dispatch", dict(NUM_RANKS=16, RANKS_PER_NODE=8, HIDDEN_BYT
                     ("dispatch", dict(NUM_RANKS=6, RANKS_PER_NODE=1, HIDDEN_BYTES=4096 * 2, NUM_SCALES=0, NUM_TOPK=0)),
                     ("dispatch", dict(NUM_RANKS=8, RANKS_PER_NODE=2, HIDDEN_BYTES=2560, NUM_SCALES=20, NUM_TOPK=9)),
                     ("combine", dict(NUM_RANKS=16, RANKS_PER_NODE=8, HIDDEN=7168, NUM_TOPK=8)),
-                    ("combine", dict(NUM_RANKS=144, RANKS_PER_NODE=72, HIDDEN=1280, NUM_TOPK=0))]
+                    ("combine", dict(NUM_RANKS=144, RANKS_PER_NODE=72, HIDDEN=1280, NUM_TOPK=0)),
+                    ("ceiling", dict(NUM_RANKS=16, RANKS_PER_NODE=8))]
 
 
 @needs_nvcc
@@ -187,7 +190,8 @@ def test_internode_params_and_sm90_compile(tmp_path, op, shape):
     match the host's."""
     from deepep_portable.engines import internode
 
-    source = internode.DISPATCH_SOURCE if op == "dispatch" else internode.COMBINE_SOURCE
+    source = {"dispatch": internode.DISPATCH_SOURCE, "combine": internode.COMBINE_SOURCE,
+              "ceiling": internode.CEILING_SOURCE}[op]
     c_nvlink = "deepep_portable::transport::NvlinkTransport"
     _compile(tmp_path, source, _internode_checks(NvlinkTransportParams, c_nvlink, op, shape), shape,
              nvlink_build(True))
@@ -221,7 +225,8 @@ def test_ibgda_backend_params(tmp_path):
              ll.kernel_defines(7168, 8, True), IBGDA_BUILD)
     _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(IbgdaTransportParams, c_struct, "clean"), {}, IBGDA_BUILD)
     for op, shape in INTERNODE_SHAPES[:1] + INTERNODE_SHAPES[3:4]:
-        source = internode.DISPATCH_SOURCE if op == "dispatch" else internode.COMBINE_SOURCE
+        source = {"dispatch": internode.DISPATCH_SOURCE, "combine": internode.COMBINE_SOURCE,
+              "ceiling": internode.CEILING_SOURCE}[op]
         _compile(tmp_path, source, _internode_checks(IbgdaTransportParams, c_struct, op, shape), shape, IBGDA_BUILD)
 
 

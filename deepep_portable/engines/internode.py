@@ -30,6 +30,8 @@ from .launch import launch, params_struct, ptr, stream_handle
 
 DISPATCH_SOURCE = "common/kernels/internode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/internode/combine.cu"
+CEILING_SOURCE = "common/kernels/internode/ceiling.cu"   # the bench's ceiling (tools/internode_ceiling.py)
+CEILING_KERNEL = jit.kernel_symbol("deepep_portable::internode::traffic_ceiling", "TrafficCeilingParams")
 THREADS = 512   # kThreads in internode/protocol.cuh
 # Launch order of each op; only the kernel named after the op moves its data to the caller.
 DISPATCH_KERNELS = tuple(jit.kernel_symbol(f"deepep_portable::internode::{k}", "InternodeDispatchParams")
@@ -52,12 +54,13 @@ _COMBINE = ["landing_offset", "partial_offset", "staging_offset", "max_rows", "x
 
 
 @functools.lru_cache(maxsize=None)
-def params_types(transport_struct: type) -> Tuple[type, type, type]:
-    """(Common, InternodeDispatchParams, InternodeCombineParams) mirrors for kernels built for the backend
-    whose Transport struct `transport_struct` mirrors."""
+def params_types(transport_struct: type) -> Tuple[type, type, type, type]:
+    """(Common, InternodeDispatchParams, InternodeCombineParams, TrafficCeilingParams) mirrors for kernels built
+    for the backend whose Transport struct `transport_struct` mirrors."""
     common = params_struct("Common", [("transport", transport_struct), *_COMMON])
     return (common, params_struct("InternodeDispatchParams", [("common", common), *_DISPATCH]),
-            params_struct("InternodeCombineParams", [("common", common), *_COMBINE]))
+            params_struct("InternodeCombineParams", [("common", common), *_COMBINE]),
+            params_struct("TrafficCeilingParams", [("common", common), "pieces", "num_pieces"]))
 
 
 def kernel_defines(num_ranks: int, ranks_per_node: int, **shape) -> dict:
@@ -93,7 +96,7 @@ class InternodeEngine(Engine):
             self.window.close()
             raise
         self.base, self.dev, self.errors = self.window.base, self.window.dev, self.window.errors
-        self.common_t, self.dispatch_t, self.combine_t = params_types(type(self.transport))
+        self.common_t, self.dispatch_t, self.combine_t, self.ceiling_t = params_types(type(self.transport))
         self.notify = MappedWords(self.dev, 2 + IL.INTERNODE_MAX_LOCAL_EXPERTS)
         self.channels = max(1, int(channels))
 
@@ -261,6 +264,23 @@ class InternodeEngine(Engine):
             launch(k, grid, THREADS, p, s)
         return out, out_w
 
+    # ---- the bench's ceiling -------------------------------------------------------------------------
+    @property
+    def traffic_region(self) -> Tuple[int, int]:
+        """[start, end) byte offsets of the window's data region: scratch for traffic_copy between ops."""
+        return self.regions.data_offset, self.ctx.num_rdma_bytes
+
+    def traffic_copy(self, pieces: torch.Tensor, num_sms: int, stream=None) -> None:
+        """Launch the ceiling kernel over `pieces` (int64 [n, 4], tools/internode_ceiling.traffic_pieces) on
+        `stream` (default: the current one). It writes the data region of this and peer windows: call it only
+        with no op in flight on any rank (it has no handshake)."""
+        self.check()
+        kernel = self.window.kernel(CEILING_SOURCE, CEILING_KERNEL, kernel_defines(self.num_ranks, self.ranks_per_node))
+        p = self.ceiling_t()
+        p.common = self._common(0)
+        p.pieces, p.num_pieces = pieces.data_ptr(), pieces.size(0)
+        launch(kernel, self.grid(num_sms), THREADS, p, stream_handle(stream))
+
     def destroy(self) -> None:
         if self.base is None:
             return
@@ -287,4 +307,5 @@ def precompile_variants() -> List[Tuple[str, dict]]:
         out += [(DISPATCH_SOURCE, kernel_defines(ranks, per_node, HIDDEN_BYTES=h, NUM_SCALES=sc, NUM_TOPK=k))
                 for h, sc, k in PRECOMPILE_DISPATCH]
         out += [(COMBINE_SOURCE, kernel_defines(ranks, per_node, HIDDEN=h, NUM_TOPK=k)) for h, k in PRECOMPILE_COMBINE]
+        out.append((CEILING_SOURCE, kernel_defines(ranks, per_node)))
     return out

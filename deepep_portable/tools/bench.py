@@ -1,7 +1,8 @@
 """The main job: a dispatch -> combine round trip across local ranks, checked, timed, with its ceiling.
 
 Every measured op is printed beside the ceiling from the same run: one plain copy of exactly the
-same bytes on the same device (a device-to-device copy on the GPU, a memcpy on the CPU). Logical
+same bytes on the same device (a device-to-device copy on the GPU, a memcpy on the CPU); in internode
+mode, the op's own traffic through its own paths (internode_ceiling.py). Logical
 bandwidth follows DeepEP: payload bytes a rank sends (dispatch) or receives (combine), its own copy
 included, over the op's time; the time reported is the slowest rank's median.
 """
@@ -21,6 +22,7 @@ from ..config import Config
 from ..transports.reference import _fp8_cast as _reference_fp8_cast
 from . import compare
 from .ceilings import ceiling, copy_ceiling, nccl_all_to_all
+from .internode_ceiling import internode_ceiling
 from .spawn import run_local
 from .timing import (LL_LOOP, graph_seconds, print_graph_trace, print_host_profile, print_profile, slowest,
                      start_line, timer)
@@ -174,20 +176,32 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
                                  group), group)
         layout_bytes = topk_idx.numel() * topk_idx.element_size()
         matrix = [[int(v) for v in t.tolist()] for t in all_per_rank]
-        c_dispatch = ceiling(buf, matrix, True, row_bytes, dispatch_bytes, _blocks(buf), device, cfg, group)
-        c_combine = ceiling(buf, matrix, False, hidden * 2, combine_bytes, _blocks(buf), device, cfg, group)
+        node_counts, c_dispatch, c_combine = None, None, None
+        if per_node:   # the op's traffic through its own paths (internode_ceiling.py), where the engine runs
+            mine = in_rank.view(in_rank.size(0), -1, per_node).any(2).sum(0).to(torch.int64)
+            everyone = [torch.zeros_like(mine) for _ in range(world)]
+            dist.all_gather(everyone, mine, group=group)
+            node_counts = [[int(v) for v in t.tolist()] for t in everyone]
+            c_dispatch = internode_ceiling(buf, matrix, node_counts, True, row_bytes, _blocks(buf), device, cfg, group)
+            c_combine = internode_ceiling(buf, matrix, node_counts, False, hidden * 2, _blocks(buf), device, cfg,
+                                          group)
+        if c_dispatch is None:
+            c_dispatch = ceiling(buf, matrix, True, row_bytes, dispatch_bytes, _blocks(buf), device, cfg, group)
+            c_combine = ceiling(buf, matrix, False, hidden * 2, combine_bytes, _blocks(buf), device, cfg, group)
+        else:
+            cfg.internode_ceiling = True
         print_profile(buf.backend.engine("normal"), rank, tokens)
         prec = "fp8" if cfg.fp8 else "bf16"
         c_layout = copy_ceiling(layout_bytes, device, cfg, group, _blocks(buf), 1, False)
         measured = [("layout", t_layout, c_layout, layout_bytes, "int64"),
                     ("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                     ("combine", t_combine, c_combine, combine_bytes, "bf16")]
-        if per_node:   # DeepEP's two bandwidths: rows that cross the network once per node, and NVLink rows
+        if per_node:   # DeepEP's two bandwidths: rows that cross the network once per node, and NVLink rows,
+            # each beside the rate the op's ceiling moves them at (the op row's ceiling time)
             net_rows, nvl_rows = _internode_rows(in_rank, rank, per_node)
-            for op, t, nbytes_row, p in (("dispatch", t_dispatch, row_bytes, prec), ("combine", t_combine, hidden * 2,
-                                                                                     "bf16")):
+            for op, t, c, nbytes_row, p in (("dispatch", t_dispatch, c_dispatch, row_bytes, prec),
+                                            ("combine", t_combine, c_combine, hidden * 2, "bf16")):
                 for part, n in (("net", net_rows), ("nvl", nvl_rows)):
-                    c = copy_ceiling(n * nbytes_row, device, cfg, group, _blocks(buf), 1, False)
                     measured.append((f"{op}:{part}", t, c, n * nbytes_row, p))
         _add_rows(rows, buf, cfg, tokens, measured)
         if cfg.baseline:
@@ -303,7 +317,7 @@ def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
         if cfg.compare and cfg.mode == "normal":
             compare.bench_peer_normal(cfg.compare, rank, world, group, cfg, tokens, rows, Row, _random_topk)
     if rank == 0:
-        print_table(rows, world, cfg.peer_ceiling)
+        print_table(rows, world, cfg.peer_ceiling, getattr(cfg, "internode_ceiling", False))
         if cfg.compare:
             compare.print_comparison(rows, cfg.compare)
             if cfg.mode != "normal":
@@ -325,10 +339,14 @@ def _ranks_span_gpus(group) -> bool:
     return len({host for host, _ in where}) == 1 and len({uuid for _, uuid in where}) > 1
 
 
-def print_table(rows: List[Row], world: int, peer_ceiling: bool = False) -> None:
+def print_table(rows: List[Row], world: int, peer_ceiling: bool = False, internode: bool = False) -> None:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     what = ("the op's traffic pattern copied straight into the peers' memory (over the GPU links), "
             if peer_ceiling else "one plain copy of the same bytes on the same device, ")
+    if internode:
+        what = ("for dispatch / combine and their :net / :nvl parts, the op's own traffic in one launch through "
+                "its paths (network rows by the transport's put, node rows by load/store; layout: "
+                f"{what.rstrip(', ')}), ")
     print(f"\n{world} ranks on {dev}; ceiling = {what}same run"
           + (", with the same number of blocks (SMs column)" if torch.cuda.is_available() else ""))
     cells = [HEADER] + [r.cells() for r in rows]
