@@ -29,4 +29,31 @@ DEEPEP_DEVICE int4 pack_bf16x8(const float (&acc)[8]) {
     return v;
 }
 
+// acc[u] += row r's 16-byte column c0 + 32 u (u < kColumns, columns < kWords) for r = 0 .. num_rows - 1 in
+// order, row_of(r) giving the row (nullptr: skipped). The loads of kGroup rows x kColumns columns are issued
+// before their adds, so a lane has up to kGroup * kColumns loads in flight, while every element still adds
+// its rows in ascending order (bit-exact against the oracle's order).
+template <int kWords, int kColumns, int kGroup, typename RowOf>
+DEEPEP_DEVICE void add_rows_bf16(float (&acc)[kColumns][8], int num_rows, const RowOf& row_of, int c0) {
+#pragma unroll 1
+    for (int r0 = 0; r0 < num_rows; r0 += kGroup) {
+        const int4* rows[kGroup];
+        int4 v[kGroup][kColumns];
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g) {
+            rows[g] = r0 + g < num_rows ? row_of(r0 + g) : nullptr;
+#pragma unroll
+            for (int u = 0; u < kColumns; ++u)
+                if (rows[g] != nullptr && c0 + 32 * u < kWords)
+                    v[g][u] = rows[g][c0 + 32 * u];
+        }
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g)
+#pragma unroll
+            for (int u = 0; u < kColumns; ++u)
+                if (rows[g] != nullptr && c0 + 32 * u < kWords)
+                    add_bf16x8(acc[u], v[g][u]);
+    }
+}
+
 }  // namespace deepep_portable

@@ -11,7 +11,8 @@
 //                      from +0.0 in ascending rank, rounds to bf16 (what crosses the network, as DeepEP),
 //                      and puts the partial (and the weights' float32 partial) into the source's landing
 //                      row [my node][token]; one signal per (source, chunk): COMBINE_ARRIVE = n.
-//   combine            a warp per chunk of my tokens waits for every node's partials of it, then
+//   combine            a warp per quarter of a chunk of my tokens waits for every node's partials of the
+//                      chunk, then
 //                      out[t] = bf16(+0.0 + bias_0 + bias_1 + partial of each node that received t,
 //                      node ascending); weights: +0.0 + each node's partial. The torch oracle adds in
 //                      exactly this order (transports/reference.py), so the result is bit-exact.
@@ -43,6 +44,15 @@ constexpr int kNumTopk = NUM_TOPK;
 constexpr int64_t kWeightsAt = 16 * static_cast<int64_t>(kHiddenInt4);
 constexpr int64_t kRowBytes = kWeightsAt + align_up<int64_t>(4 * kNumTopk, 16);
 constexpr int kMetaWords = kRanksPerNode + 1;   // as the dispatch's landed meta: positions [P], source token
+// The final combine's sums: kColumns 16-byte columns per lane at a time, kRowGroup rows' loads in flight
+// before their adds. (reduce_node_rows keeps its simple loop: with its put_warp's copy round in registers,
+// wider sums spill past the 128 registers of 512 threads in the nvshmem build.)
+constexpr int kColumns = 4;
+constexpr int kRowGroup = 2;
+// The final combine splits each chunk over kTasksPerChunk warps (a chunk per warp left 3/4 of them idle).
+constexpr int kTokensPerTask = 16;
+constexpr int kTasksPerChunk = kChunkTokens / kTokensPerTask;
+static_assert(kChunkTokens % kTokensPerTask == 0, "a chunk splits into whole tasks");
 static_assert(HIDDEN % 8 == 0, "hidden must be a multiple of 8 bf16");
 
 }  // namespace deepep_portable::internode
@@ -213,7 +223,9 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Inte
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
     const int chunks = num_chunks(static_cast<int>(p.num_tokens));
     const char* landing = local<const char>(c, p.landing_offset);
-    for (int k = static_cast<int>(global_warp()); k < chunks; k += static_cast<int>(grid_warps())) {
+    // A warp per slice of kTokensPerTask tokens of a chunk (the warps of one chunk wait for the same signals).
+    for (int64_t task = global_warp(); task < static_cast<int64_t>(chunks) * kTasksPerChunk; task += grid_warps()) {
+        const int k = static_cast<int>(task / kTasksPerChunk);
         // Every landing rank signals every chunk of mine (with or without rows from its node).
         int ok = 1;
         for (int m = lane; m < kNumNodes; m += 32) {
@@ -227,9 +239,9 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Inte
         __syncwarp();   // every lane reads every node's rows after the lanes' acquires
         if (!ok)
             return;
-        const int64_t t_end = static_cast<int64_t>(k + 1) * kChunkTokens < p.num_tokens
-                                  ? static_cast<int64_t>(k + 1) * kChunkTokens : p.num_tokens;
-        for (int64_t t = static_cast<int64_t>(k) * kChunkTokens; t < t_end; ++t) {
+        const int64_t t_first = static_cast<int64_t>(k) * kChunkTokens + (task % kTasksPerChunk) * kTokensPerTask;
+        const int64_t t_end = t_first + kTokensPerTask < p.num_tokens ? t_first + kTokensPerTask : p.num_tokens;
+        for (int64_t t = t_first; t < t_end; ++t) {
             for (int m = lane; m < kNumNodes; m += 32) {
                 bool in = false;
                 for (int j = 0; j < kRanksPerNode && !in; ++j)
@@ -237,20 +249,24 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Inte
                 s_in[warp][m] = in;
             }
             __syncwarp();
-            for (int w = lane; w < kHiddenInt4; w += 32) {
-                float acc[8];
+            // Rows in the oracle's order: bias_0, bias_1, then each node's partial, node ascending.
+            const auto row_of = [&](int r) -> const int4* {
+                if (r < 2) {
+                    const int4* bias = r == 0 ? p.bias_0 : p.bias_1;
+                    return bias == nullptr ? nullptr : bias + t * kHiddenInt4;
+                }
+                const int m = r - 2;
+                return s_in[warp][m] ? reinterpret_cast<const int4*>(
+                                           landing + (static_cast<int64_t>(m) * c.max_tokens + t) * kRowBytes)
+                                     : nullptr;
+            };
+            for (int c0 = lane; c0 < kHiddenInt4; c0 += 32 * kColumns) {
+                float acc[kColumns][8] = {};
+                add_rows_bf16<kHiddenInt4, kColumns, kRowGroup>(acc, 2 + kNumNodes, row_of, c0);
 #pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    acc[e] = 0.0f;
-                if (p.bias_0 != nullptr)
-                    add_bf16x8(acc, p.bias_0[t * kHiddenInt4 + w]);
-                if (p.bias_1 != nullptr)
-                    add_bf16x8(acc, p.bias_1[t * kHiddenInt4 + w]);
-                for (int m = 0; m < kNumNodes; ++m)
-                    if (s_in[warp][m])
-                        add_bf16x8(acc, reinterpret_cast<const int4*>(
-                                            landing + (static_cast<int64_t>(m) * c.max_tokens + t) * kRowBytes)[w]);
-                p.out[t * kHiddenInt4 + w] = pack_bf16x8(acc);
+                for (int u = 0; u < kColumns; ++u)
+                    if (c0 + 32 * u < kHiddenInt4)
+                        p.out[t * kHiddenInt4 + c0 + 32 * u] = pack_bf16x8(acc[u]);
             }
             for (int kk = lane; kk < kNumTopk && p.out_topk_weights != nullptr; kk += 32) {
                 float acc = 0.0f;
