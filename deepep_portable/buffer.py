@@ -38,7 +38,9 @@ class Buffer(LowLatencyOps):
     Same constructor (DeepEP V1's positional order) and methods as `deep_ep.Buffer` (V1). Ours in
     addition, keyword-only:
       transport: "auto" | "nvlink" | "nvshmem" | "ibgda" | "nccl_gin" | "reference" ("auto": nvlink when
-                 every rank is on one node and it is usable, else the first usable of available_transports())
+                 every rank is on one node and it is usable, else the first usable of available_transports();
+                 normal mode over several nodes: the internode kernels' backend (nvshmem) if usable, else
+                 reference)
       timeout_s: bound on every wait; a timeout raises an exception naming op, rank and peer.
       nvshmem_options: for transport "nvshmem", passed to NVSHMEM at its initialisation (the first such
                  Buffer of the process): ibgda, ib_gid_index, ib_traffic_class, ib_sl, hca_list,
@@ -84,14 +86,11 @@ class Buffer(LowLatencyOps):
         self.nodes = self._node_layout(ranks_per_node, num_nvl_bytes)   # collective
         if self.nodes.num_nodes > 1 and num_nvl_bytes > 0:
             names = internode_normal_transports()
-            if transport == "auto":
-                # The internode kernels (nvshmem) have not run on a GPU yet: "auto" keeps to the oracle until
-                # they have (docs/INTERNODE.md); transport="nvshmem" asks for them.
-                transport = "reference"
-            elif transport not in names:
+            if transport != "auto" and transport not in names:
                 raise ValueError(f"normal mode over {self.nodes.num_nodes} nodes (num_nvl_bytes > 0) is implemented "
                                  f"by transport={' / '.join(repr(n) for n in names)}, not {transport!r}")
-        self.transport = resolve(transport, self.nodes.on_one_machine)
+        self.transport = resolve(transport, self.nodes.on_one_machine,
+                                 internode_normal=self.nodes.num_nodes > 1 and num_nvl_bytes > 0)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device
         self._comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None

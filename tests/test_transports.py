@@ -90,6 +90,18 @@ def test_auto_prefers_nvlink_on_one_node_only(monkeypatch):
     assert transports.resolve("auto", single_node=False) == "reference"
 
 
+def test_auto_over_several_nodes_takes_the_internode_kernels(monkeypatch):
+    """Normal mode over several nodes: the kernels' backend when usable (nvshmem: its suites passed on the
+    H200 over logical nodes), else the reference transport; never nvlink (it has no network path)."""
+    usable = {"nvshmem", "nvlink", "reference"}
+    fake = {n: transports.TransportStatus(n, n in usable, "fake") for n in TRANSPORT_NAMES}
+    monkeypatch.setattr(transports, "available_transports", lambda: fake)
+    assert "nvlink" not in transports.internode_normal_transports()
+    assert transports.resolve("auto", single_node=True, internode_normal=True) == "nvshmem"
+    fake["nvshmem"] = transports.TransportStatus("nvshmem", False, "fake")
+    assert transports.resolve("auto", single_node=True, internode_normal=True) == "reference"
+
+
 def test_probe_is_cached():
     assert probe.probe("reference") is probe.probe("reference")
 

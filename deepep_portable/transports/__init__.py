@@ -27,13 +27,16 @@ def available_transports() -> Dict[str, TransportStatus]:
     return out
 
 
-def resolve(name: str, single_node: bool = False) -> str:
+def resolve(name: str, single_node: bool = False, internode_normal: bool = False) -> str:
     """Map a requested transport (or "auto") to a usable one, or raise with the reason.
 
     "auto": when every rank of the group is on one node (`single_node`, the caller knows) and the
     `nvlink` transport is usable, it wins: its load/store kernels are the ones measured fastest there
-    (docs/PERFORMANCE.md); otherwise the first usable backend of the registry that can span nodes."""
+    (docs/PERFORMANCE.md); otherwise the first usable backend of the registry that can span nodes.
+    `internode_normal` (normal mode over several nodes): the first usable of internode_normal_transports()."""
     statuses = available_transports()
+    if name == "auto" and internode_normal:
+        name = next((n for n in internode_normal_transports() if statuses[n].usable), "reference")
     if name == "auto":
         if single_node and statuses["nvlink"].usable:
             return "nvlink"
