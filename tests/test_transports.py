@@ -317,8 +317,24 @@ def test_ibgda_probe_with_fake_devices(tmp_path, fake_backend, monkeypatch):
     fake_backend("ibgda")
     s = probe.probe_ibgda(str(root3))
     libs_ok = "libibverbs.so.1" in s.details and "libmlx5.so.1" in s.details
-    assert s.usable == libs_ok, s.reason
+    # An mlx5 port up and the libraries there: what is missing then is ours, and the reason says so.
+    assert not s.usable and (not libs_ok or s.reason.startswith("the mlx5 DevX set-up")), s.reason
     assert s.details["active_mlx5_ports"] == "mlx5_0:1"
+
+
+def test_ibgda_probe_with_an_installed_provider(monkeypatch):
+    """A NIC provider installed (the tests' NIC model) makes the backend usable wherever a GPU and nvcc are,
+    RDMA devices or not; removing it brings the machine's answer back."""
+    from deepep_portable.transports.ibgda import provider
+
+    monkeypatch.setattr(system, "driver_status", lambda: (True, "test GPU", "test"))
+    try:
+        provider.install(lambda ctx: None)
+        s = probe.probe("ibgda")
+        assert s.reason.startswith("ibgda over an installed NIC provider") or "nvcc" in s.reason, s.reason
+    finally:
+        provider.install(None)
+    assert probe.probe("ibgda").reason != s.reason
 
 
 def test_ibgda_no_sysfs_dir(tmp_path):
@@ -379,7 +395,8 @@ def _device_capabilities(header: str) -> tuple:
     return tuple(conv.get(x, net.get(x, int(x) if x.isdigit() else x)) for x in items)
 
 
-@pytest.mark.parametrize("name,header", [("nvlink", "nvlink/device.cuh"), ("nvshmem", "nvshmem/device.cuh")])
+@pytest.mark.parametrize("name,header", [("nvlink", "nvlink/device.cuh"), ("nvshmem", "nvshmem/device.cuh"),
+                                         ("ibgda", "ibgda/device.cuh")])
 def test_host_capabilities_mirror_the_device_records(name, header):
     from deepep_portable.transports import backend_class
 
@@ -394,7 +411,7 @@ def test_available_transports_show_capabilities():
     assert st["nvlink"].capabilities["peer_load_store"] is True
     assert set(st["nvshmem"].capabilities) == {"peer_load_store", "remote_atomics", "ordered_delivery",
                                                 "max_channels", "graph_safe", "network"}
-    assert st["ibgda"].capabilities == {}   # no backend in this build
+    assert st["ibgda"].capabilities["remote_atomics"] is True   # the class's record, usable or not
 
 
 def test_nccl_headers_must_match_the_library(fresh_probe, monkeypatch, tmp_path):

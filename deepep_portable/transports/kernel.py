@@ -47,7 +47,7 @@ class KernelTransport(Transport):
         self.normal_engine = None
         if ctx.num_nvl_bytes > 0:
             if ctx.num_nodes > 1:
-                self.normal_engine = InternodeEngine(ctx, self.make_ll_window, self.capabilities.max_channels)
+                self.normal_engine = InternodeEngine(ctx, self.make_ll_window, self.runtime_capabilities().max_channels)
             else:
                 self.normal_engine = IntranodeEngine(ctx)
         self.ll_engine: Optional[LowLatencyEngine] = None

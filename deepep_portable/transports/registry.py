@@ -21,7 +21,7 @@ class Backend:
 BACKENDS: Tuple[Backend, ...] = (
     Backend("nvshmem", ".nvshmem.transport", "NvshmemTransport", "probe_nvshmem", spans_nodes=True),
     Backend("nccl_gin", None, None, "probe_nccl_gin", spans_nodes=True),
-    Backend("ibgda", None, None, "probe_ibgda", spans_nodes=True),
+    Backend("ibgda", ".ibgda.transport", "IbgdaTransport", "probe_ibgda", spans_nodes=True),
     Backend("nvlink", ".nvlink.transport", "NvlinkTransport", "probe_nvlink", spans_nodes=False),
     Backend("reference", ".reference", "ReferenceTransport", "probe_reference", spans_nodes=True),
 )
@@ -35,3 +35,17 @@ def row(name: str) -> Backend:
     if name not in BY_NAME:
         raise ValueError(f"unknown transport {name!r}; choose one of {['auto'] + TRANSPORT_NAMES}")
     return BY_NAME[name]
+
+
+# Bumped by whatever changes a probe's answer inside a running process (a test installing the ibgda backend's
+# NIC provider): probe.probe() caches per value, so the next call asks again.
+_changes = 0
+
+
+def changed() -> None:
+    global _changes
+    _changes += 1
+
+
+def changes() -> int:
+    return _changes

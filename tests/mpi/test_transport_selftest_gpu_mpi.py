@@ -9,7 +9,9 @@ backend's window: every primitive, each ordering promise, fetch_add atomicity, g
 flush (a put still reading a poisoned source would be caught), twice in a row (signals keep growing),
 then a wait on a word nobody writes must time out with an error record naming the peer. The NVSHMEM
 backend runs once more with its load/store table withheld, so NVSHMEM's own routines (puts,
-put-with-signal, signal_op, AMOs, gets, quiet) carry the traffic between P2P peers too.
+put-with-signal, signal_op, AMOs, gets, quiet) carry the traffic between P2P peers too. The ibgda backend
+runs over the tests' NIC model (tests/ibgda_model.py): its device code posts WQEs that a host thread per
+process executes against every rank's window (not run on a GPU yet).
 Skipped without CUDA, with fewer than 2 ranks, or where the backend's probe says it cannot run.
 Collectives never meet a rank that failed alone: set-up errors are agreed over MPI first, every wait in
 the kernel has a deadline, and results are exchanged before any assert.
@@ -26,6 +28,8 @@ from deepep_portable.engines.transport_selftest import TransportSelftest, window
 from deepep_portable.transports import available_transports, backend_class, registry
 
 KERNEL_BACKENDS = [b.name for b in registry.BACKENDS if b.module is not None and b.name != "reference"]
+# ibgda's device code driven against the tests' NIC model (tests/ibgda_model.py) instead of a NIC.
+MODEL_RUNS = ["ibgda-model"]
 
 
 def _skip_reason(size: int, backend: str):
@@ -37,10 +41,29 @@ def _skip_reason(size: int, backend: str):
     return None if status.usable else f"{backend}: {status.reason}"
 
 
+@pytest.fixture
+def nic_model():
+    """The tests' NIC model installed as the ibgda backend's provider for one test."""
+    import os
+    import sys
+
+    from deepep_portable.transports.ibgda import provider
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import ibgda_model
+
+    provider.install(lambda ctx: ibgda_model.ModelProvider(ctx))
+    yield
+    provider.install(None)
+
+
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_backend_conforms_to_the_transport_contract(mpi_comm, pg, device, backend):
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS + MODEL_RUNS)
+def test_backend_conforms_to_the_transport_contract(mpi_comm, pg, device, backend, request):
     size, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    if backend in MODEL_RUNS:
+        request.getfixturevalue("nic_model")
+        backend = backend.split("-")[0]
     reasons = mpi_comm.allgather(_skip_reason(size, backend))
     if any(reasons):
         pytest.skip(next(r for r in reasons if r))

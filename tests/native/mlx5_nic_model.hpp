@@ -27,8 +27,10 @@ namespace nic_model {
 using namespace deepep_portable::ibgda;
 namespace m = deepep_portable::ibgda::mlx5;
 
+// A registered region: `base` is the address its owner registered (what WQEs name), `local` where this
+// process reaches the same bytes (0: at `base` itself; another process's window mapped here otherwise).
 struct Region {
-    uint64_t base, len;
+    uint64_t base, len, local = 0;
 };
 
 // The memory behind one queue: ring, posting words, doorbell record, doorbell, collapsed CQE.
@@ -55,13 +57,22 @@ struct Model {
     int problems = 0, doorbells = 0;
 
     void attach(Queue& qu, uint32_t qpn, const std::vector<Region>* key_table) {
-        q = qu.sq(qpn);
-        cqe = qu.cqe;
+        attach(qu.sq(qpn), qu.cqe, key_table);
+    }
+    void attach(const SendQueue& sq, uint8_t* cqe_, const std::vector<Region>* key_table) {
+        q = sq;
+        cqe = cqe_;
         keys = key_table;
     }
     bool key_ok(uint32_t key, uint64_t addr, uint64_t len) const {
         return key < keys->size() && (*keys)[key].len > 0 && addr >= (*keys)[key].base &&
                addr + len <= (*keys)[key].base + (*keys)[key].len;
+    }
+    // Where this process reaches `addr` of the region `key` names (checked by key_ok first).
+    template <typename T>
+    T* at(uint32_t key, uint64_t addr) const {
+        const Region& r = (*keys)[key];
+        return reinterpret_cast<T*>((r.local ? r.local : r.base) + (addr - r.base));
     }
     void complete(uint16_t index, uint8_t opcode, uint8_t status, uint8_t syndrome) {
         uint8_t tmp[64];
@@ -109,9 +120,9 @@ struct Model {
                 if (len == 8) {   // one aligned 8-byte value lands whole (a signal)
                     uint64_t v;
                     memcpy(&v, w + 36, 8);
-                    reinterpret_cast<std::atomic<uint64_t>*>(raddr)->store(v, std::memory_order_release);
+                    at<std::atomic<uint64_t>>(rkey, raddr)->store(v, std::memory_order_release);
                 } else {
-                    memcpy(reinterpret_cast<void*>(raddr), w + 36, len);
+                    memcpy(at<void>(rkey, raddr), w + 36, len);
                 }
                 return 0;
             }
@@ -123,7 +134,7 @@ struct Model {
             if (len == 0 || (len & m::kInline)) return 0x02;   // 0 would mean 2 GiB; bit 31 is not a length bit
             if (!key_ok(m::be32(d.lkey), laddr, len)) return 0x04;
             if (!key_ok(rkey, raddr, len)) return 0x13;
-            place(reinterpret_cast<uint8_t*>(raddr), reinterpret_cast<const uint8_t*>(laddr), len);
+            place(at<uint8_t>(rkey, raddr), at<const uint8_t>(m::be32(d.lkey), laddr), len);
             std::atomic_thread_fence(std::memory_order_release);
             return 0;
         }
@@ -135,7 +146,7 @@ struct Model {
             if (!key_ok(m::be32(d.lkey), laddr, len)) return 0x04;
             if (!key_ok(rkey, raddr, len)) return 0x13;
             std::atomic_thread_fence(std::memory_order_acquire);
-            memcpy(reinterpret_cast<void*>(laddr), reinterpret_cast<const void*>(raddr), len);
+            memcpy(at<void>(m::be32(d.lkey), laddr), at<const void>(rkey, raddr), len);
             return 0;
         }
         if (opcode == m::kOpAtomicFa && ds == 4) {
@@ -146,9 +157,9 @@ struct Model {
             const uint64_t laddr = m::be64(d.addr);
             if (!key_ok(m::be32(d.lkey), laddr, 8)) return 0x04;
             if (!key_ok(rkey, raddr, 8) || raddr % 8 != 0) return 0x13;
-            const uint64_t old = reinterpret_cast<std::atomic<uint64_t>*>(raddr)->fetch_add(m::be64(a.swap_add));
+            const uint64_t old = at<std::atomic<uint64_t>>(rkey, raddr)->fetch_add(m::be64(a.swap_add));
             const uint64_t delivered = atomic_be ? m::be64(old) : old;
-            memcpy(reinterpret_cast<void*>(laddr), &delivered, 8);
+            memcpy(at<void>(m::be32(d.lkey), laddr), &delivered, 8);
             return 0;
         }
         return 0x02;   // an opcode (or shape) this model does not execute

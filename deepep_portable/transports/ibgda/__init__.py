@@ -1,4 +1,4 @@
-"""The `ibgda` backend's host side (issue 17), being built: RoCE/IB addressing choices (`roce.py`) and the
-structs its device code takes (`abi.py`). The transport itself is not registered yet (transports/registry.py:
-no queue-pair set-up); its device side is csrc/backends/ibgda/ (encoder mlx5.cuh, posting sq.cuh, operations
-ops.cuh, the contract device.cuh), tested on host threads against a software NIC."""
+"""The `ibgda` backend's host side (issue 17): the transport (`transport.py`) on a window (`window.py`) whose NIC
+resources come from a provider (`provider.py`: the mlx5 DevX provider is not written yet; the tests install a
+NIC model), RoCE/IB addressing choices (`roce.py`) and the structs its device code takes (`abi.py`). The device
+side is csrc/backends/ibgda/ (encoder mlx5.cuh, posting sq.cuh, operations ops.cuh, the contract device.cuh)."""

@@ -1,0 +1,106 @@
+"""Who owns the NIC resources behind an ibgda window: the interface window.py is written against.
+
+A provider makes the window's memory (registered with the NIC: an address the kernels use and the keys
+WQEs name), one RC queue per (peer, channel) whose send queue, doorbell record, doorbell and collapsed CQ
+the GPU reaches (sq.cuh's SendQueue), and connects each queue to the peer's queue to me once every rank's
+public half is known. Everything else (the exchange over the Buffer's group, the endpoint table, the
+transport struct) is the window's, the same for every provider.
+
+Providers:
+  * the mlx5 DevX provider (QPs and CQs as DevX objects with their rings in GPU memory, a UAR doorbell
+    mapped into the GPU, the window an MR over dmabuf; docs/IBGDA.md): **not written yet**, so on a
+    machine with an mlx5 NIC the backend still says it is unusable;
+  * the NIC model (tests/ibgda_model.py, tests only): a host thread per process that plays the NIC for the
+    queues, over windows in shared memory every rank maps. Tests install it with `install(factory)`.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+from .. import registry
+from .abi import SendQueueParams
+
+
+@dataclass
+class WindowMemory:
+    """My window as the NIC knows it. `base`: the address my kernels and my WQEs use for it; `lkey`: the key
+    my WQEs name for it; `rkey`: the key peers' WQEs name; `public`: what peers need besides (base, rkey),
+    e.g. how to map it (any picklable value)."""
+
+    base: int
+    nbytes: int
+    lkey: int
+    rkey: int
+    public: Any = None
+
+
+@dataclass
+class QueueHandle:
+    """One RC queue of mine: what the GPU posts to (`sq`, addresses it can reach) and its QP number."""
+
+    sq: SendQueueParams
+    qpn: int
+    private: Any = None
+
+
+@dataclass
+class PeerInfo:
+    """A peer's public half: its window (base, rkey, public) and, per channel, its queue to me."""
+
+    rank: int
+    base: int
+    rkey: int
+    public: Any
+    qpns_to_me: List[int]
+
+
+class NicProvider(abc.ABC):
+    """The NIC resources of one window on one rank (docstring above)."""
+
+    name = "?"
+    atomic_result_be = True   # the HCA returns 8-byte atomic results big-endian (atomic_req_8B_endianness_mode)
+
+    @abc.abstractmethod
+    def alloc_window(self, nbytes: int) -> WindowMemory:
+        """Zeroed window memory of `nbytes`, registered (without relaxed ordering: device.cuh's argument)."""
+
+    @abc.abstractmethod
+    def create_queue(self, peer: int, channel: int, depth: int) -> QueueHandle:
+        """My RC queue to (peer, channel) with `depth` WQEBBs (a power of two)."""
+
+    @abc.abstractmethod
+    def connect(self, window: WindowMemory, queues: List[List[QueueHandle]], peers: List[PeerInfo]) -> None:
+        """Bring every queue up against its peer (RTR / RTS on a NIC; key tables for the model). queues[peer][ch]."""
+
+    def peer_load_store_base(self, peer: PeerInfo) -> int:
+        """Where this process's kernels reach `peer`'s window by load/store, or 0 (only through the NIC)."""
+        return 0
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything; every peer has stopped using my window (the caller made sure)."""
+
+
+ProviderFactory = Callable[[Any], NicProvider]   # ctx (BufferContext) -> provider
+_factory: Optional[ProviderFactory] = None
+
+
+def install(factory: Optional[ProviderFactory]) -> None:
+    """Make `factory` the provider of every ibgda window made after this call (None: back to none). Tests use
+    it for the NIC model; the probe then reports the backend usable through it."""
+    global _factory
+    _factory = factory
+    registry.changed()   # the probe asks again
+
+
+def installed() -> Optional[ProviderFactory]:
+    return _factory
+
+
+def make_provider(ctx) -> NicProvider:
+    if _factory is None:
+        raise RuntimeError("ibgda: no NIC provider: the mlx5 DevX set-up is not written yet (docs/IBGDA.md); only "
+                           "the tests' NIC model can drive this backend")
+    return _factory(ctx)

@@ -1,0 +1,33 @@
+"""`ibgda` transport: our own GPU-driven mlx5 queues (docs/IBGDA.md). Every kernel over the transport contract
+(low-latency, internode, the conformance self-test) runs over it unchanged, built for
+csrc/backends/ibgda/device.cuh, on an IbgdaWindow (window.py) whose NIC resources come from a provider
+(provider.py). Channels = RC queues per peer = `num_qps_per_rank`, as in DeepEP.
+
+What runs where: the device code on host threads against a software NIC (CI); the whole backend against the
+NIC model (tests only) where a GPU is; never on a real NIC (the DevX provider is not written)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ...contract import BufferContext, Capabilities
+from ..kernel import KernelTransport
+from .window import IbgdaWindow
+
+
+class IbgdaTransport(KernelTransport):
+    name = "ibgda"
+    internode_normal = True   # its window reaches other nodes through the NIC (engines/internode.py)
+    # backends/ibgda/device.cuh's record: channels and load/store peers are known at run time only
+    capabilities = Capabilities(peer_load_store=False, remote_atomics=True, ordered_delivery=True, max_channels=1,
+                                graph_safe=True, network="other")
+
+    @classmethod
+    def make_ll_window(cls, ctx: BufferContext, nbytes: int) -> IbgdaWindow:
+        return IbgdaWindow(ctx, nbytes, channels=cls.channels_for(ctx))
+
+    @staticmethod
+    def channels_for(ctx: BufferContext) -> int:
+        return int(ctx.options.get("num_qps_per_rank", 1) or 1)
+
+    def runtime_capabilities(self) -> Capabilities:
+        return replace(self.capabilities, max_channels=self.channels_for(self.ctx))
