@@ -7,8 +7,9 @@
 #   other steps: precompile (every kernel family for sm_90, all cores), mpi2 (the MPI suite at 2 ranks), ll (the low-latency GPU tests at N ranks),
 #   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs), lllegacy (the same over
 #   nvlink with a legacy CUDA IPC window: DEEPEP_PORTABLE_LL_VMM=0, the pack-on-receive dispatch),
-#   selftest (the transport contract's conformance kernel over every backend, N ranks), internode (the
-#   internode kernels over logical nodes of N ranks, nvshmem; not run on a GPU yet), benchinternode (bench
+#   selftest (the transport contract's conformance kernel over every backend, ibgda over the tests' NIC model
+#   too, N ranks), llibgda / internodeibgda (those suites over ibgda and the NIC model; not run yet), internode (the
+#   internode kernels over logical nodes of N ranks, nvshmem), benchinternode (bench
 #   --mode internode, RANKS_PER_NODE=N/2 by default), soak (python -m deepep_portable soak: normal and LL,
 #   eager and graph, SOAK_ROUNDS=100000 per case; not run on a GPU yet), fuzz (the seeded fuzz
 #   over FUZZ_TRANSPORT=nvlink, FUZZ_CASES=200 per mode; not run on a GPU yet), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
@@ -64,6 +65,12 @@ for s in $STEPS; do
             step soak $PY -m deepep_portable soak --ranks "$RANKS" --transport "${SOAK_TRANSPORT:-nvlink}" --rounds "${SOAK_ROUNDS:-100000}"
             stop_mps ;;
     selftest) start_mps; step selftest $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_transport_selftest_gpu_mpi.py; stop_mps ;;
+    llibgda|internodeibgda) start_mps   # the ibgda backend's device code against the tests' NIC model (never run yet)
+            file=tests/mpi/test_low_latency_gpu_mpi.py; [ "$s" = internodeibgda ] && file=tests/mpi/test_internode_gpu_mpi.py
+            DEEPEP_TEST_IBGDA_MODEL=1 DEEPEP_TEST_LL_TRANSPORT=ibgda DEEPEP_TEST_INTERNODE_TRANSPORT=ibgda step "$s" $MPIRUN \
+                -x DEEPEP_TEST_IBGDA_MODEL -x DEEPEP_TEST_INTERNODE_TRANSPORT -n "$RANKS" $PY -m pytest -q -p no:cacheprovider \
+                --with-mpi "$file"
+            stop_mps ;;
     fuzz)   start_mps   # the seeded fuzz (tests/mpi/test_fuzz_mpi.py) over FUZZ_TRANSPORT (default nvlink), FUZZ_CASES per mode
             DEEPEP_FUZZ_TRANSPORT=${FUZZ_TRANSPORT:-nvlink} DEEPEP_FUZZ_CASES=${FUZZ_CASES:-200} step fuzz $MPIRUN \
                 -x DEEPEP_FUZZ_TRANSPORT -x DEEPEP_FUZZ_CASES ${DEEPEP_FUZZ_SEED:+-x DEEPEP_FUZZ_SEED} -n "$RANKS" \

@@ -6,6 +6,9 @@
 - `device`: cuda:<local rank % GPUs> when CUDA is available, else cpu.
 - `base_seed`: a fresh random seed per run (or $DEEPEP_TEST_SEED), the same on every rank; tests
   derive per-rank, per-test seeds from it and print it so a failure can be replayed.
+- DEEPEP_TEST_IBGDA_MODEL=1: the tests' NIC model (tests/ibgda_model.py) is the ibgda backend's provider for
+  the whole session, so the suites run over transport="ibgda" without a NIC (DEEPEP_TEST_LL_TRANSPORT=ibgda,
+  DEEPEP_TEST_INTERNODE_TRANSPORT=ibgda).
 """
 from __future__ import annotations
 
@@ -61,3 +64,16 @@ def base_seed(mpi_comm):
     seed = mpi_comm.bcast(seed, root=0)
     print(f"\n[tests/mpi] base seed {seed} (replay with DEEPEP_TEST_SEED={seed})")
     return seed
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ibgda_nic_model():
+    if os.environ.get("DEEPEP_TEST_IBGDA_MODEL") != "1":
+        yield
+        return
+    import ibgda_model
+    from deepep_portable.transports.ibgda import provider
+
+    provider.install(lambda ctx: ibgda_model.ModelProvider(ctx))
+    yield
+    provider.install(None)

@@ -39,7 +39,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the internode kernels need a CUDA GPU"),
 ]
 
-TRANSPORT = "nvshmem"
+TRANSPORT = os.environ.get("DEEPEP_TEST_INTERNODE_TRANSPORT", "nvshmem")   # ibgda: with DEEPEP_TEST_IBGDA_MODEL=1
 MAX_TOKENS = 256          # the Buffers are sized for this many tokens per rank at hidden 7168
 _BUFFERS: dict = {}       # ranks_per_node -> Buffer (never freed while the job runs)
 
