@@ -58,7 +58,7 @@ def _load(path: str):
     lib = ctypes.CDLL(path)
     u64, u32, vp = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
     lib.nms_queue_bytes.argtypes, lib.nms_queue_bytes.restype = [u32], u64
-    lib.nms_queue_layout.argtypes = [u64, u32, u32, ctypes.POINTER(SendQueueParams)]
+    lib.nms_queue_layout.argtypes = [u64, u64, u32, u32, ctypes.POINTER(SendQueueParams)]
     lib.nms_create.argtypes, lib.nms_create.restype = [u32], vp
     lib.nms_set_key.argtypes, lib.nms_set_key.restype = [vp, u32, u64, u64, u64], ctypes.c_int
     lib.nms_add_queue.argtypes = [vp, u64, u32, u32, ctypes.c_int, ctypes.c_int]
@@ -125,12 +125,13 @@ class ModelProvider(NicProvider):
 
     def create_queue(self, peer: int, channel: int, depth: int) -> QueueHandle:
         nbytes = int(self.lib.nms_queue_bytes(depth))
-        mem = torch.zeros(nbytes + 64, dtype=torch.uint8, pin_memory=self.cuda)
-        self.queue_memory.append(mem)
+        mem = torch.zeros(nbytes + 64, dtype=torch.uint8, pin_memory=self.cuda)   # what the NIC reads / writes
+        words = torch.zeros(3, dtype=torch.int64, device=self.ctx.device)         # the posters' own (sq.cuh)
+        self.queue_memory += [mem, words]
         block = (mem.data_ptr() + 63) // 64 * 64
-        qpn = 0x100 + len(self.queue_memory)
+        qpn = 0x100 + len(self.queue_memory) // 2
         sq = SendQueueParams()
-        self.lib.nms_queue_layout(block, depth, qpn, ctypes.byref(sq))
+        self.lib.nms_queue_layout(block, words.data_ptr(), depth, qpn, ctypes.byref(sq))
         if self.lib.nms_add_queue(self.svc, block, depth, qpn, int(self.chaos), int(self.atomic_be)) < 0:
             raise RuntimeError("the NIC model refused a queue")
         return QueueHandle(sq=sq, qpn=qpn)

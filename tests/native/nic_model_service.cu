@@ -16,8 +16,10 @@ using namespace nic_model;
 
 namespace {
 
-// A queue's block: ring [depth x 64] | reserve | turn | completed | doorbell (u64 each) | dbr (u32) | pad | CQE [64]
-constexpr uint64_t kWordsAt = 0, kDbrAt = 32, kCqeAt = 64, kTail = 128;
+// A queue's block (what the NIC reads and writes): ring [depth x 64] | doorbell (u64) | dbr (u32) | pad | CQE [64].
+// The posters' own words (reserve, turn, completed: SendQueue) are elsewhere, the caller's: GPU memory for a
+// GPU poster (only its threads touch them, with system-scope atomics that host memory need not support).
+constexpr uint64_t kDoorbellAt = 0, kDbrAt = 8, kCqeAt = 64, kTail = 128;
 
 struct Service {
     std::vector<Region> keys;
@@ -33,13 +35,13 @@ extern "C" {
 uint64_t nms_queue_bytes(uint32_t depth) { return static_cast<uint64_t>(depth) * m::kWqebbBytes + kTail; }
 
 // Fill `sq` (an ibgda::SendQueue) for the queue whose block starts at `block` (zeroed by the caller, except
-// the CQE: nms_add_queue sets it to "no completion yet").
-void nms_queue_layout(uint64_t block, uint32_t depth, uint32_t qpn, SendQueue* sq) {
+// the CQE: nms_add_queue sets it to "no completion yet"), with the posters' three words at `words` (zeroed).
+void nms_queue_layout(uint64_t block, uint64_t words, uint32_t depth, uint32_t qpn, SendQueue* sq) {
     uint8_t* b = reinterpret_cast<uint8_t*>(block);
     uint8_t* tail = b + static_cast<uint64_t>(depth) * m::kWqebbBytes;
-    Word* words = reinterpret_cast<Word*>(tail + kWordsAt);
-    *sq = SendQueue{b, depth, qpn, words, words + 1, words + 2, reinterpret_cast<uint32_t*>(tail + kDbrAt),
-                    words + 3, tail + kCqeAt};
+    Word* w = reinterpret_cast<Word*>(words);
+    *sq = SendQueue{b, depth, qpn, w, w + 1, w + 2, reinterpret_cast<uint32_t*>(tail + kDbrAt),
+                    reinterpret_cast<Word*>(tail + kDoorbellAt), tail + kCqeAt};
 }
 
 void* nms_create(uint32_t num_keys) {
@@ -56,11 +58,12 @@ int nms_set_key(void* svc, uint32_t key, uint64_t base, uint64_t len, uint64_t l
     return 0;
 }
 
+// The model reads the ring, doorbell record and doorbell and writes the CQE (never the posters' words).
 int nms_add_queue(void* svc, uint64_t block, uint32_t depth, uint32_t qpn, int chaos, int atomic_be) {
     Service* s = static_cast<Service*>(svc);
     if (s->running || depth == 0 || (depth & (depth - 1)) != 0) return -1;
     SendQueue sq;
-    nms_queue_layout(block, depth, qpn, &sq);
+    nms_queue_layout(block, 0, depth, qpn, &sq);
     memset(const_cast<uint8_t*>(sq.cq), 0xff, 64);   // owner / opcode: no completion yet
     s->models.emplace_back(new Model);
     Model& model = *s->models.back();
