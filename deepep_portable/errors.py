@@ -80,6 +80,13 @@ def from_record(record: Tuple[int, int, int, int, int, int], timeout_s: float) -
         why = "no completion within the timeout (queue full or stuck)" if detail < 0 else \
             f"an error completion, syndrome {detail:#x}"
         return RuntimeError(f"{op} on rank {rank}: the RDMA queue pair to peer {peer} failed: {why}; {gone}")
+    if name == "unsupported":
+        why = {1: "the SET-signal shadow table is full (more distinct signal words per peer than it holds)",
+               2: "GIN needs NCCL >= 2.29.7 (VA signals); this build's headers are older",
+               3: "get_value over GIN needs NCCL >= 2.30.3",
+               4: "fetch_add over GIN (GIN has no fetching atomic)"}.get(detail, f"reason {detail}")
+        return RuntimeError(f"{op} on rank {rank}: the nccl_gin transport cannot reach peer {peer} for it: {why}; "
+                            f"{gone}")
     if name == "overrun":
         return RuntimeError(f"{op} on rank {rank}: peer {peer} is already at call {detail}, two calls ahead: "
                             f"a receive hook was called after the next-but-one low-latency op; {gone}")

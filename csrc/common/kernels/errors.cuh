@@ -13,6 +13,7 @@ enum ErrorCode : int {
     kErrorOverrun = 3,     // LL: a signal already carries a later call (detail: it); peer -1: the half handed out differs
     kErrorOverwrite = 4,   // LL: a send found its destination still receiving the half's previous call (detail: call)
     kErrorNic = 5,         // ibgda: an error completion or a stuck queue pair (peer: its peer; detail: syndrome, -1 = stuck)
+    kErrorUnsupported = 6, // nccl_gin: a call this NCCL cannot make for a GIN peer (peer; detail: nccl_gin/device.cuh fail())
 };
 
 enum OpId : int {
