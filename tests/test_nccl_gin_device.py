@@ -54,9 +54,9 @@ def test_selftest_and_low_latency_kernels(tmp_path, build):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("op,shape", [("dispatch", dict(NUM_RANKS=16, RANKS_PER_NODE=8, HIDDEN_BYTES=7168,
-                                                         NUM_SCALES=56, NUM_TOPK=8)),
-                                      ("combine", dict(NUM_RANKS=16, RANKS_PER_NODE=8, HIDDEN=7168, NUM_TOPK=8))])
+@pytest.mark.parametrize("op,shape", [
+    ("dispatch", dict(NUM_RANKS=16, RANKS_PER_NODE=8, HIDDEN_BYTES=7168, NUM_SCALES=56, NUM_TOPK=8)),
+    ("combine", dict(NUM_RANKS=16, RANKS_PER_NODE=8, HIDDEN=7168, NUM_TOPK=8))])
 def test_internode_kernels(tmp_path, build, op, shape):
     from deepep_portable.transports.nccl_gin.abi import NcclGinTransportParams as T
 
