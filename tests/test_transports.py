@@ -396,7 +396,7 @@ def _device_capabilities(header: str) -> tuple:
 
 
 @pytest.mark.parametrize("name,header", [("nvlink", "nvlink/device.cuh"), ("nvshmem", "nvshmem/device.cuh"),
-                                         ("ibgda", "ibgda/device.cuh")])
+                                         ("ibgda", "ibgda/device.cuh"), ("nccl_gin", "nccl_gin/device.cuh")])
 def test_host_capabilities_mirror_the_device_records(name, header):
     from deepep_portable.transports import backend_class
 

@@ -20,7 +20,7 @@ class Backend:
 # In the order transport="auto" prefers them (nvlink first when every rank is on one node: see resolve).
 BACKENDS: Tuple[Backend, ...] = (
     Backend("nvshmem", ".nvshmem.transport", "NvshmemTransport", "probe_nvshmem", spans_nodes=True),
-    Backend("nccl_gin", None, None, "probe_nccl_gin", spans_nodes=True),
+    Backend("nccl_gin", ".nccl_gin.transport", "NcclGinTransport", "probe_nccl_gin", spans_nodes=True),
     Backend("ibgda", ".ibgda.transport", "IbgdaTransport", "probe_ibgda", spans_nodes=True),
     Backend("nvlink", ".nvlink.transport", "NvlinkTransport", "probe_nvlink", spans_nodes=False),
     Backend("reference", ".reference", "ReferenceTransport", "probe_reference", spans_nodes=True),

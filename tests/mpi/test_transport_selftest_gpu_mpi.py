@@ -18,6 +18,8 @@ the kernel has a deadline, and results are exchanged before any assert.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -37,6 +39,9 @@ def _skip_reason(size: int, backend: str):
         return "no CUDA GPU"
     if size < 2:
         return "needs >= 2 ranks (mpirun -n 2)"
+    shared = torch.cuda.device_count() < size and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1"
+    if backend == "nccl_gin" and shared:
+        return "nccl_gin: ranks share a GPU, which NCCL refuses (tests/gpu/test_nccl_gin_gpu.py runs it at one rank)"
     status = available_transports()[backend]
     return None if status.usable else f"{backend}: {status.reason}"
 
@@ -44,7 +49,6 @@ def _skip_reason(size: int, backend: str):
 @pytest.fixture
 def nic_model():
     """The tests' NIC model installed as the ibgda backend's provider for one test."""
-    import os
     import sys
 
     from deepep_portable.transports.ibgda import provider

@@ -18,8 +18,8 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
-#ifndef NCCL_VERSION
-#define NCCL_VERSION(X, Y, Z) (((X) <= 2 && (Y) <= 8) ? (X) * 1000 + (Y) * 100 + (Z) : (X) * 10000 + (Y) * 100 + (Z))
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 28, 7)
+#error "the nccl_gin backend needs NCCL >= 2.28.7 (the device API with GIN): the probe refuses older ones"
 #endif
 
 extern "C" {
@@ -70,9 +70,6 @@ static int build(const DginRequest* req, ncclDevCommRequirements* r, char* why, 
         r->barrierCount = 0;
         return 0;
     }
-#if NCCL_VERSION_CODE < NCCL_VERSION(2, 28, 7)
-    return fail(why, why_len, "this NCCL has the device API without GIN (GIN arrived in 2.28.7)");
-#else
     r->ginContextCount = req->gin_contexts;
     r->ginSignalCount = req->gin_signals;
     r->ginCounterCount = req->gin_counters;
@@ -97,7 +94,6 @@ static int build(const DginRequest* req, ncclDevCommRequirements* r, char* why, 
     r->ginStrongSignalsRequired = true;  // a signal orders the context's earlier puts to that peer
 #endif
     return 0;
-#endif
 }
 
 // The requirements as bytes (out_size >= dgin_requirements_size()) and "name=value;..." of the fields set.
@@ -177,6 +173,30 @@ int dgin_devcomm_create(void* comm, const DginRequest* req, void* out, size_t ou
     if (st == ncclSuccess)
         memcpy(out, &dev, sizeof(dev));
     return static_cast<int>(st);
+}
+
+// The documented-stable fields of a device communicator's bytes: rank, nRanks, lsaRank, lsaSize, ginContextCount.
+void dgin_devcomm_info(const void* devcomm, int* out5) {
+    const ncclDevComm* d = static_cast<const ncclDevComm*>(devcomm);
+    out5[0] = d->rank;
+    out5[1] = d->nRanks;
+    out5[2] = d->lsaRank;
+    out5[3] = d->lsaSize;
+    out5[4] = static_cast<int>(d->ginContextCount);
+}
+
+// My process's load/store address of `peer`'s window at `offset` (0 when the peer is not in my LSA team or
+// this NCCL has no host-side lookup: before 2.29).
+int dgin_peer_pointer(void* win, size_t offset, int peer, void** out) {
+    *out = nullptr;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
+    return static_cast<int>(ncclGetPeerDevicePointer(static_cast<ncclWindow_t>(win), offset, peer, out));
+#else
+    (void)win;
+    (void)offset;
+    (void)peer;
+    return 0;
+#endif
 }
 
 int dgin_devcomm_destroy(void* comm, const void* devcomm) {

@@ -90,6 +90,18 @@ class HostLib:
         lib.dgin_devcomm_create.argtypes = [vp, ctypes.POINTER(DginRequest), vp, size_t, cp, size_t]
         lib.dgin_error_string.restype = cp
         lib.dgin_error_string.argtypes = [ctypes.c_int]
+        lib.dgin_last_error.restype, lib.dgin_last_error.argtypes = cp, [vp]
+        i32, pvp = ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)
+        lib.dgin_get_unique_id.argtypes = [vp]
+        lib.dgin_comm_init_rank.argtypes = [pvp, i32, cp, i32]
+        lib.dgin_comm_destroy.argtypes = [vp]
+        lib.dgin_mem_alloc.argtypes = [pvp, size_t]
+        lib.dgin_mem_free.argtypes = [vp]
+        lib.dgin_window_register.argtypes = [vp, vp, size_t, i32, pvp]
+        lib.dgin_window_deregister.argtypes = [vp, vp]
+        lib.dgin_devcomm_destroy.argtypes = [vp, vp]
+        lib.dgin_devcomm_info.argtypes = [vp, ctypes.POINTER(i32)]
+        lib.dgin_peer_pointer.argtypes = [vp, size_t, i32, pvp]
         if lib.dgin_request_size() != ctypes.sizeof(DginRequest):
             raise RuntimeError(f"{SOURCE}'s DginRequest is {lib.dgin_request_size()} bytes, the mirror "
                                f"{ctypes.sizeof(DginRequest)}")

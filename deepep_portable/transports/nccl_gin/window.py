@@ -1,0 +1,164 @@
+"""The nccl_gin window: a communicator of the Buffer's ranks (NCCL unique id over the group), the window from
+ncclMemAlloc registered with ncclCommWindowRegister, the device communicator for it (LSA only on one node: no
+GIN resource is asked for, so a node without a NIC works; GIN when the ranks span nodes), and the tables
+csrc/backends/nccl_gin/device.cuh reads (the SET-signal shadow, the failure word, scratch for GIN reads past
+the engines' bytes). Kernels are compiled against the loaded libnccl's own headers (host.py's version gate).
+
+Not done yet: reusing torch's NCCL communicator (DeepEP's `_comm_ptr`), `Buffer(nccl_options=...)`, logical
+nodes (the device code cannot hide LSA peers). NCCL refuses two ranks on one GPU before 2.30 (and from 2.30
+without NCCL_MULTI_RANK_GPU_ENABLE=1): that is refused here with that reason, before NCCL is asked.
+Nothing of this file has run on a GPU yet.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Optional
+
+import torch
+
+from ... import jit
+from ...contract import BufferContext
+from ...device import device_index, device_uuid
+from ...windows.base import ERROR_WORDS, MappedWords, Window
+from .. import libraries
+from .abi import NCCL_GIN_BUILD, SCRATCH_WORDS, NcclGinTransportParams, SignalShadowParams, build_flags
+from .host import HostLib, Request
+
+WIN_STRICT_ORDERING = 0x02   # nccl.h NCCL_WIN_STRICT_ORDERING: GIN VA signals need it
+ALIGN = 4096                 # NCCL_WIN_REQUIRED_ALIGNMENT
+SHADOW_CAPACITY = 1 << 16    # (peer, signal word) pairs one rank can SET over GIN
+
+
+def _check(host: HostLib, rc: int, what: str, comm=None) -> None:
+    if rc != 0:
+        last = host.lib.dgin_last_error(comm).decode() if comm else ""
+        raise RuntimeError(f"nccl_gin: {what} failed: {host.error(rc)}{': ' + last if last else ''}")
+
+
+class NcclGinWindow(Window):
+    build = NCCL_GIN_BUILD
+    cheap_fetch_add = False
+
+    def __init__(self, ctx: BufferContext, nbytes: int, channels: int = 1, options: Optional[dict] = None) -> None:
+        from ... import _C
+
+        options = dict(options or {})
+        self.ctx, self.dev, self.base = ctx, device_index(ctx.device), None
+        torch.zeros(1, device=ctx.device)   # the device's primary context is current on this thread
+        me = device_uuid(self.dev)
+        uuids = ctx.comm.allgather_object(me)
+        if len(set(uuids)) < len(uuids) and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+            raise RuntimeError("nccl_gin: ranks of this group share a GPU, which NCCL refuses (NCCL >= 2.30 allows two "
+                               "with NCCL_MULTI_RANK_GPU_ENABLE=1)")
+        host = self.host = HostLib()
+        version = host.check_versions()
+        self.flags = build_flags(libraries.nccl_info()["device_header"])
+        self.defines = {"DEEPEP_NCCL_RUNTIME": version}   # keys the JIT cache by the library's version too
+        self.gin = bool(options.get("gin", ctx.num_nodes > 1))
+        lib = host.lib
+        uid = ctypes.create_string_buffer(lib.dgin_unique_id_size())
+        if ctx.rank == 0:
+            _check(host, lib.dgin_get_unique_id(uid), "ncclGetUniqueId")
+        uid_bytes = ctx.comm.allgather_object(uid.raw if ctx.rank == 0 else None)[0]
+        self.comm = ctypes.c_void_p()
+        _check(host, lib.dgin_comm_init_rank(ctypes.byref(self.comm), ctx.num_ranks, uid_bytes, ctx.rank),
+               "ncclCommInitRank")
+        self._mem = ctypes.c_void_p()
+        self._win = ctypes.c_void_p()
+        self._devcomm = None
+        try:
+            self.scratch_offset = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+            total = (self.scratch_offset + 8 * SCRATCH_WORDS + ALIGN - 1) // ALIGN * ALIGN
+            _check(host, lib.dgin_mem_alloc(ctypes.byref(self._mem), total), "ncclMemAlloc")
+            _C.memset_d8_async(self.dev, self._mem.value, 0, total, 0)
+            _C.stream_synchronize(self.dev, 0)
+            flags = WIN_STRICT_ORDERING if self.gin else 0
+            _check(host, lib.dgin_window_register(self.comm, self._mem, total, flags,
+                                                  ctypes.byref(self._win)), "ncclCommWindowRegister", self.comm)
+            if not self._win.value:
+                raise RuntimeError("nccl_gin: ncclCommWindowRegister gave no window (no symmetric memory support "
+                                   "here: needs cuMem and peer access between the ranks' GPUs)")
+            req = Request(lsa_barriers=1, gin=self.gin, gin_contexts=max(1, int(channels))).struct()
+            self._devcomm = ctypes.create_string_buffer(lib.dgin_devcomm_size())
+            why = ctypes.create_string_buffer(256)
+            rc = lib.dgin_devcomm_create(self.comm, ctypes.byref(req), ctypes.addressof(self._devcomm),
+                                         len(self._devcomm), why, 256)
+            if rc != 0:
+                self._devcomm = None
+                raise RuntimeError(f"nccl_gin: ncclDevCommCreate failed: {why.value.decode() or host.error(rc)}")
+            info = (ctypes.c_int * 5)()
+            lib.dgin_devcomm_info(ctypes.addressof(self._devcomm), info)
+            self.lsa_rank, self.lsa_size, self.gin_contexts = info[2], info[3], info[4] if self.gin else 0
+            if self.gin and self.gin_contexts == 0:
+                raise RuntimeError("nccl_gin: GIN was asked for but the device communicator has no GIN context "
+                                   "(no GIN-capable NIC or plugin here)")
+            self.devcomm = torch.frombuffer(bytearray(self._devcomm.raw), dtype=torch.uint8).to(ctx.device)
+            self.bases = []
+            for r in range(ctx.num_ranks):
+                p = ctypes.c_void_p()
+                lib.dgin_peer_pointer(self._win, 0, r, ctypes.byref(p))
+                self.bases.append(p.value or 0)
+            self.base, self.size = self._mem.value, nbytes
+            self.peer_bases = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
+            self.shadow_keys = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=ctx.device)
+            self.shadow_values = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=ctx.device)
+            self.failure = torch.zeros(3, dtype=torch.int32, device=ctx.device)
+            self.scratch_ticket = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+            self._cap_blocks(me, uuids)
+            self.errors = MappedWords(self.dev, ERROR_WORDS)
+            torch.cuda.synchronize(self.dev)
+            ctx.comm.barrier()
+        except BaseException:
+            self._release()
+            raise
+
+    def kernel(self, source: str, name: str, defines: dict):
+        if self._kernels is None:
+            self._kernels = jit.KernelCache(self.dev)
+        return self._kernels.get(source, name, self.build.kernel_defines({**defines, **self.defines}),
+                                 (*self.build.flags, *self.flags))
+
+    def transport_params(self) -> NcclGinTransportParams:
+        shadow = SignalShadowParams(self.shadow_keys.data_ptr(), self.shadow_values.data_ptr(), SHADOW_CAPACITY)
+        return NcclGinTransportParams(
+            comm=self.devcomm.data_ptr(), win=self._win.value, base=self.base, rank=self.ctx.rank,
+            num_ranks=self.ctx.num_ranks, gin_contexts=self.gin_contexts, pad=0, shadow=shadow,
+            scratch_offset=self.scratch_offset, scratch_ticket=self.scratch_ticket.data_ptr(),
+            failure=self.failure.data_ptr())
+
+    def node_transport_params(self, node_ranks) -> NcclGinTransportParams:
+        """The internode kernels reach node peers by load/store: here that is exactly my LSA team (the device code
+        cannot hide an LSA peer, so logical nodes smaller than it are refused)."""
+        lsa = [r for r, b in enumerate(self.bases) if b]
+        if sorted(node_ranks) != lsa:
+            raise ValueError(f"nccl_gin: the node {sorted(node_ranks)} is not this rank's LSA team {lsa} (logical "
+                             f"nodes on one machine need transport='nvshmem')")
+        return self.transport_params()
+
+    def _release(self) -> None:
+        lib = self.host.lib
+        if self._devcomm is not None:
+            lib.dgin_devcomm_destroy(self.comm, ctypes.addressof(self._devcomm))
+            self._devcomm = None
+        if self._win.value:
+            lib.dgin_window_deregister(self.comm, self._win)   # collective
+            self._win = ctypes.c_void_p()
+        if self._mem.value:
+            lib.dgin_mem_free(self._mem)
+            self._mem = ctypes.c_void_p()
+        if self.comm.value:
+            lib.dgin_comm_destroy(self.comm)
+            self.comm = ctypes.c_void_p()
+
+    def close(self) -> None:
+        """Collective: nobody uses the window any more, then NCCL releases it."""
+        if self.base is None:
+            return
+        torch.cuda.synchronize(self.dev)
+        try:
+            self.ctx.comm.barrier()
+        finally:
+            self._release()
+            self.errors.free()
+            self.base = None
