@@ -90,6 +90,16 @@ def test_auto_prefers_nvlink_on_one_node_only(monkeypatch):
     assert transports.resolve("auto", single_node=False) == "reference"
 
 
+def test_auto_never_picks_a_backend_that_has_not_run(monkeypatch):
+    """nccl_gin is asked for by name only until it has run on a GPU (registry in_auto)."""
+    usable = {"nccl_gin", "reference"}
+    fake = {n: transports.TransportStatus(n, n in usable, "fake") for n in TRANSPORT_NAMES}
+    monkeypatch.setattr(transports, "available_transports", lambda: fake)
+    assert transports.resolve("auto", single_node=False) == "reference"
+    assert transports.resolve("auto", single_node=True, internode_normal=True) == "reference"
+    assert transports.resolve("nccl_gin") == "nccl_gin"
+
+
 def test_auto_over_several_nodes_takes_the_internode_kernels(monkeypatch):
     """Normal mode over several nodes: the kernels' backend when usable (nvshmem: its suites passed on the
     H200 over logical nodes), else the reference transport; never nvlink (it has no network path)."""

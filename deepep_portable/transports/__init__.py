@@ -36,12 +36,13 @@ def resolve(name: str, single_node: bool = False, internode_normal: bool = False
     `internode_normal` (normal mode over several nodes): the first usable of internode_normal_transports()."""
     statuses = available_transports()
     if name == "auto" and internode_normal:
-        name = next((n for n in internode_normal_transports() if statuses[n].usable), "reference")
+        name = next((n for n in internode_normal_transports() if statuses[n].usable and registry.row(n).in_auto),
+                    "reference")
     if name == "auto":
         if single_node and statuses["nvlink"].usable:
             return "nvlink"
         for backend in registry.BACKENDS:
-            if (single_node or backend.spans_nodes) and statuses[backend.name].usable:
+            if (single_node or backend.spans_nodes) and backend.in_auto and statuses[backend.name].usable:
                 return backend.name
         raise RuntimeError("no usable transport: " + "; ".join(str(s) for s in statuses.values()))
     registry.row(name)   # ValueError for an unknown name
