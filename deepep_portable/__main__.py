@@ -1,4 +1,4 @@
-"""Command line: `python -m deepep_portable {bench,soak,doctor,precompile}`."""
+"""Command line: `python -m deepep_portable {bench,soak,model,doctor,precompile}`."""
 from __future__ import annotations
 
 import argparse
@@ -8,10 +8,11 @@ import sys
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deepep_portable")
     sub = parser.add_subparsers(dest="command", required=True)
-    from .tools import bench, soak
+    from .tools import bench, model, soak
 
     bench.add_arguments(sub.add_parser("bench", help="dispatch/combine round trip across local ranks: check, time, ceiling"))
     soak.add_arguments(sub.add_parser("soak", help="many rounds on one Buffer: results, memory, descriptors, time"))
+    model.add_arguments(sub.add_parser("model", help="normal-mode op times predicted on real NVLink"))
     sub.add_parser("doctor", help="GPUs, links, CUDA/NCCL/NVSHMEM, RDMA devices, and each transport's status")
     pre = sub.add_parser("precompile", help="compile every kernel family into the JIT cache")
     pre.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
@@ -23,6 +24,8 @@ def main(argv=None) -> int:
         return bench.main(args)
     if args.command == "soak":
         return soak.main(args)
+    if args.command == "model":
+        return model.main(args)
     if args.command == "doctor":
         from .tools.doctor import run_doctor
 

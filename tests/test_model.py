@@ -1,0 +1,37 @@
+"""The real-hardware model (deepep_portable/tools/model.py): its arithmetic, its fit to the EP 2 measurements,
+and where it says the bound moves from the SMs to NVLink."""
+import pytest
+
+from deepep_portable.tools import model
+
+
+def test_distinct_ranks_per_token():
+    assert model.ranks_per_token(1) == pytest.approx(1.0)
+    assert model.ranks_per_token(2) == pytest.approx(1.9925, abs=1e-3)   # misses a rank in 0.37 % of tokens
+    assert model.ranks_per_token(8) == pytest.approx(5.295, abs=2e-3)
+    assert model.ranks_per_token(256) == pytest.approx(8.0)               # one expert per rank: k ranks
+
+
+def test_fit_reproduces_the_ep2_measurements():
+    for (op, tokens), measured in model.EP2_MEASURED.items():
+        assert model.predict(op, 2, tokens, model.EP2_BLOCKS).total_us == pytest.approx(measured, rel=1e-9)
+    for op in ("dispatch", "combine"):
+        f = model.fit(op)
+        assert 0 < f.fixed_us < 300 and 10 < f.per_block_gbps < 40
+
+
+def test_the_bound_moves_to_nvlink_with_blocks_and_ranks():
+    assert model.predict("dispatch", 2, 4096, 24).bound == "SMs"          # half the bytes stay on the GPU
+    assert model.predict("dispatch", 8, 4096, 16).bound == "SMs"
+    assert model.predict("dispatch", 8, 4096, 24).bound == "NVLink"       # 7/8 of the bytes cross the link
+    fast = model.predict("combine", 8, 16384, 64)
+    assert fast.main_us == pytest.approx(model.op_bytes("combine", 8, 16384)[1] / (model.LINK_GBPS * 8 / 7) / 1e3)
+    assert model.predict("dispatch", 8, 16384, 24).total_us > model.predict("dispatch", 8, 4096, 24).total_us
+
+
+def test_cli(capsys):
+    from deepep_portable.__main__ import main
+
+    assert main(["model", "--ranks", "8", "--tokens", "4096", "--blocks", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "NVLink-bound" in out and "fit from EP 2" in out
