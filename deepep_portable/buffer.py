@@ -45,6 +45,11 @@ class Buffer(LowLatencyOps):
       nvshmem_options: for transport "nvshmem", passed to NVSHMEM at its initialisation (the first such
                  Buffer of the process): ibgda, ib_gid_index, ib_traffic_class, ib_sl, hca_list,
                  remote_transport, symmetric_size (see transports/nvshmem/runtime.py PASS_THROUGH).
+      ibgda_options: for transport "ibgda": GID index / address family, traffic class, service level, hop
+                 limit, UDP source ports, HCA list, ports (transports/ibgda/roce.py IbgdaOptions; also from
+                 DEEPEP_PORTABLE_IB_* variables), validated here.
+      nccl_options: for transport "nccl_gin": gin (True / False) and NCCL's IB settings (ib_gid_index,
+                 ib_traffic_class, ib_sl, hca_list, gin_type; transports/nccl_gin/options.py), validated here.
       ranks_per_node: ranks per node (default: DEEPEP_PORTABLE_RANKS_PER_NODE, else the machines); K
                  consecutive ranks of one machine make a logical node (topology.py, docs/INTERNODE.md).
     `group` may be a torch ProcessGroup or (as first argument or `comm=`) an mpi4py communicator.
@@ -57,7 +62,8 @@ class Buffer(LowLatencyOps):
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None,
                  *, transport: str = "auto", timeout_s: Optional[float] = None,
-                 nvshmem_options: Optional[dict] = None, ranks_per_node: Optional[int] = None) -> None:
+                 nvshmem_options: Optional[dict] = None, ranks_per_node: Optional[int] = None,
+                 ibgda_options: Optional[dict] = None, nccl_options: Optional[dict] = None) -> None:
         if use_fabric:
             # DeepEP allocates its NVLink buffer with fabric handles (multi-node NVLink, IMEX). Our windows
             # share memory by CUDA IPC handles and POSIX file descriptors only: refuse before any set-up.
@@ -74,6 +80,15 @@ class Buffer(LowLatencyOps):
             from .transports.nvshmem.runtime import nvshmem_environment
 
             nvshmem_environment(nvshmem_options)
+        ibgda = None
+        if ibgda_options is not None:
+            from .transports.ibgda.roce import ibgda_options as parse_ibgda
+
+            ibgda = parse_ibgda(ibgda_options)
+        if nccl_options is not None:
+            from .transports.nccl_gin.options import nccl_environment
+
+            nccl_environment(nccl_options)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -102,7 +117,7 @@ class Buffer(LowLatencyOps):
             options=dict(num_qps_per_rank=num_qps_per_rank,
                          allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
                          allow_mnnvl=allow_mnnvl, enable_shrink=self.enable_shrink,
-                         nvshmem=dict(nvshmem_options or {})))
+                         nvshmem=dict(nvshmem_options or {}), ibgda=ibgda, nccl=dict(nccl_options or {})))
         self._backend = backend_class(self.transport)(self._ctx)
         if self.enable_shrink and self._backend.shrink_mask() is None:
             # Same arguments on every rank: all raise here together.

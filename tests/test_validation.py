@@ -233,6 +233,29 @@ def test_unknown_nvshmem_option_rejected(group):
     assert buf._ctx.options["nvshmem"] == {"ib_gid_index": 3, "ibgda": True}
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(ibgda_options={"traffic_clas": 106}), "unknown ibgda option"),
+    (dict(ibgda_options={"service_level": 16}), "service_level"),
+    (dict(nccl_options={"ib_gid": 3}), "unknown nccl option 'ib_gid'"),
+    (dict(nccl_options={"ib_sl": 99}), r"nccl_options\['ib_sl'\] must be an integer in \[0, 15\]"),
+    (dict(nccl_options={"gin": "yes"}), r"nccl_options\['gin'\] must be True, False or None"),
+    (dict(nccl_options={"hca_list": ""}), "non-empty string")])
+def test_bad_backend_options_rejected_before_set_up(group, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        deep_ep.Buffer(group, 1 << 20, 0, transport="reference", **kwargs)
+
+
+def test_backend_options_reach_the_backend(group):
+    buf = deep_ep.Buffer(group, 1 << 20, 0, transport="reference", ibgda_options={"traffic_class": 106},
+                         nccl_options={"ib_sl": 3, "gin": False})
+    assert buf._ctx.options["ibgda"].traffic_class == 106
+    assert buf._ctx.options["nccl"] == {"ib_sl": 3, "gin": False}
+    from deepep_portable.transports.nccl_gin.options import nccl_environment
+
+    assert nccl_environment({"ib_sl": 3, "hca_list": "mlx5_0:1", "gin": True}) == {
+        "NCCL_NVLS_ENABLE": "0", "NCCL_IB_SL": "3", "NCCL_IB_HCA": "mlx5_0:1"}
+
+
 def test_buffer_reports_its_capabilities(buffer):
     caps = buffer.capabilities
     assert caps == deep_ep.available_transports()["reference"].capabilities

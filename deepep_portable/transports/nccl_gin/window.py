@@ -4,9 +4,9 @@ GIN resource is asked for, so a node without a NIC works; GIN when the ranks spa
 csrc/backends/nccl_gin/device.cuh reads (the SET-signal shadow, the failure word, scratch for GIN reads past
 the engines' bytes). Kernels are compiled against the loaded libnccl's own headers (host.py's version gate).
 
-Not done yet: reusing torch's NCCL communicator (DeepEP's `_comm_ptr`), `Buffer(nccl_options=...)`, logical
-nodes (the device code cannot hide LSA peers). NCCL refuses two ranks on one GPU before 2.30 (and from 2.30
-without NCCL_MULTI_RANK_GPU_ENABLE=1): that is refused here with that reason, before NCCL is asked.
+Not done yet: reusing torch's NCCL communicator (DeepEP's `_comm_ptr`), logical nodes (the device code
+cannot hide LSA peers). NCCL refuses two ranks on one GPU before 2.30 (and from 2.30 without
+NCCL_MULTI_RANK_GPU_ENABLE=1): that is refused here with that reason, before NCCL is asked.
 Nothing of this file has run on a GPU yet.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ...windows.base import ERROR_WORDS, MappedWords, Window
 from .. import libraries
 from .abi import NCCL_GIN_BUILD, SCRATCH_WORDS, NcclGinTransportParams, SignalShadowParams, build_flags
 from .host import HostLib, Request
+from .options import apply_environment
 
 WIN_STRICT_ORDERING = 0x02   # nccl.h NCCL_WIN_STRICT_ORDERING: GIN VA signals need it
 ALIGN = 4096                 # NCCL_WIN_REQUIRED_ALIGNMENT
@@ -51,11 +52,12 @@ class NcclGinWindow(Window):
         if len(set(uuids)) < len(uuids) and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
             raise RuntimeError("nccl_gin: ranks of this group share a GPU, which NCCL refuses (NCCL >= 2.30 allows two "
                                "with NCCL_MULTI_RANK_GPU_ENABLE=1)")
+        apply_environment(options)   # before the communicator: NCCL reads its environment at the first init
         host = self.host = HostLib()
         version = host.check_versions()
         self.flags = build_flags(libraries.nccl_info()["device_header"])
         self.defines = {"DEEPEP_NCCL_RUNTIME": version}   # keys the JIT cache by the library's version too
-        self.gin = bool(options.get("gin", ctx.num_nodes > 1))
+        self.gin = ctx.num_nodes > 1 if options.get("gin") is None else bool(options["gin"])
         lib = host.lib
         uid = ctypes.create_string_buffer(lib.dgin_unique_id_size())
         if ctx.rank == 0:
