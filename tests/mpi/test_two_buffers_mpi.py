@@ -1,0 +1,93 @@
+"""Two Buffers on two different groups of the same ranks, in one process (issue 20, item 6):
+
+  mpirun -n 4 python -m pytest --with-mpi -q tests/mpi/test_two_buffers_mpi.py
+
+Used alternately (each round trip checked against the oracle), then at once: both dispatches issued before
+either result is read, then both combines, on two CUDA streams where there is a GPU; each result must be
+bit-identical to the same call made alone. Transport: DEEPEP_TEST_TRANSPORT (default: nvlink on a GPU,
+reference on CPU)."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import deepep_portable as deep_ep
+from test_reference_mpi import BIG, SMALL, generator, make_topk, num_experts_for, run_normal, world
+
+TOKENS = 48
+
+
+def _transport() -> str:
+    return os.environ.get("DEEPEP_TEST_TRANSPORT", "nvlink" if torch.cuda.is_available() else "reference")
+
+
+@pytest.fixture(scope="module")
+def two_buffers(pg):
+    _, num_ranks = world(pg)
+    ranks = list(range(num_ranks))
+    groups = [dist.new_group(ranks, backend="gloo"), dist.new_group(ranks, backend="gloo")]
+    nvl = deep_ep.Config().get_nvl_buffer_size_hint(BIG["hidden"] * 2, num_ranks, TOKENS)
+    bufs = [deep_ep.Buffer(g, nvl, 0, transport=_transport()) for g in groups]
+    return bufs
+
+
+@pytest.mark.mpi(min_size=2)
+def test_alternating_round_trips(two_buffers, pg, device, request, base_seed):
+    rank, _ = world(pg)
+    gen = generator(request, base_seed, rank)
+    for round_ in range(3):
+        for i, buf in enumerate(two_buffers):
+            shape = BIG if (round_ + i) % 2 else SMALL
+            run_normal(buf, pg, gen, device, **shape, num_tokens=int(torch.randint(1, TOKENS + 1, (1,), generator=gen)),
+                       num_bias=i)
+
+
+def _inputs(gen, device, num_ranks):
+    experts = num_experts_for(BIG["experts"], num_ranks)
+    x = torch.randn(TOKENS, BIG["hidden"], generator=gen).to(torch.bfloat16).to(device)
+    idx = make_topk(TOKENS, BIG["topk"], experts, gen).to(device)
+    w = torch.rand(TOKENS, BIG["topk"], generator=gen).to(device)
+    return x, idx, w, experts
+
+
+def _dispatch(buf, x, idx, w, experts):
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=idx, topk_weights=w)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_both_at_once_match_each_alone(two_buffers, pg, device, request, base_seed):
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    inputs = [_inputs(gen, device, num_ranks) for _ in two_buffers]
+    alone = []
+    for buf, (x, idx, w, experts) in zip(two_buffers, inputs):
+        recv_x, _, recv_w, _, handle, _ = _dispatch(buf, x, idx, w, experts)
+        combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+        alone.append((recv_x.cpu(), combined.cpu(), combined_w.cpu()))
+    streams = [torch.cuda.Stream() for _ in two_buffers] if device.type == "cuda" else [None, None]
+
+    def on(stream):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    outs = []
+    for buf, (x, idx, w, experts), stream in zip(two_buffers, inputs, streams):
+        with on(stream):
+            outs.append(_dispatch(buf, x, idx, w, experts))
+    results = []
+    for buf, out, stream in zip(two_buffers, outs, streams):
+        recv_x, _, recv_w, _, handle, _ = out
+        with on(stream):
+            results.append((recv_x, *buf.combine(recv_x, handle, topk_weights=recv_w)[:2]))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    bad = [f"buffer {i}: {name}" for i, (got, ref) in enumerate(zip(results, alone))
+           for name, a, b in zip(("recv_x", "combined", "combined_weights"), got, ref) if not torch.equal(a.cpu(), b)]
+    everyone = [None] * num_ranks
+    dist.all_gather_object(everyone, bad, group=pg)
+    assert not any(everyone), everyone
