@@ -273,7 +273,7 @@ def test_kernel_constants_the_host_repeats():
 
 def test_error_table_is_read_from_the_device_header():
     codes, ops = errors.table()
-    assert codes == {"none": 0, "timeout": 1, "capacity": 2, "overrun": 3, "overwrite": 4, "nic": 5}
+    assert codes == {"none": 0, "timeout": 1, "capacity": 2, "overrun": 3, "overwrite": 4, "nic": 5, "unsupported": 6}
     assert ops == {1: "dispatch", 2: "combine", 3: "low_latency_dispatch", 4: "low_latency_combine",
                    5: "transport_selftest", 6: "low_latency_clean"}
     # the decoder names the op and the peer from any record
