@@ -64,6 +64,9 @@ def from_record(record: Tuple[int, int, int, int, int, int], timeout_s: float) -
     if name == "timeout":
         return CommTimeoutError(op, rank, peer, channel, timeout_s)
     if name == "capacity":
+        if peer >= 0 and peer != rank:   # seen in the count matrix every rank holds (internode)
+            return RuntimeError(f"{op} on rank {rank}: rank {peer} would receive {detail} rows but its output "
+                                f"holds fewer (num_worst_tokens too small, or a handle from other routing); {gone}")
         return RuntimeError(f"{op} on rank {rank}: {detail} rows arrived but the output holds fewer "
                             f"(num_worst_tokens too small); {gone}")
     if name == "overrun" and peer < 0:

@@ -281,6 +281,7 @@ def test_error_table_is_read_from_the_device_header():
     assert isinstance(timeout, errors.CommTimeoutError) and timeout.op == "low_latency_dispatch"
     assert (timeout.rank, timeout.peer, timeout.channel) == (2, 5, 7)
     assert "num_worst_tokens" in str(errors.from_record((2, 1, 0, -1, 0, 99), 1.0))
+    assert "rank 3 would receive 99 rows" in str(errors.from_record((2, 1, 0, 3, 0, 99), 1.0))
     assert "recv_x it returned" in str(errors.from_record((3, 3, 0, -1, 0, 1), 1.0))
     assert "zero-copy combine buffer" in str(errors.from_record((3, 4, 0, -1, 0, 1), 1.0))
     assert "two calls ahead" in str(errors.from_record((3, 4, 0, 2, 0, 9), 1.0))
