@@ -110,6 +110,26 @@ class Window:
         sharing = sum(1 for u in peer_uuids if u == my_uuid)
         self.max_blocks = max(1, sm_count(self.dev) // sharing)
 
+    def _close_after_peers(self, release) -> None:
+        """Collective close: this rank's device work is done and every rank reached the barrier, so nobody
+        touches the window any more; then `release()` frees it (also when the barrier fails) with the error
+        record, and the window is closed."""
+        if self.base is None:
+            return
+        if getattr(self, "dev", -1) >= 0:
+            import torch
+
+            torch.cuda.synchronize(self.dev)
+        try:
+            self.ctx.comm.barrier()
+        finally:
+            try:
+                release()
+            finally:
+                if getattr(self, "errors", None) is not None:
+                    self.errors.free()
+                self.base = None
+
     def grid(self, num_sms: int) -> int:
         """Blocks per kernel: the caller's SM budget, capped so that every rank sharing this GPU fits
         at once (a block that cannot become resident would leave its peers spinning)."""

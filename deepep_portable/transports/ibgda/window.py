@@ -110,14 +110,4 @@ class IbgdaWindow(Window):
 
     def close(self) -> None:
         """Collective: nobody posts to or reads my window any more, then the provider releases it."""
-        if self.base is None:
-            return
-        if self.cuda:
-            torch.cuda.synchronize(self.dev)
-        try:
-            self.ctx.comm.barrier()
-        finally:
-            self.provider.close()
-            if self.errors is not None:
-                self.errors.free()
-            self.base = None
+        self._close_after_peers(self.provider.close)

@@ -155,12 +155,4 @@ class NcclGinWindow(Window):
 
     def close(self) -> None:
         """Collective: nobody uses the window any more, then NCCL releases it."""
-        if self.base is None:
-            return
-        torch.cuda.synchronize(self.dev)
-        try:
-            self.ctx.comm.barrier()
-        finally:
-            self._release()
-            self.errors.free()
-            self.base = None
+        self._close_after_peers(self._release)

@@ -88,12 +88,4 @@ class NvshmemWindow(Window):
 
     def close(self) -> None:
         """Collective: wait until no PE can still touch this window, then free it (the runtime stays)."""
-        if self.base is None:
-            return
-        torch.cuda.synchronize(self.dev)
-        try:
-            self.ctx.comm.barrier()
-        finally:
-            self.rt.free(self.base)          # collective (nvshmem_free)
-            self.errors.free()
-            self.base = None
+        self._close_after_peers(lambda: self.rt.free(self.base))   # collective (nvshmem_free)
