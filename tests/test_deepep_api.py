@@ -29,7 +29,7 @@ def test_constructor_positional_order_is_deepeps():
     assert positional == DEEPEP_INIT
     # ours come after, keyword-only
     assert {p.name for p in params if p.kind == p.KEYWORD_ONLY} == {"transport", "timeout_s", "nvshmem_options",
-                                                                 "ranks_per_node"}
+                                                                 "ranks_per_node", "ibgda_options", "nccl_options"}
 
 
 def test_constructor_positional_call(one_rank_group):
