@@ -89,6 +89,10 @@ class Buffer(LowLatencyOps):
             from .transports.nccl_gin.options import nccl_environment
 
             nccl_environment(nccl_options)
+        # Collective, before anything is set up: the windows are symmetric, so these must match on every rank.
+        # (ranks_per_node: topology.node_layout checks it with the environment's value.)
+        self._agree(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, low_latency_mode=bool(low_latency_mode),
+                    num_qps_per_rank=num_qps_per_rank, enable_shrink=bool(enable_shrink), transport=transport)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -125,6 +129,15 @@ class Buffer(LowLatencyOps):
             self._backend = None
             raise ValueError(f"enable_shrink=True needs the low-latency kernels (num_rdma_bytes > 0 and a transport "
                              f"that runs them: nvlink, nvshmem); transport {self.transport!r} has none here")
+
+    def _agree(self, **settings) -> None:
+        """Collective: every rank passed the same `settings`; if not, every rank raises the same ValueError."""
+        everyone = self._comm.allgather_object(settings)
+        differ = [k for k in settings if len({repr(s[k]) for s in everyone}) > 1]
+        if differ:
+            detail = "; ".join(f"{k}: " + ", ".join(f"rank {r} {s[k]!r}" for r, s in enumerate(everyone))
+                               for k in differ)
+            raise ValueError(f"ranks disagree on Buffer arguments that must be equal on every rank: {detail}")
 
     def _node_layout(self, ranks_per_node: Optional[int], num_nvl_bytes: int) -> NodeLayout:
         """Collective: the nodes of this group (topology.node_layout). A group whose machines hold unequal or
