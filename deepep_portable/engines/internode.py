@@ -84,13 +84,13 @@ class InternodeEngine(Engine):
         try:
             node = self.rank // P
             node_ranks = list(range(node * P, node * P + P))
-            missing = [r for r in node_ranks if self.window.bases[r] == 0]
+            missing = [r for r in node_ranks if self.window.node_base(r) == 0]
             if missing:
                 raise RuntimeError(f"ranks {missing} of node {node} (ranks_per_node={P}) are not reachable by "
                                    f"load/store from rank {self.rank}: a node must be one NVLink domain")
             # Raises for a window whose transport has no path but load/store (it could not keep nodes apart).
             self.transport = self.window.node_transport_params(node_ranks)
-            self.node_bases = torch.tensor([self.window.bases[r] for r in node_ranks], dtype=torch.int64,
+            self.node_bases = torch.tensor([self.window.node_base(r) for r in node_ranks], dtype=torch.int64,
                                            device=ctx.device)
         except BaseException:
             self.window.close()

@@ -110,6 +110,12 @@ class Window:
         sharing = sum(1 for u in peer_uuids if u == my_uuid)
         self.max_blocks = max(1, sm_count(self.dev) // sharing)
 
+    def node_base(self, rank: int) -> int:
+        """Where this process's kernels reach `rank`'s window by load/store for the internode kernels' NVLink part
+        (0: they cannot). Usually the peer table itself; a window whose transport goes through its NIC for every
+        peer (ibgda) maps node peers for this purpose alone."""
+        return self.bases[rank]
+
     def _close_after_peers(self, release) -> None:
         """Collective close: this rank's device work is done and every rank reached the barrier, so nobody
         touches the window any more; then `release()` frees it (also when the barrier fails) with the error

@@ -137,6 +137,10 @@ def test_node_table_maps_the_peers_windows(mpi_comm):
         plain = list((ctypes.c_int64 * R).from_address(window.transport_params().peer_bases))
         ok = got == want and plain == [0] * R and params.channels == 1 and params.rank == me
         ok = ok and params.scratch_offset >= (1 << 16) and params.num_ranks == R
+        # `bases` says what transport_params' table holds (the self-test checks peer_ptr against it): nothing;
+        # node_base offers the mapping to the internode kernels.
+        ok = ok and window.bases == [0] * R and [window.node_base(r) for r in range(R)] == [
+            provider.local_address(r) for r in range(R)]
     finally:
         window.close()
     everyone = comm.allgather_object((ok, got, want))

@@ -62,10 +62,13 @@ class IbgdaWindow(Window):
                         self.queues[p][ch].sq, self.peers[p].base, self.peers[p].rkey, self.mem.lkey)
             raw = bytes(self.endpoint_structs)
             self.endpoints = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(ctx.device)
-            # Where this process reaches each rank's window by load/store (0: only through the NIC).
-            self.bases = [self.mem.base if r == me else self.provider.peer_load_store_base(self.peers[r])
-                          for r in range(R)]
-            self.peer_bases = torch.zeros(R, dtype=torch.int64, device=ctx.device)   # transport_params: NIC only
+            # The kernels reach every rank through the NIC (transport_params' peer table is all zero, and so is
+            # `bases`, which says what that table holds); `mapped`: where this process could load/store each
+            # window (the provider's mapping), offered to the internode kernels for their node (node_base).
+            self.bases = [0] * R
+            self.mapped = [self.mem.base if r == me else self.provider.peer_load_store_base(self.peers[r])
+                           for r in range(R)]
+            self.peer_bases = torch.zeros(R, dtype=torch.int64, device=ctx.device)
             self.scratch_ticket = torch.zeros(1, dtype=torch.int32, device=ctx.device)
             self.nic_error = torch.zeros(5, dtype=torch.int32, device=ctx.device)
             self._node_tables: list = []
@@ -95,10 +98,13 @@ class IbgdaWindow(Window):
     def node_transport_params(self, node_ranks) -> IbgdaTransportParams:
         """Load/store addresses for `node_ranks` (the internode kernels' NVLink part), the NIC for every other."""
         keep = set(node_ranks)
-        table = torch.tensor([b if r in keep else 0 for r, b in enumerate(self.bases)], dtype=torch.int64,
+        table = torch.tensor([b if r in keep else 0 for r, b in enumerate(self.mapped)], dtype=torch.int64,
                              device=self.ctx.device)
         self._node_tables.append(table)   # the struct holds its address: keep it alive with the window
         return self._params(table)
+
+    def node_base(self, rank: int) -> int:
+        return self.mapped[rank]
 
     def endpoint(self, peer: int, channel: int = 0) -> EndpointParams:
         """My queue to (peer, channel) as the device code sees it (host copy)."""
