@@ -104,10 +104,12 @@ class _Mapping:
 class ModelProvider(NicProvider):
     name = "nic-model"
 
-    def __init__(self, ctx, chaos: bool = False, atomic_be: bool = True, load_store: bool = True) -> None:
+    def __init__(self, ctx, chaos: bool = False, atomic_be: bool = True, load_store: Optional[bool] = None) -> None:
+        """load_store: also let this process's kernels load/store peers' windows (the internode kernels' node
+        part: registers every peer's window with CUDA); default: when the Buffer spans (logical) nodes."""
         self.ctx, self.chaos, self.atomic_be = ctx, chaos, atomic_be
         self.atomic_result_be = atomic_be
-        self.load_store = load_store
+        self.load_store = ctx.num_nodes > 1 if load_store is None else load_store
         self.cuda = ctx.device.type == "cuda"
         self.lib = _load(build_library())
         self.svc = self.lib.nms_create(ctx.num_ranks + 1)
@@ -142,7 +144,7 @@ class ModelProvider(NicProvider):
                 local = self.own.address
             else:
                 path, nbytes = p.public
-                self.maps[p.rank] = _Mapping(path, nbytes, False, self.cuda)
+                self.maps[p.rank] = _Mapping(path, nbytes, False, self.cuda and self.load_store)
                 local = self.maps[p.rank].address
             if self.lib.nms_set_key(self.svc, p.rank + 1, p.base, p.public[1], local) != 0:
                 raise RuntimeError(f"the NIC model refused key {p.rank + 1}")

@@ -126,7 +126,7 @@ def test_node_table_maps_the_peers_windows(mpi_comm):
     _build_or_skip(comm)
     R, me = comm.size, comm.rank
     ctx = _ctx(comm, 7002)
-    provider = ibgda_model.ModelProvider(ctx)
+    provider = ibgda_model.ModelProvider(ctx, load_store=True)
     window = IbgdaWindow(ctx, 1 << 16, channels=1, depth=8, provider=provider)
     try:
         node = [r for r in range(R) if r // 2 == me // 2]
