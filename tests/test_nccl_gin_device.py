@@ -72,3 +72,8 @@ def test_unsupported_calls_become_clear_errors():
     op = {name: i for i, name in ops.items()}["low_latency_dispatch"]
     exc = errors.from_record((codes["unsupported"], op, 3, 5, 0, 4), 1.0)
     assert "cannot reach peer 5" in str(exc) and "fetch_add over GIN" in str(exc) and "rank 3" in str(exc)
+
+
+def test_set_over_add_emulation_on_host_threads(run_native):
+    """signal_shadow.cuh against a mock of GIN's add-only VA signals delivered out of order (host threads)."""
+    run_native("nccl_gin_shadow_model", timeout=120)

@@ -9,13 +9,10 @@
 // visible (device_gin.rst; before 2.30.5 every signal is strong). put_signal_warp bundles the signal with its
 // put. Nothing orders GIN against LSA stores, and a peer is either LSA or GIN for the whole window: never both.
 //
-// SET signals over add-only GIN signals: the contract's signals are single-writer values that only grow, SET
-// by their writer. GIN can only ADD to a word of the receiver's window (VA signal). The writer keeps, per
-// (peer, offset), the value it last set there (`SignalShadow`, a table in device memory, open addressing,
-// insert-only); SET v is ADD(v - last). Correct because the window starts at zero, the writer is the slot's
-// only writer, and its values only grow (the receiver's word then always holds the last value set). The
-// receiver polls its own window (acquire), as for every other backend. The table is full: the op fails with
-// an error record (never a wrong value).
+// SET signals over add-only GIN signals: GIN can only ADD to a word of the receiver's window (VA signal); the
+// writer keeps the value it last set per (peer, word) and adds the difference (signal_shadow.cuh argues it).
+// The receiver polls its own window (acquire), as for every other backend. A full table fails the op with an
+// error record (never a wrong value).
 //
 // Not over GIN: fetch_add (no fetching atomic: kCheapFetchAdd = false keeps the LL dispatch on its path without
 // it), and get_value before NCCL 2.30.3 (no get). Such a call records kErrorUnsupported (the next wait_ge
@@ -35,33 +32,13 @@
 #include "common/kernels/errors.cuh"
 #include "common/kernels/signal.cuh"
 #include "common/kernels/transport.cuh"
+#include "backends/nccl_gin/signal_shadow.cuh"
 
 #define DEEPEP_NCCL_AT_LEAST(X, Y, Z) (NCCL_VERSION_CODE >= ((X) * 10000 + (Y) * 100 + (Z)))
 #define DEEPEP_NCCL_GIN DEEPEP_NCCL_AT_LEAST(2, 29, 7)
 #define DEEPEP_NCCL_GIN_GET DEEPEP_NCCL_AT_LEAST(2, 30, 3)
 
 namespace deepep_portable::transport {
-
-// Per (peer, offset), the last value this rank SET there over GIN. keys[i]: 0 = empty, else
-// (peer << 40 | offset) + 1; claimed with atomicCAS, never removed; capacity a power of two.
-struct SignalShadow {
-    unsigned long long* keys;
-    uint64_t* values;
-    uint32_t capacity;
-
-    // The slot of (peer, off), inserted if new; nullptr when the table is full.
-    DEEPEP_DEVICE uint64_t* slot(int peer, int64_t off) const {
-        const unsigned long long key = ((static_cast<unsigned long long>(peer) << 40) | static_cast<uint64_t>(off)) + 1;
-        uint64_t h = key * 0x9E3779B97F4A7C15ull;
-        for (uint32_t probe = 0; probe < capacity; ++probe) {
-            const uint32_t i = static_cast<uint32_t>((h >> 32) + probe) & (capacity - 1);
-            const unsigned long long seen = atomicCAS(keys + i, 0ull, key);
-            if (seen == 0ull || seen == key)
-                return values + i;
-        }
-        return nullptr;
-    }
-};
 
 struct NcclGinTransport {
     const ncclDevComm* comm;   // the device communicator (ncclDevCommCreate's), in device memory
@@ -118,16 +95,12 @@ struct NcclGinTransport {
     using Signal = ncclGin_VASignalAdd;   // every signal is strong before 2.30.5
 #endif
 
-    // SET v at (peer, off) as an add of the difference to the last value set there (header comment).
+    // SET v at (peer, off) as an add of the difference to the last value set there (signal_shadow.cuh).
     DEEPEP_DEVICE bool delta_for(int peer, int64_t off, uint64_t v, uint64_t* delta) const {
-        uint64_t* last = shadow.slot(peer, off);
-        if (last == nullptr) {
-            fail(peer, 1);   // the shadow table is full
-            return false;
-        }
-        *delta = v - *last;
-        *last = v;
-        return true;
+        if (shadow.delta_for(peer, off, v, delta))
+            return true;
+        fail(peer, 1);   // the shadow table is full
+        return false;
     }
 #endif
 
