@@ -82,7 +82,8 @@ def from_record(record: Tuple[int, int, int, int, int, int], timeout_s: float) -
     if name == "nic":
         why = "no completion within the timeout (queue full or stuck)" if detail < 0 else \
             f"an error completion, syndrome {detail:#x}"
-        return RuntimeError(f"{op} on rank {rank}: the RDMA queue pair to peer {peer} failed: {why}; {gone}")
+        return RuntimeError(f"{op} on rank {rank}: the RDMA queue pair to peer {peer} (channel {channel}) failed: "
+                            f"{why}; {gone}")
     if name == "unsupported":
         why = {1: "the SET-signal shadow table is full (more distinct signal words per peer than it holds)",
                2: "GIN needs NCCL >= 2.29.7 (VA signals); this build's headers are older",

@@ -282,10 +282,12 @@ def test_error_table_is_read_from_the_device_header():
     assert (timeout.rank, timeout.peer, timeout.channel) == (2, 5, 7)
     assert "num_worst_tokens" in str(errors.from_record((2, 1, 0, -1, 0, 99), 1.0))
     assert "rank 3 would receive 99 rows" in str(errors.from_record((2, 1, 0, 3, 0, 99), 1.0))
+    nic = str(errors.from_record((5, 3, 0, 5, 2, 0x13), 1.0))   # ibgda: the failed QP's channel, the syndrome
+    assert "queue pair to peer 5 (channel 2) failed" in nic and "syndrome 0x13" in nic
     assert "recv_x it returned" in str(errors.from_record((3, 3, 0, -1, 0, 1), 1.0))
     assert "zero-copy combine buffer" in str(errors.from_record((3, 4, 0, -1, 0, 1), 1.0))
     assert "two calls ahead" in str(errors.from_record((3, 4, 0, 2, 0, 9), 1.0))
     assert "still receiving" in str(errors.from_record((4, 3, 0, 2, 0, 9), 1.0))
     assert "kernel error code 77" in str(errors.from_record((77, 9, 0, 2, 0, 9), 1.0))
-    assert "peer 3 failed: an error completion, syndrome 0x13" in str(errors.from_record((5, 1, 0, 3, 0, 0x13), 1.0))
+    assert "peer 3 (channel 0) failed: an error completion, syndrome 0x13" in str(errors.from_record((5, 1, 0, 3, 0, 0x13), 1.0))
     assert "no completion within the timeout" in str(errors.from_record((5, 1, 0, 3, 0, -1), 1.0))

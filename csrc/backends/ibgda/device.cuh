@@ -16,8 +16,8 @@
 // Completions: every WQE asks for a CQE (ops.cuh), so get_value / fetch_add wait for their own WQE and
 // flush(ch) waits for everything posted on that channel's QPs. An error CQE or a wait past timeout_ns
 // (ring full, a QP stuck) is recorded once in `nic_error` and makes the primitive give up; the next wait_ge
-// of any thread reports it (kErrorNic: op, rank, peer, syndrome), so a dead link becomes an exception,
-// never a hang or a trap. After a failure every wait inside a primitive gives up at once (a post that finds
+// of any thread reports it (kErrorNic: op, rank, peer, the failed QP's channel, syndrome), so a dead link
+// becomes an exception, never a hang or a trap. After a failure every wait inside a primitive gives up at once (a post that finds
 // ring space posts anyway: harmless, the op is lost). On a collapsed CQ a later WQE's WR_FLUSH (0x05) entry
 // can overwrite the error entry before a poller reads it: the recorded syndrome may then be 0x05; the host
 // can ask the QP's state for the first cause.
@@ -49,7 +49,8 @@ struct IbgdaTransport {
     uint64_t base;                      // my window here (also what my lkey registers)
     int64_t scratch_offset;             // u64 [kScratchWords] in my window: where READ / FETCH_ADD results land
     unsigned int* scratch_ticket;       // device word handing out scratch words
-    int* nic_error;                     // device int32 [5]: claim, peer, syndrome, wqe index, code (published last)
+    int* nic_error;                     // device int32 [6]: claim, peer, syndrome, wqe index, code (published
+                                        // last), channel (the failed QP is my QP to (peer, channel))
     int32_t rank;
     int32_t num_ranks;
     int32_t channels;
@@ -83,11 +84,12 @@ struct IbgdaTransport {
     }
 
     // Record the first failure of this rank's queues: claim, fields, then the code (readers test the code).
-    DEEPEP_DEVICE void fail(int peer, int syndrome, int wqe_index) const {
+    DEEPEP_DEVICE void fail(int ch, int peer, int syndrome, int wqe_index) const {
         if (atomicCAS(nic_error, 0, 1) == 0) {
             nic_error[1] = peer;
             nic_error[2] = syndrome;
             nic_error[3] = wqe_index;
+            nic_error[5] = ch % channels;
             __threadfence();
             atomicExch(nic_error + 4, static_cast<int>(kErrorNic));
         }
@@ -108,9 +110,9 @@ struct IbgdaTransport {
     }
 
     // The outcome of one posting or waiting step: record a failure that is not already recorded.
-    DEEPEP_DEVICE bool check(bool ok, int peer, const ibgda::CqStatus& st) const {
+    DEEPEP_DEVICE bool check(bool ok, int ch, int peer, const ibgda::CqStatus& st) const {
         if (!ok && !failed())
-            fail(peer, st.error ? st.cqe.syndrome : -1, st.error ? st.cqe.wqe_counter : -1);
+            fail(ch, peer, st.error ? st.cqe.syndrome : -1, st.error ? st.cqe.wqe_counter : -1);
         return ok;
     }
 
@@ -122,7 +124,7 @@ struct IbgdaTransport {
             const ibgda::Word idx = ibgda::post_write(endpoint(ch, peer), laddr + static_cast<uint64_t>(done),
                                                       static_cast<uint64_t>(dst_off + done), static_cast<uint32_t>(n),
                                                       deadline(), &st);
-            if (!check(idx != ibgda::kNotPosted, peer, st))
+            if (!check(idx != ibgda::kNotPosted, ch, peer, st))
                 return;
         }
     }
@@ -185,7 +187,7 @@ struct IbgdaTransport {
         }
         ibgda::CqStatus st{};
         const ibgda::Word idx = ibgda::post_value(endpoint(ch, peer), static_cast<uint64_t>(dst_off), v, deadline(), &st);
-        check(idx != ibgda::kNotPosted, peer, st);
+        check(idx != ibgda::kNotPosted, ch, peer, st);
     }
 
     // A scratch word of my window for one READ / FETCH_ADD result, in rotation: two results share a word only
@@ -206,7 +208,8 @@ struct IbgdaTransport {
         ibgda::CqStatus st{};
         const ibgda::Word idx = ibgda::post_read(e, static_cast<uint64_t>(off), reinterpret_cast<uint64_t>(result), 8,
                                                  deadline(), &st);
-        if (!check(idx != ibgda::kNotPosted, peer, st) || !check(ibgda::wait_completed(e.q, idx + 1, deadline(), &st), peer, st))
+        if (!check(idx != ibgda::kNotPosted, ch, peer, st) ||
+            !check(ibgda::wait_completed(e.q, idx + 1, deadline(), &st), ch, peer, st))
             return ~0ull;
         return *result;   // the CQE was written after the data (the NIC's order; acquire in poll_cq)
     }
@@ -216,14 +219,15 @@ struct IbgdaTransport {
     DEEPEP_DEVICE uint64_t fetch_add(int /*ch*/, int peer, int64_t off, uint64_t v) const {
         const ibgda::Endpoint& e = endpoint(0, peer);
         if (e.q.ring == nullptr) {
-            fail(peer, -2, -1);
+            fail(0, peer, -2, -1);
             return 0;
         }
         volatile uint64_t* result = scratch();
         ibgda::CqStatus st{};
         const ibgda::Word idx = ibgda::post_fetch_add(e, static_cast<uint64_t>(off), v, reinterpret_cast<uint64_t>(result),
                                                       deadline(), &st);
-        if (!check(idx != ibgda::kNotPosted, peer, st) || !check(ibgda::wait_completed(e.q, idx + 1, deadline(), &st), peer, st))
+        if (!check(idx != ibgda::kNotPosted, 0, peer, st) ||
+            !check(ibgda::wait_completed(e.q, idx + 1, deadline(), &st), 0, peer, st))
             return 0;
         return atomic_result_be ? ibgda::mlx5::be64(*result) : *result;
     }
@@ -234,7 +238,9 @@ struct IbgdaTransport {
         while (ld_acquire_sys(sig) < v) {
             if (failed()) {
                 const volatile int* e = nic_error;
-                report_error(sink, kErrorNic, e[1], e[2]);   // fields written before the code (fail)
+                ErrorSink on_qp = sink;   // the record names the failed QP's channel, not the waiting one's
+                on_qp.channel = e[5];
+                report_error(on_qp, kErrorNic, e[1], e[2]);   // fields written before the code (fail)
                 return false;
             }
             if (deepep_portable::globaltimer_ns() > deadline_ns) {
@@ -252,7 +258,7 @@ struct IbgdaTransport {
                 continue;
             const ibgda::Endpoint& e = endpoint(ch, peer);
             ibgda::CqStatus st{};
-            if (!check(ibgda::drain(e.q, deadline(), &st), peer, st))
+            if (!check(ibgda::drain(e.q, deadline(), &st), ch, peer, st))
                 return;
         }
     }

@@ -29,7 +29,7 @@ class EndpointParams(ctypes.Structure):
 
 class IbgdaTransportParams(ctypes.Structure):
     """transport::IbgdaTransport (csrc/backends/ibgda/device.cuh). `endpoints`: [ranks * channels] EndpointParams,
-    one QP to every rank (self included: fetch_add goes through the NIC for all); `nic_error`: int32 [5];
+    one QP to every rank (self included: fetch_add goes through the NIC for all); `nic_error`: int32 [6];
     `atomic_result_be`: the HCA's atomic_req_8B_endianness_mode says big-endian results."""
 
     _fields_ = [("endpoints", ctypes.c_uint64), ("peer_bases", ctypes.c_uint64), ("base", ctypes.c_uint64),

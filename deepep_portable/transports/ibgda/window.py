@@ -70,7 +70,7 @@ class IbgdaWindow(Window):
                            for r in range(R)]
             self.peer_bases = torch.zeros(R, dtype=torch.int64, device=ctx.device)
             self.scratch_ticket = torch.zeros(1, dtype=torch.int32, device=ctx.device)
-            self.nic_error = torch.zeros(5, dtype=torch.int32, device=ctx.device)
+            self.nic_error = torch.zeros(6, dtype=torch.int32, device=ctx.device)
             self._node_tables: list = []
             if self.cuda:
                 me_uuid = device_uuid(self.dev)
