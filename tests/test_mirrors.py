@@ -289,5 +289,6 @@ def test_error_table_is_read_from_the_device_header():
     assert "two calls ahead" in str(errors.from_record((3, 4, 0, 2, 0, 9), 1.0))
     assert "still receiving" in str(errors.from_record((4, 3, 0, 2, 0, 9), 1.0))
     assert "kernel error code 77" in str(errors.from_record((77, 9, 0, 2, 0, 9), 1.0))
-    assert "peer 3 (channel 0) failed: an error completion, syndrome 0x13" in str(errors.from_record((5, 1, 0, 3, 0, 0x13), 1.0))
+    assert "peer 3 (channel 0) failed: an error completion, syndrome 0x13" in str(
+        errors.from_record((5, 1, 0, 3, 0, 0x13), 1.0))
     assert "no completion within the timeout" in str(errors.from_record((5, 1, 0, 3, 0, -1), 1.0))
