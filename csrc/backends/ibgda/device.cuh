@@ -18,9 +18,9 @@
 // (ring full, a QP stuck) is recorded once in `nic_error` and makes the primitive give up; the next wait_ge
 // of any thread reports it (kErrorNic: op, rank, peer, the failed QP's channel, syndrome), so a dead link
 // becomes an exception, never a hang or a trap. After a failure every wait inside a primitive gives up at
-// once (a post that finds ring space posts anyway: harmless, the op is lost). On a collapsed CQ a later WQE's WR_FLUSH (0x05) entry
-// can overwrite the error entry before a poller reads it: the recorded syndrome may then be 0x05; the host
-// can ask the QP's state for the first cause.
+// once (a post that finds ring space posts anyway: harmless, the op is lost). On a collapsed CQ a later
+// WQE's WR_FLUSH (0x05) entry can overwrite the error entry before a poller reads it: the recorded syndrome
+// may then be 0x05; the host can ask the QP's state for the first cause.
 //
 // fetch_add goes through the NIC for every peer (a GPU atomic and a NIC atomic on one word are not atomic
 // with respect to each other), always on channel 0 (NIC atomics are atomic only against atomics of the same
