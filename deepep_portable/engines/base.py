@@ -28,6 +28,16 @@ class Engine:
             self.broken = str(err)
             raise err
 
+    def destroy(self) -> None:
+        """Collective: close the window (every rank), then free the mapped count words the host polls."""
+        if self.base is None:
+            return
+        try:
+            self.window.close()
+        finally:
+            self.notify.free()
+            self.base = None
+
     def wait_for_count(self, op: str, notify) -> int:
         """Spin (GIL held, no sleep: this is the latency-critical path) until a kernel published the receive
         count in the mapped words `notify` ([0] = ready, [1] = count), a kernel reported an error (raised),

@@ -281,15 +281,6 @@ class InternodeEngine(Engine):
         p.pieces, p.num_pieces = pieces.data_ptr(), pieces.size(0)
         launch(kernel, self.grid(num_sms), THREADS, p, stream_handle(stream))
 
-    def destroy(self) -> None:
-        if self.base is None:
-            return
-        try:
-            self.window.close()
-        finally:
-            self.notify.free()
-            self.base = None
-
 
 # The shapes the GPU tests and `bench --mode internode` compile (precompiled with the nvshmem backend by
 # `python -m deepep_portable precompile --nvshmem`, so the tests do not spend their time in nvcc): dispatch

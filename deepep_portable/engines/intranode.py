@@ -302,15 +302,6 @@ class IntranodeEngine(Engine):
         self.profile.finish("combine", ("stage", "pull"), marks)
         return out, out_w
 
-    def destroy(self) -> None:
-        if self.base is None:
-            return
-        try:
-            self.window.close()
-        finally:
-            self.notify.free()
-            self.base = None
-
 
 # What `python -m deepep_portable precompile` and CI compile of these kernels.
 jit.register_family(
