@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from deepep_portable.engines import internode, transport_selftest
+from deepep_portable.engines import internode, peer_bases, transport_selftest
 from deepep_portable.engines import low_latency as ll
 from deepep_portable.transports import libraries
 
@@ -51,6 +51,7 @@ def test_selftest_and_low_latency_kernels(tmp_path, build):
         "SelftestParams", transport_selftest.params_type(T)) + [cheap], {}, build)
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(T, C_STRUCT, "dispatch"), ll.kernel_defines(256, 3), build)
     _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(T, C_STRUCT, "combine"), ll.kernel_defines(512, 3, True), build)
+    _compile(tmp_path, peer_bases.SOURCE, _asserts("PeerBasesParams", peer_bases.params_type(T)), {}, build)
 
 
 @needs_nvcc

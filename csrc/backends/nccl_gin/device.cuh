@@ -47,6 +47,8 @@ struct NcclGinTransport {
     int32_t rank;
     int32_t num_ranks;
     int32_t gin_contexts;      // GIN contexts of `comm` (0: LSA only)
+    int32_t lsa_first;         // my LSA team is the ranks [lsa_first, lsa_first + lsa_size) (ncclTeamLsa: stride 1)
+    int32_t lsa_size;
     int32_t pad;
     SignalShadow shadow;
     int64_t scratch_offset;    // u64 words in my window where get_value's GIN reads land
@@ -69,8 +71,11 @@ struct NcclGinTransport {
     }
 
     // Load/store pointer into `peer`'s window (my LSA team: NVLink, same GPU), or nullptr (behind GIN).
+    // ncclGetPeerPointer itself does not check that the peer is in the team (it computes an address for
+    // any rank), so the team bounds are checked here.
     template <typename U = void>
     DEEPEP_DEVICE U* peer_ptr(int64_t off, int peer) const {
+        if (static_cast<unsigned>(peer - lsa_first) >= static_cast<unsigned>(lsa_size)) return nullptr;
         return static_cast<U*>(ncclGetPeerPointer(win, static_cast<size_t>(off), peer));
     }
 

@@ -185,20 +185,6 @@ void dgin_devcomm_info(const void* devcomm, int* out5) {
     out5[4] = static_cast<int>(d->ginContextCount);
 }
 
-// My process's load/store address of `peer`'s window at `offset` (0 when the peer is not in my LSA team or
-// this NCCL has no host-side lookup: before 2.29).
-int dgin_peer_pointer(void* win, size_t offset, int peer, void** out) {
-    *out = nullptr;
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
-    return static_cast<int>(ncclGetPeerDevicePointer(static_cast<ncclWindow_t>(win), offset, peer, out));
-#else
-    (void)win;
-    (void)offset;
-    (void)peer;
-    return 0;
-#endif
-}
-
 int dgin_devcomm_destroy(void* comm, const void* devcomm) {
     return static_cast<int>(ncclDevCommDestroy(static_cast<ncclComm_t>(comm), static_cast<const ncclDevComm*>(devcomm)));
 }

@@ -20,11 +20,12 @@ class SignalShadowParams(ctypes.Structure):
 
 class NcclGinTransportParams(ctypes.Structure):
     """transport::NcclGinTransport. `comm`: the ncclDevComm bytes in device memory; `win`: the ncclWindow_t;
-    `failure`: device int32 [3]."""
+    `failure`: device int32 [3]; my LSA team: ranks [lsa_first, lsa_first + lsa_size)."""
 
     _fields_ = [("comm", ctypes.c_uint64), ("win", ctypes.c_uint64), ("base", ctypes.c_uint64),
                 ("rank", ctypes.c_int32), ("num_ranks", ctypes.c_int32), ("gin_contexts", ctypes.c_int32),
-                ("pad", ctypes.c_int32), ("shadow", SignalShadowParams), ("scratch_offset", ctypes.c_int64),
+                ("lsa_first", ctypes.c_int32), ("lsa_size", ctypes.c_int32), ("pad", ctypes.c_int32),
+                ("shadow", SignalShadowParams), ("scratch_offset", ctypes.c_int64),
                 ("scratch_ticket", ctypes.c_uint64), ("failure", ctypes.c_uint64)]
 
 

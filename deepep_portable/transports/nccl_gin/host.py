@@ -101,7 +101,6 @@ class HostLib:
         lib.dgin_window_deregister.argtypes = [vp, vp]
         lib.dgin_devcomm_destroy.argtypes = [vp, vp]
         lib.dgin_devcomm_info.argtypes = [vp, ctypes.POINTER(i32)]
-        lib.dgin_peer_pointer.argtypes = [vp, size_t, i32, pvp]
         if lib.dgin_request_size() != ctypes.sizeof(DginRequest):
             raise RuntimeError(f"{SOURCE}'s DginRequest is {lib.dgin_request_size()} bytes, the mirror "
                                f"{ctypes.sizeof(DginRequest)}")

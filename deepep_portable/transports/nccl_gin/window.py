@@ -7,7 +7,7 @@ the engines' bytes). Kernels are compiled against the loaded libnccl's own heade
 Not done yet: reusing torch's NCCL communicator (DeepEP's `_comm_ptr`), logical nodes (the device code
 cannot hide LSA peers). NCCL refuses two ranks on one GPU before 2.30 (and from 2.30 without
 NCCL_MULTI_RANK_GPU_ENABLE=1): that is refused here with that reason, before NCCL is asked.
-Nothing of this file has run on a GPU yet.
+Peer addresses come from the device (engines/peer_bases.py): NCCL before 2.29 has no host lookup.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 from ... import jit
 from ...contract import BufferContext
 from ...device import device_index, device_uuid
+from ...engines.peer_bases import peer_bases
 from ...windows.base import ERROR_WORDS, MappedWords, Window
 from .. import libraries
 from .abi import NCCL_GIN_BUILD, SCRATCH_WORDS, NcclGinTransportParams, SignalShadowParams, build_flags
@@ -96,17 +97,21 @@ class NcclGinWindow(Window):
                 raise RuntimeError("nccl_gin: GIN was asked for but the device communicator has no GIN context "
                                    "(no GIN-capable NIC or plugin here)")
             self.devcomm = torch.frombuffer(bytearray(self._devcomm.raw), dtype=torch.uint8).to(ctx.device)
-            self.bases = []
-            for r in range(ctx.num_ranks):
-                p = ctypes.c_void_p()
-                lib.dgin_peer_pointer(self._win, 0, r, ctypes.byref(p))
-                self.bases.append(p.value or 0)
+            self.lsa_first = ctx.rank - self.lsa_rank   # ncclTeamLsa: stride 1, so the team is contiguous
+            self.lsa_team = list(range(self.lsa_first, self.lsa_first + self.lsa_size))
             self.base, self.size = self._mem.value, nbytes
-            self.peer_bases = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
             self.shadow_keys = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=ctx.device)
             self.shadow_values = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=ctx.device)
             self.failure = torch.zeros(3, dtype=torch.int32, device=ctx.device)
             self.scratch_ticket = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+            # NCCL gives LSA addresses on the device only before 2.29: ask the device, so host and kernels agree.
+            self.bases = peer_bases(self, ctx.num_ranks, ctx.device)
+            # (My own entry is NCCL's LSA mapping of my window: another address of the same memory as `base`.)
+            if [r for r, b in enumerate(self.bases) if b] != self.lsa_team:
+                raise RuntimeError(f"nccl_gin: the device reports load/store addresses for ranks "
+                                   f"{[r for r, b in enumerate(self.bases) if b]}, expected the LSA team "
+                                   f"{self.lsa_team}")
+            self.peer_bases = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
             self._cap_blocks(me, uuids)
             self.errors = MappedWords(self.dev, ERROR_WORDS)
             torch.cuda.synchronize(self.dev)
@@ -125,17 +130,17 @@ class NcclGinWindow(Window):
         shadow = SignalShadowParams(self.shadow_keys.data_ptr(), self.shadow_values.data_ptr(), SHADOW_CAPACITY)
         return NcclGinTransportParams(
             comm=self.devcomm.data_ptr(), win=self._win.value, base=self.base, rank=self.ctx.rank,
-            num_ranks=self.ctx.num_ranks, gin_contexts=self.gin_contexts, pad=0, shadow=shadow,
+            num_ranks=self.ctx.num_ranks, gin_contexts=self.gin_contexts, lsa_first=self.lsa_first,
+            lsa_size=self.lsa_size, pad=0, shadow=shadow,
             scratch_offset=self.scratch_offset, scratch_ticket=self.scratch_ticket.data_ptr(),
             failure=self.failure.data_ptr())
 
     def node_transport_params(self, node_ranks) -> NcclGinTransportParams:
         """The internode kernels reach node peers by load/store: here that is exactly my LSA team (the device code
         cannot hide an LSA peer, so logical nodes smaller than it are refused)."""
-        lsa = [r for r, b in enumerate(self.bases) if b]
-        if sorted(node_ranks) != lsa:
-            raise ValueError(f"nccl_gin: the node {sorted(node_ranks)} is not this rank's LSA team {lsa} (logical "
-                             f"nodes on one machine need transport='nvshmem')")
+        if sorted(node_ranks) != self.lsa_team:
+            raise ValueError(f"nccl_gin: the node {sorted(node_ranks)} is not this rank's LSA team {self.lsa_team} "
+                             f"(logical nodes on one machine need transport='nvshmem')")
         return self.transport_params()
 
     def _release(self) -> None:
