@@ -82,8 +82,8 @@ _COMMON = ["local_base", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_s
 _DISPATCH = ["x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "recv_x", "expect_half",
              "recv_scales", "src_info", "layout_range", "recv_count", "cumulative_recv_stats", "wait_stats",
              "use_ue8m0"]
-_COMBINE = ["x", "src_info", "layout_range", "expect_half", "topk_idx", "topk_weights", "out", "num_tokens",
-            "wait_stats", "slot_table"]
+_COMBINE = ["x", "src_info", "layout_range", "expect_half", "x_in_dispatch_area", "topk_idx", "topk_weights", "out",
+            "num_tokens", "wait_stats", "slot_table"]
 _CLEAN = ["control_bytes", "signals_begin", "signals_end"]
 
 
@@ -379,6 +379,7 @@ class LowLatencyEngine(Engine):
         for half in (0, 1):   # the plan's offsets: no layout arithmetic per call
             if x.data_ptr() == self.base + p.combine_send_offset + half * p.data_half_stride:
                 p.expect_half = half
+        p.x_in_dispatch_area = int(self._in_dispatch_area(x, p))
         if args.use_logfmt and p.expect_half >= 0:
             # The encoder stages rows for network peers in that very area (rows grow by their meta).
             raise ValueError("use_logfmt=True needs x outside the zero-copy buffer "
@@ -394,6 +395,16 @@ class LowLatencyEngine(Engine):
         keep = (x, idx, w, out, handle.src_info, handle.layout_range, args.combine_wait_recv_cost_stats, slot_table)
         hook = self._two_phase("low_latency_combine", kernel, p, args.return_recv_hook, args.num_sms, keep)
         return out, hook
+
+    def _in_dispatch_area(self, x: torch.Tensor, p) -> bool:
+        """Whether x's bytes overlap either half's dispatch area of my window (recv_x given back to the
+        combine): the kernel then signals only after its whole grid has read x (combine.cu send_phase)."""
+        lo, hi = x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
+        for half in (0, 1):
+            area = self.base + p.dispatch_recv_offset + half * p.data_half_stride
+            if lo < self.base + p.combine_send_offset + half * p.data_half_stride and area < hi:
+                return True
+        return False
 
     def next_half(self) -> int:
         """The half the next LL call uses (call n, counted from 1, uses half n & 1)."""

@@ -21,7 +21,8 @@ before hook().
 - Hook mode: the op returns with nothing left running (a rank that is 1 s late does not hold up
   torch.cuda.synchronize() on the others), and counts, scales, src_info and layout_range are written by
   hook() (poisoned before it).
-- CUDA graph capture of dispatch + combine (no hook), replayed with new contents.
+- CUDA graph capture of dispatch + combine (no hook), replayed with new contents; combine(x=recv_x) replayed
+  back to back (peers' next dispatch must not overwrite rows the combine still reads).
 - Two micro-batches in flight (dispatch, dispatch, hook, hook, combine, combine), hooks out of order refused.
 - Timeout (last): rank 1 skips a call; the others raise CommTimeoutError naming the op, their rank and
   peer 1 at their next call; a fresh Buffer works afterwards.
@@ -423,6 +424,53 @@ def test_ll_cuda_graph(pg, device, request, base_seed):
     if ck.agree(not ck.errors):
         run_pair(buf, pg, gen, device, ck, hidden=2048, num_tokens=5, mode="fp8", zero_copy=True,
                  tag="eager after graph")
+    ck.done()
+
+
+def test_ll_combine_of_recv_x_itself_back_to_back(pg, device, request, base_seed):
+    """combine(x=recv_x) (an expert that works in place), two rounds captured in one graph and replayed back
+    to back: a peer that has all of my round-1 combine rows starts round 2's dispatch, whose reserved rows may
+    land on rows my other warps still read for round 1. Round 1's result must stay exact on every replay."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    experts = num_experts_for(EXPERTS, num_ranks)
+    hidden, n = 2048, T
+    buf = _SHARED.buf
+    ck = GpuChecker(pg)
+    x, idx = make_x(gen, n, hidden).to(device), make_topk(n, TOPK, experts, gen).to(device)
+    w = torch.rand(n, TOPK, generator=gen).to(device)
+    x_all, idx_all = allgather(x.cpu(), pg), allgather(idx.cpu(), pg)
+    exps = [oracle.low_latency_dispatch(j, experts, T, x_all, idx_all) for j in range(num_ranks)]
+    expected = oracle.low_latency_combine(rank, experts, T, [ex.recv_x for ex in exps], idx_all, w.cpu())
+
+    def one_round() -> torch.Tensor:
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, experts, use_fp8=False)
+        return buf.low_latency_combine(recv_x, idx, w, handle)[0]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        one_round(), one_round()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+
+    def capture() -> torch.Tensor:
+        with torch.cuda.graph(graph):
+            first = one_round()
+            one_round()
+        torch.cuda.synchronize()
+        return first
+
+    first = ck.run("[graph] capture", capture)
+    if ck.agree(first is not None):
+        for i in range(4):
+            dist.barrier(group=pg)
+            done = ck.run(f"[replays {i}]", lambda: ([graph.replay() for _ in range(50)], torch.cuda.synchronize()))
+            if done is not None:
+                ck.bits(first, expected, f"[replays {i}] round 1 combined")
+            if not ck.agree(not ck.errors):
+                break
     ck.done()
 
 

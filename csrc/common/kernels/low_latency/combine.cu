@@ -6,7 +6,8 @@
 //       pair's rows (layout_range[e][s] = begin << 32 | count): x[e][begin + j] for j < count, in the
 //       source's token order (dispatch packs them so). They go as ONE contiguous put to rows 0..count-1
 //       of the global expert's combine receive slots at s, then s's combine signal of the expert is
-//       SET to signal_value(seq, count) (also for count 0). It never waits. With zero-copy, x already lies
+//       SET to signal_value(seq, count) (also for count 0). It never waits for a peer (x inside my dispatch
+//       area: every signal waits for a barrier over my grid, see send_phase). With zero-copy, x already lies
 //       in my buffer: same code, no copy. Its warps also fill my slot table for my receive phase:
 //       slot[t][k] = j such that row j of expert topk_idx[t][k] holds my token t (the number of my
 //       tokens before t that selected that expert: the order the expert's rank sends them in).
@@ -67,6 +68,7 @@ struct LLCombineParams {
     const int* src_info;              // [E_local, R*T]
     const int64_t* layout_range;      // [E_local, R]
     int64_t expect_half;              // zero-copy: the half whose combine send area x is (-1: not zero-copy)
+    int64_t x_in_dispatch_area;       // 1: x overlaps my dispatch area (e.g. recv_x itself): signal last
     // receive
     const int64_t* topk_idx;          // [N, NUM_TOPK]
     const float* topk_weights;        // [N, NUM_TOPK]
@@ -136,6 +138,26 @@ DEEPEP_DEVICE void send_rows(const LLCombineParams& p, const Transport& tr, int 
     }
 }
 
+// After the pair's rows (this warp's puts): s's combine signal of my expert e carries the count.
+// `recvd`: s's RECVD as lane 0 read it (peer_recvd; checked before the signal, not in shrink mode: see
+// dispatch.cu), read before the rows went so its latency overlaps them.
+DEEPEP_DEVICE uint64_t recvd_of(const Transport& tr, const Common& c, int s, int lane) {
+    return lane == 0 && c.mask == nullptr ? peer_recvd(tr, c, s) : ~0ull;
+}
+
+DEEPEP_DEVICE void signal_pair(const LLCombineParams& p, const Transport& tr, const Call& call, int e, int s,
+                               int64_t count, uint64_t recvd, int lane) {
+    const Common& c = p.c;
+    const int g = static_cast<int>(c.rank) * (static_cast<int>(c.num_experts) / static_cast<int>(c.num_ranks)) + e;
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) {
+        check_overwrite(c, kOpLowLatencyCombine, recvd, call, s);
+        tr.signal(0, s, combine_signal_off(c, static_cast<int>(call.seq & 1), g),
+                  signal_value(call.seq, static_cast<uint32_t>(count)));
+    }
+}
+
 DEEPEP_DEVICE void send_phase(const LLCombineParams& p, const Transport& tr, const Call& call) {
     const Common& c = p.c;
     const uint64_t seq = call.seq;
@@ -153,27 +175,40 @@ DEEPEP_DEVICE void send_phase(const LLCombineParams& p, const Transport& tr, con
         report_error(sink_of(c, kOpLowLatencyCombine), kErrorOverrun, -1, static_cast<int>(half));
 
     fill_slot_table(p, warp, num_warps, lane);
+    // x inside my dispatch area (recv_x passed back, or an expert that wrote it in place): a peer whose
+    // combine receive is complete may start its next dispatch and reserve rows of that area that other
+    // warps of mine are still reading for other ranks. So then no signal leaves before every warp of
+    // the grid is done reading x (its puts flushed, a barrier over the grid).
+    const bool signal_last = p.x_in_dispatch_area != 0;
     for (int pair = warp; pair < num_local * num_ranks; pair += num_warps) {
         const int e = pair / num_ranks, s = pair % num_ranks;
         if (__shfl_sync(0xffffffffu, lane == 0 && rank_masked(c, s), 0))
             continue;   // shrink mode: a masked rank is not sent to
         const int64_t range = p.layout_range[e * num_ranks + s];
         const int64_t begin = range >> 32, count = range & 0xffffffffll;
-        const int g = me * num_local + e;
-        // Checked below, before the signal; not in shrink mode (see dispatch.cu).
-        const uint64_t recvd = lane == 0 && c.mask == nullptr ? peer_recvd(tr, c, s) : ~0ull;
-        send_rows(p, tr, half, e, s, g, p.x + (e * slots + begin) * kRowInt4, begin, count, lane);
-        __threadfence_system();
-        __syncwarp();
-        if (lane == 0) {
-            check_overwrite(c, kOpLowLatencyCombine, recvd, call, s);
-            tr.signal(0, s, combine_signal_off(c, half, g), signal_value(seq, static_cast<uint32_t>(count)));
-        }
+        const uint64_t recvd = signal_last ? 0 : recvd_of(tr, c, s, lane);
+        send_rows(p, tr, half, e, s, me * num_local + e, p.x + (e * slots + begin) * kRowInt4, begin, count, lane);
+        if (!signal_last)
+            signal_pair(p, tr, call, e, s, count, recvd, lane);
     }
     // x (or the staged rows) may be reused once the op returns: complete this warp's puts (one quiet
     // per warp, after its last signal; a no-op for load/store peers).
     if (lane == 0)
         tr.flush(0);
+    if (signal_last) {
+        __syncwarp();
+        // On a timeout (reported) the signals still go out: no peer is left waiting for this rank.
+        grid_barrier(c, barrier_ticket(seq, 0), globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns),
+                     kOpLowLatencyCombine);
+        for (int pair = warp; pair < num_local * num_ranks; pair += num_warps) {
+            const int e = pair / num_ranks, s = pair % num_ranks;
+            if (!__shfl_sync(0xffffffffu, lane == 0 && rank_masked(c, s), 0))
+                signal_pair(p, tr, call, e, s, p.layout_range[e * num_ranks + s] & 0xffffffffll,
+                            recvd_of(tr, c, s, lane), lane);
+        }
+        if (lane == 0)
+            tr.flush(0);
+    }
 }
 
 // Shrink mode: which ranks this block counts as live, one bit each, snapshotted after its waits (the
@@ -360,7 +395,7 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ LLCo
         send_phase(p, tr, call);
         end_call(c, c.ctrl_sent, c.ctrl_send_arrive, call.seq, kTraceCombineSend, kKindCombine);
         if (c.phases & kPhaseRecv)
-            table_ready = grid_barrier(c, call.seq, globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns),
+            table_ready = grid_barrier(c, barrier_ticket(call.seq, 1), globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns),
                                        kOpLowLatencyCombine);
     }
     if (c.phases & kPhaseRecv) {

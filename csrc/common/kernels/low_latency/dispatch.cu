@@ -368,7 +368,7 @@ DEEPEP_DEVICE void stage_and_send(const LLDispatchParams& p, const Transport& tr
     const Call call = begin_call(c, c.ctrl_sent, kTraceDispatchStage, kKindDispatch);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
     stage_tokens(p);
-    const bool ok = grid_barrier(c, call.seq, deadline, kOpLowLatencyDispatch);
+    const bool ok = grid_barrier(c, barrier_ticket(call.seq, 0), deadline, kOpLowLatencyDispatch);
     trace_mark(c.trace, call.seq, kTraceDispatchStage, true);
     trace_mark(c.trace, call.seq, kTraceDispatchSend, false);
     send_messages(p, tr, call, ok);

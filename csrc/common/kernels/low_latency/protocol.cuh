@@ -49,9 +49,12 @@
 // source's block of prev is in, before RECVD = prev is released), and a sender of m adds to it only
 // after that. A sender whose reservation would end past R*T rows (the word was not zeroed: the rule
 // above was broken) reports kErrorOverwrite and writes nothing. recv_x itself is what the dispatch
-// returns: it stays valid until the next dispatch on the same half (DeepEP's rule: at most two LL
+// returns: it stays valid until this rank's next combine has sent (DeepEP's rule: at most two LL
 // results alive at a time), and the host checks the half it handed out against the device's (a CUDA
 // graph holding an odd number of LL calls would flip them).
+// Unlike DeepEP's fixed per-source slots, reserved rows of the next dispatch may land on rows of any source:
+// a peer that has all of my combine's rows may start that dispatch while my other warps still read x. So a
+// combine whose x lies in the dispatch area (recv_x given back) signals only after a barrier over its grid.
 // The host keeps receives in call order (hooks in call order, exactly once, no hook-less op while a
 // hook is pending), so RECVD + 1 is always the call of the receive kernel being launched. Every wait
 // is bounded and reports (op, rank, peer) to the ErrorSink; a kernel whose wait failed skips its
@@ -121,7 +124,7 @@ struct Common {
     uint64_t* trace;                 // null, or [kTraceCalls][kTraceKernels][start, end] globaltimer ns (profiling)
     int64_t phases;                  // kPhaseSend and / or kPhaseRecv: what this launch runs
     int64_t ctrl_stage_arrive;       // u32 in my control area: blocks past the first part of a launch (grid_barrier)
-    int64_t ctrl_staged;             // u64 in my control area: the last call whose first part every block finished
+    int64_t ctrl_staged;             // u64 in my control area: the last grid_barrier ticket every block passed
     int* mask;                       // shrink mode: int32 [R], 1 = masked (see the top of the file); else null
     int64_t barrier_offset;          // u64 [R] barrier words (clean.cu), never cleaned
 };
@@ -235,21 +238,28 @@ DEEPEP_HOST_DEVICE uint64_t signal_value(uint64_t seq, uint32_t count) {
     return (seq << kCountBits) | count;
 }
 
+// A launch may cross up to two barriers: `ticket` = 2 * seq + (0 for the first, 1 for the second), so the
+// values still only grow.
+DEEPEP_DEVICE uint64_t barrier_ticket(uint64_t seq, int which) {
+    return 2 * seq + static_cast<uint64_t>(which);
+}
+
 // Every block of my grid waits here until all of them have arrived (one launch's second part reads
-// what other blocks wrote in its first: the dispatch's staged messages, the combine's slot table).
-// The last block to arrive re-arms the arrival word and publishes STAGED = seq with a release; the
-// others acquire-poll it (seq grows with every call: no reset, no ABA). The blocks are co-resident
+// what other blocks wrote in its first: the dispatch's staged messages, the combine's slot table; or
+// the combine's signals wait until no block reads x any more).
+// The last block to arrive re-arms the arrival word and publishes STAGED = ticket with a release; the
+// others acquire-poll it (tickets grow with every call: no reset, no ABA). The blocks are co-resident
 // (Window.grid), so the wait ends; it is bounded anyway. System scope: a network put's NIC reads what
 // was written before. False (reported) on timeout.
-DEEPEP_DEVICE bool grid_barrier(const Common& c, uint64_t seq, uint64_t deadline, int op) {
+DEEPEP_DEVICE bool grid_barrier(const Common& c, uint64_t ticket, uint64_t deadline, int op) {
     __shared__ int s_ok;
     __syncthreads();   // every thread of the block is done with the first part
     if (threadIdx.x == 0) {
         s_ok = 1;
         uint64_t* staged = own<uint64_t>(c, c.ctrl_staged);
         if (arrive_last(c, c.ctrl_stage_arrive))
-            st_release_sys(staged, seq);
-        else if (!wait_ge(staged, seq, deadline, ErrorSink{c.error_claim, c.error_host, op, static_cast<int>(c.rank)},
+            st_release_sys(staged, ticket);
+        else if (!wait_ge(staged, ticket, deadline, ErrorSink{c.error_claim, c.error_host, op, static_cast<int>(c.rank)},
                           static_cast<int>(c.rank)))
             s_ok = 0;
     }
