@@ -69,10 +69,32 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _clone(out):
+def _difference(a, b, where: str = "output") -> str:
+    """Where `a` first differs from `b` (same nesting as _same): which output, how many elements, the first."""
+    if isinstance(a, (tuple, list)):
+        return next((_difference(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b)) if not _same(x, y)),
+                    f"{where}: lengths {len(a)} and {len(b)}")
+    if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+        return f"{where}: {a!r:.60} became {b!r:.60}" if not isinstance(a, torch.Tensor) else \
+            f"{where}: shape/dtype {tuple(a.shape)} {a.dtype} became {tuple(b.shape)} {b.dtype}"
+    if a.dim() == 0:
+        return f"{where}: {a.item()} became {b.item()}"
+    rows_a = a.contiguous().reshape(a.shape[0], -1).view(torch.uint8)
+    rows_b = b.contiguous().reshape(b.shape[0], -1).view(torch.uint8)
+    bad = (rows_a != rows_b).any(dim=1).nonzero().flatten().tolist()
+    same_rows = sorted(map(bytes, rows_a.numpy())) == sorted(map(bytes, rows_b.numpy()))
+    zero = int((rows_b[bad] == 0).all(dim=1).sum()) if bad else 0
+    return (f"{where}: {len(bad)} of {a.shape[0]} rows differ, first rows {bad[:6]}"
+            f"{' (the same rows in another order)' if same_rows else ''}{f', {zero} of them all zero' if zero else ''}")
+
+
+def _clone(out, device=None):
+    """A copy of (nested tuples of) tensors, on `device` (None: where they are)."""
     if isinstance(out, (tuple, list)):
-        return type(out)(_clone(x) for x in out)
-    return out.clone() if isinstance(out, torch.Tensor) else out
+        return type(out)(_clone(x, device) for x in out)
+    if not isinstance(out, torch.Tensor):
+        return out
+    return out.clone() if device is None else out.to(device, copy=True)
 
 
 def _normal_round(buf: Buffer, cfg, device, gen) -> Callable[[], tuple]:
@@ -88,6 +110,7 @@ def _normal_round(buf: Buffer, cfg, device, gen) -> Callable[[], tuple]:
                                                      topk_weights=weights, num_worst_tokens=worst)
         combined, combined_w, _ = buf.combine(recv, handle, topk_weights=recv_w)
         return recv, combined, combined_w
+    round_.inputs = (x, idx, weights, per_rank, per_expert, in_rank)
     return round_
 
 
@@ -100,6 +123,7 @@ def _low_latency_round(buf: Buffer, cfg, device, gen) -> Callable[[], tuple]:
         recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, cfg.tokens, cfg.experts, use_fp8=False)
         combined, _, _ = buf.low_latency_combine(recv, idx, weights, handle)
         return count, combined
+    round_.inputs = (x, idx, weights)
     return round_
 
 
@@ -108,9 +132,10 @@ def _graphed(round_: Callable[[], tuple]) -> Callable[[], tuple]:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        round_()
+        warm = round_()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    eager = _clone(warm, "cpu")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = round_()
@@ -119,6 +144,10 @@ def _graphed(round_: Callable[[], tuple]) -> Callable[[], tuple]:
         graph.replay()
         return outs
     replay.graph = graph   # keep it alive with the closure
+    # The graph reads the round's inputs by address: they must outlive it (freed, their memory would be
+    # handed to later allocations and the replays would read those).
+    replay.inputs = round_.inputs
+    replay.eager = eager   # the eager warm-up's outputs (host): what every replay must reproduce
     return replay
 
 
@@ -141,15 +170,25 @@ def _soak(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
                 round_ = _low_latency_round(buf, cfg, device, gen)
             if graph:
                 round_ = _graphed(round_)
-            first = _clone(round_())
+            # Round 1's outputs are kept twice: on the host (what later rounds are compared with: no GPU
+            # write can touch it) and on the GPU (compared with the host copy at the end: a write into
+            # memory the library does not own would show there).
             label = f"{mode}{' graph' if graph else ''}"
+            inputs_host = _clone(round_.inputs, "cpu")   # the ops must never write their inputs
+            first = _clone(round_())
+            first_host = _clone(first, "cpu")
+            eager = getattr(round_, "eager", None)
+            if eager is not None and not _same(first_host, eager):
+                failures.append(f"rank {rank}: {label}: the first replay differs from the eager round: "
+                                f"{_difference(eager, first_host)}")
             t0, done = time.perf_counter(), 0
             while done < cfg.rounds:
                 n = min(cfg.check_every, cfg.rounds - done)
                 for _ in range(n - 1):
                     round_()
                 out = round_()
-                same = _same(out, first)
+                out = _clone(out, "cpu")
+                same = _same(out, first_host)
                 s = _sample(device)
                 done += n
                 now = time.perf_counter()
@@ -160,9 +199,19 @@ def _soak(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
                 if rank == 0:
                     rows.append(dict(case=label, rounds=done, ms=max(e[2] for e in everyone),
                                      changed=sum(not e[0] for e in everyone), **s))
+                inputs_now = _clone(round_.inputs, "cpu")
+                if not _same(inputs_now, inputs_host):
+                    failures.append(f"rank {rank}: {label} round {done}: an input of the ops changed: "
+                                    f"{_difference(inputs_host, inputs_now, 'input')}")
                 if not same:
-                    failures.append(f"rank {rank}: {label} round {done}: the result differs from round 1")
+                    vs = "" if eager is None else f" ({'equal to' if _same(out, eager) else 'unlike'} the eager round)"
+                    failures.append(f"rank {rank}: {label} round {done}: the result differs from round 1{vs}: "
+                                    f"{_difference(first_host, out)}")
             dist.barrier(group)
+            if not _same(_clone(first, "cpu"), first_host):
+                failures.append(f"rank {rank}: {label}: round 1's outputs, cloned on the GPU, changed while the "
+                                f"rounds ran (a write into memory the library does not own): "
+                                f"{_difference(first_host, _clone(first, 'cpu'))}")
             buf.destroy()
     verdict = _verdict(rows, cfg) if rank == 0 else []
     everyone = [None] * world
