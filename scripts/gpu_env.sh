@@ -6,6 +6,10 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export DEEPEP_PORTABLE_CACHE_DIR=${DEEPEP_PORTABLE_CACHE_DIR:-$PWD/.jit_cache}
+# A JIT cache brought from an earlier machine (gpu_tests.sh step "cache" wrote it): saves the precompile.
+if [ -f .jitc/jit_cache.tgz ] && [ ! -d "$DEEPEP_PORTABLE_CACHE_DIR" ]; then
+    mkdir -p "$DEEPEP_PORTABLE_CACHE_DIR" && tar xzf .jitc/jit_cache.tgz -C "$DEEPEP_PORTABLE_CACHE_DIR"
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then      # wheels the machine lacks (pytest-mpi)

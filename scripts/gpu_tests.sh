@@ -8,7 +8,7 @@
 #   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs), lllegacy (the same over
 #   nvlink with a legacy CUDA IPC window: DEEPEP_PORTABLE_LL_VMM=0, the pack-on-receive dispatch),
 #   selftest (the transport contract's conformance kernel over every backend, ibgda over the tests' NIC model
-#   too, N ranks), llibgda / internodeibgda (those suites over ibgda and the NIC model; not run yet), internode (the
+#   too, N ranks), llibgda / internodeibgda (those suites over ibgda and the NIC model), llncclgin (the low-latency GPU tests over nccl_gin at one rank), internode (the
 #   internode kernels over logical nodes of N ranks, nvshmem), benchinternode (bench
 #   --mode internode, RANKS_PER_NODE=N/2 by default), soak (python -m deepep_portable soak: normal and LL,
 #   eager and graph, SOAK_ROUNDS=100000 per case; not run on a GPU yet), fuzz (the seeded fuzz
@@ -62,8 +62,10 @@ for s in $STEPS; do
             step bench_internode $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvshmem --mode internode --ranks-per-node "${RANKS_PER_NODE:-$((RANKS / 2))}" --num-sms "${NUM_SMS:-16}" --tokens 4096 ${BENCH_ARGS:-}
             stop_mps ;;
     soak)   start_mps   # issue 20: SOAK_ROUNDS (100000) rounds per case, checked every 1000, memory / fds / time flat
-            step soak $PY -m deepep_portable soak --ranks "$RANKS" --transport "${SOAK_TRANSPORT:-nvlink}" --rounds "${SOAK_ROUNDS:-100000}"
+            step soak $PY -m deepep_portable soak --ranks "$RANKS" --transport "${SOAK_TRANSPORT:-nvlink}" --rounds "${SOAK_ROUNDS:-100000}" ${SOAK_ARGS:-}
             stop_mps ;;
+    llncclgin) DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llncclgin $MPIRUN -n 1 $PY -m pytest -q -rs -p no:cacheprovider \
+                --with-mpi tests/mpi/test_low_latency_gpu_mpi.py ;;   # one rank: NCCL refuses ranks sharing a GPU
     selftest) start_mps; step selftest $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_transport_selftest_gpu_mpi.py; stop_mps ;;
     llibgda|internodeibgda) start_mps   # the ibgda backend's device code against the tests' NIC model (never run yet)
             file=tests/mpi/test_low_latency_gpu_mpi.py; [ "$s" = internodeibgda ] && file=tests/mpi/test_internode_gpu_mpi.py
