@@ -106,8 +106,13 @@ class Checker:
         e = raw(expected).reshape(g.shape)
         if not torch.equal(g, e):
             rows = (g != e).any(dim=1).nonzero().flatten()
+            r = int(rows[0])
+            col = int((g[r] != e[r]).nonzero()[0]) // expected.element_size() * expected.element_size()
+            size = expected.element_size()
             self.errors.append(f"{what}: {rows.numel()} of {g.shape[0]} rows differ from the oracle "
-                               f"(first: {rows[:8].tolist()})")
+                               f"(first: {rows[:8].tolist()}; row {r} byte {col}: got "
+                               f"{bytes(g[r, col:col + size].tolist()).hex()}, expected "
+                               f"{bytes(e[r, col:col + size].tolist()).hex()})")
 
     def done(self) -> None:
         rank, num_ranks = world(self.pg)
