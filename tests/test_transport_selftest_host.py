@@ -68,3 +68,19 @@ def test_layout_regions_are_disjoint_and_in_order():
     for (a, n), (b, _) in zip(ends, ends[1:]):
         assert a + n <= b and b % 8 == 0
     assert ends[-1][0] + ends[-1][1] == lay.total_bytes and lay.zone_a_offset % 16 == 0
+
+
+def test_fetch_add_is_left_out_only_where_the_backend_has_no_atomic():
+    """nccl_gin over GIN has no fetching atomic: the kernel asks none of a GIN peer (-1 results), the counter
+    counts the others; a rank that skips a peer it should have asked is named."""
+    results = _good()
+    for res in results:   # rank 2 is behind a network without atomics for everyone
+        res["atomics_expected"] = [1, 1, 0]
+        res["fetched"][2] = [-1] * ROUNDS
+    rest = sorted(v for res in results for v in res["fetched"][2] if v != -1)
+    assert rest == []
+    results[2]["counter"] = 0
+    assert _test().verdict(results) == {}
+    results[0]["fetched"][1] = [-1] * ROUNDS
+    verdict = _test().verdict(results)
+    assert "rank 0: fetch_add asked" in verdict

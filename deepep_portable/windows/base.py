@@ -75,6 +75,7 @@ class Window:
     errors: MappedWords
     build: Optional[KernelBuild] = None   # None: kernels that use no transport (CUDA IPC peers by address)
     cheap_fetch_add = False               # the build's Transport::kCheapFetchAdd (host mirror)
+    remote_atomics = True                 # the build's capabilities().remote_atomics (host mirror)
     _kernels: Optional[jit.KernelCache] = None
 
     def kernel(self, source: str, name: str, defines: Mapping):

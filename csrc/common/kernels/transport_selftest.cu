@@ -45,7 +45,7 @@ constexpr int kOutGetValue = 1;            // get_value results that were not th
 constexpr int kOutWaits = 2;               // waits that succeeded
 constexpr int kOutTimedOut = 3;            // mode 1: 1 when the wait on the silent word returned false
 constexpr int kOutPeerPtr = 4;             // [num_ranks]: 1 when peer_ptr(0, p) is not null
-// then [num_ranks][rounds]: what fetch_add returned for (peer, round)
+// then [num_ranks][rounds]: what fetch_add returned for (peer, round), -1 where it was not asked
 }  // namespace
 
 struct SelftestParams {
@@ -131,7 +131,10 @@ DEEPEP_DEVICE void send(const SelftestParams& p, const Transport& tr, int peer, 
         __syncwarp();
         if (lane == 0) {
             tr.put_value(0, peer, p.value_off + 8 * me, seq);
-            fetched[r - 1] = static_cast<int64_t>(tr.fetch_add(0, peer, p.counter_off, 1));
+            // A backend without network atomics (remote_atomics false: nccl_gin's GIN) is not asked for one
+            // over its network: -1, which the host leaves out of the count.
+            const bool atomic = Transport::capabilities().remote_atomics || tr.peer_ptr(0, peer) != nullptr;
+            fetched[r - 1] = atomic ? static_cast<int64_t>(tr.fetch_add(0, peer, p.counter_off, 1)) : -1;
             if (tr.get_value(0, peer, p.id_off) != static_cast<uint64_t>(peer) * 1000 + 7)
                 atomicAdd(reinterpret_cast<unsigned long long*>(p.out + kOutGetValue), 1ull);
             tr.signal(0, peer, p.sig_a_off + 8 * me, seq);

@@ -41,6 +41,7 @@ def _check(host: HostLib, rc: int, what: str, comm=None) -> None:
 class NcclGinWindow(Window):
     build = NCCL_GIN_BUILD
     cheap_fetch_add = False
+    remote_atomics = False   # no fetching atomic over GIN
 
     def __init__(self, ctx: BufferContext, nbytes: int, channels: int = 1, options: Optional[dict] = None) -> None:
         from ... import _C
