@@ -8,11 +8,12 @@
 #   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs), lllegacy (the same over
 #   nvlink with a legacy CUDA IPC window: DEEPEP_PORTABLE_LL_VMM=0, the pack-on-receive dispatch),
 #   selftest (the transport contract's conformance kernel over every backend, ibgda over the tests' NIC model
-#   too, N ranks), llibgda / internodeibgda (those suites over ibgda and the NIC model), llncclgin (the low-latency GPU tests over nccl_gin at one rank), internode (the
+#   too, N ranks), llibgda / internodeibgda (those suites over ibgda and the NIC model), llncclgin (the low-latency GPU tests over nccl_gin at one rank), llginmock (the same over
+#   nccl_gin's GIN paths on the tests' mock of NCCL's device API, N ranks sharing the GPU), internode (the
 #   internode kernels over logical nodes of N ranks, nvshmem), benchinternode (bench
 #   --mode internode, RANKS_PER_NODE=N/2 by default), soak (python -m deepep_portable soak: normal and LL,
-#   eager and graph, SOAK_ROUNDS=100000 per case; not run on a GPU yet), fuzz (the seeded fuzz
-#   over FUZZ_TRANSPORT=nvlink, FUZZ_CASES=200 per mode; not run on a GPU yet), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
+#   eager and graph, SOAK_ROUNDS=100000 per case; SOAK_ARGS for more), fuzz (the seeded fuzz
+#   over FUZZ_TRANSPORT=nvlink, FUZZ_CASES=200 per mode), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
 #   benchll (bench --mode low_latency), hostcosts (scripts/host_costs.py: host cost of the steps before
 #   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT).
 #   NUM_SMS=16 (normal mode), LL_NUM_SMS (low-latency mode; default: Buffer's); BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420);
@@ -66,8 +67,12 @@ for s in $STEPS; do
             stop_mps ;;
     llncclgin) DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llncclgin $MPIRUN -n 1 $PY -m pytest -q -rs -p no:cacheprovider \
                 --with-mpi tests/mpi/test_low_latency_gpu_mpi.py ;;   # one rank: NCCL refuses ranks sharing a GPU
+    llginmock) start_mps   # the low-latency GPU tests over nccl_gin's device code on the tests' mock of NCCL (GIN paths)
+            DEEPEP_TEST_NCCL_GIN_MOCK=1 DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llginmock $MPIRUN -x DEEPEP_TEST_NCCL_GIN_MOCK \
+                -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py
+            stop_mps ;;
     selftest) start_mps; step selftest $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_transport_selftest_gpu_mpi.py; stop_mps ;;
-    llibgda|internodeibgda) start_mps   # the ibgda backend's device code against the tests' NIC model (never run yet)
+    llibgda|internodeibgda) start_mps   # the ibgda backend's device code against the tests' NIC model
             file=tests/mpi/test_low_latency_gpu_mpi.py; [ "$s" = internodeibgda ] && file=tests/mpi/test_internode_gpu_mpi.py
             DEEPEP_TEST_IBGDA_MODEL=1 DEEPEP_TEST_LL_TRANSPORT=ibgda DEEPEP_TEST_INTERNODE_TRANSPORT=ibgda step "$s" $MPIRUN \
                 -x DEEPEP_TEST_IBGDA_MODEL -x DEEPEP_TEST_INTERNODE_TRANSPORT -n "$RANKS" $PY -m pytest -q -p no:cacheprovider \

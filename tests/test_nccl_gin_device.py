@@ -78,3 +78,21 @@ def test_unsupported_calls_become_clear_errors():
 def test_set_over_add_emulation_on_host_threads(run_native):
     """signal_shadow.cuh against a mock of GIN's add-only VA signals delivered out of order (host threads)."""
     run_native("nccl_gin_shadow_model", timeout=120)
+
+
+@needs_nvcc
+def test_kernels_compile_against_the_tests_mock_of_nccls_device_api(tmp_path):
+    """The GIN branches as the GPU mock runs them (tests/nccl_gin_mock.py): every kernel over the contract builds
+    against the mock's headers, and the mock's structs match their host mirrors."""
+    from deepep_portable.transports.nccl_gin.abi import NcclGinTransportParams as T
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import nccl_gin_mock
+
+    build = _Build(("-I" + nccl_gin_mock.MOCK_DIR,))
+    mock_structs = _asserts("ncclDevComm", nccl_gin_mock.MockDevComm) + \
+        _asserts("ncclWindow_vidmem", nccl_gin_mock.MockWindowStruct)
+    _compile(tmp_path, transport_selftest.SOURCE, mock_structs + _asserts(C_STRUCT, T), {}, build)
+    _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(T, C_STRUCT, "dispatch"), ll.kernel_defines(256, 3), build)
+    _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(T, C_STRUCT, "combine"), ll.kernel_defines(512, 3, True), build)
+    _compile(tmp_path, peer_bases.SOURCE, [], {}, build)

@@ -9,6 +9,9 @@
 - DEEPEP_TEST_IBGDA_MODEL=1: the tests' NIC model (tests/ibgda_model.py) is the ibgda backend's provider for
   the whole session, so the suites run over transport="ibgda" without a NIC (DEEPEP_TEST_LL_TRANSPORT=ibgda,
   DEEPEP_TEST_INTERNODE_TRANSPORT=ibgda).
+- DEEPEP_TEST_NCCL_GIN_MOCK=1: Buffer(..., transport="nccl_gin") gets the tests' mock of NCCL's device API
+  (tests/nccl_gin_mock.py) for the whole session: the low-latency suite over the nccl_gin device code with
+  every peer behind "GIN", ranks sharing a GPU (DEEPEP_TEST_LL_TRANSPORT=nccl_gin).
 """
 from __future__ import annotations
 
@@ -77,3 +80,17 @@ def ibgda_nic_model():
     provider.install(lambda ctx: ibgda_model.ModelProvider(ctx))
     yield
     provider.install(None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nccl_gin_mock():
+    if os.environ.get("DEEPEP_TEST_NCCL_GIN_MOCK") != "1":
+        yield
+        return
+    import nccl_gin_mock as mock
+    from deepep_portable.transports.nccl_gin.transport import NcclGinTransport
+
+    before = NcclGinTransport.__dict__["make_ll_window"]
+    mock.install()
+    yield
+    NcclGinTransport.make_ll_window = before

@@ -11,7 +11,9 @@ then a wait on a word nobody writes must time out with an error record naming th
 backend runs once more with its load/store table withheld, so NVSHMEM's own routines (puts,
 put-with-signal, signal_op, AMOs, gets, quiet) carry the traffic between P2P peers too. The ibgda backend
 runs over the tests' NIC model (tests/ibgda_model.py): its device code posts WQEs that a host thread per
-process executes against every rank's window (not run on a GPU yet).
+process executes against every rank's window (passed at 4 ranks on the H200, eleventh session). The nccl_gin
+backend also runs over the tests' mock of NCCL's device API (tests/nccl_gin_mock.py), every peer through its
+GIN branches (not run on a GPU yet).
 Skipped without CUDA, with fewer than 2 ranks, or where the backend's probe says it cannot run.
 Collectives never meet a rank that failed alone: set-up errors are agreed over MPI first, every wait in
 the kernel has a deadline, and results are exchanged before any assert.
@@ -30,15 +32,19 @@ from deepep_portable.engines.transport_selftest import TransportSelftest, window
 from deepep_portable.transports import available_transports, backend_class, registry
 
 KERNEL_BACKENDS = [b.name for b in registry.BACKENDS if b.module is not None and b.name != "reference"]
-# ibgda's device code driven against the tests' NIC model (tests/ibgda_model.py) instead of a NIC.
-MODEL_RUNS = ["ibgda-model"]
+# Backends' device code driven against the tests' stand-ins, with the fixture that installs each: ibgda against
+# the NIC model (tests/ibgda_model.py) instead of a NIC, nccl_gin against the mock of NCCL's device API
+# (tests/nccl_gin_mock.py: every peer through its GIN branches, ranks sharing a GPU allowed).
+MODEL_RUNS = {"ibgda-model": "nic_model", "nccl_gin-mock": "gin_mock"}
 
 
-def _skip_reason(size: int, backend: str):
+def _skip_reason(size: int, backend: str, mock: bool = False):
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     if size < 2:
         return "needs >= 2 ranks (mpirun -n 2)"
+    if mock:
+        return None
     shared = torch.cuda.device_count() < size and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1"
     if backend == "nccl_gin" and shared:
         return "nccl_gin: ranks share a GPU, which NCCL refuses (tests/gpu/test_nccl_gin_gpu.py runs it at one rank)"
@@ -61,14 +67,31 @@ def nic_model():
     provider.install(None)
 
 
+@pytest.fixture
+def gin_mock():
+    """The mock of NCCL's device API under the nccl_gin backend's windows, for one test."""
+    import sys
+
+    from deepep_portable.transports.nccl_gin.transport import NcclGinTransport
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import nccl_gin_mock
+
+    before = NcclGinTransport.__dict__["make_ll_window"]
+    nccl_gin_mock.install()
+    yield
+    NcclGinTransport.make_ll_window = before
+
+
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS + MODEL_RUNS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS + list(MODEL_RUNS))
 def test_backend_conforms_to_the_transport_contract(mpi_comm, pg, device, backend, request):
     size, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
-    if backend in MODEL_RUNS:
-        request.getfixturevalue("nic_model")
+    mock = backend in MODEL_RUNS
+    if mock:
+        request.getfixturevalue(MODEL_RUNS[backend])
         backend = backend.split("-")[0]
-    reasons = mpi_comm.allgather(_skip_reason(size, backend))
+    reasons = mpi_comm.allgather(_skip_reason(size, backend, mock))
     if any(reasons):
         pytest.skip(next(r for r in reasons if r))
     torch.zeros(1, device=device)   # the device's primary context is current on this thread
