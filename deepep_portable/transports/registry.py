@@ -15,14 +15,14 @@ class Backend:
     cls: Optional[str]        # the Transport class in that module
     probe: str                # its probe function in transports/probe.py (never raises: reasons, not exceptions)
     spans_nodes: bool         # can serve ranks on several nodes ("auto" skips it otherwise)
-    in_auto: bool = True      # "auto" may pick it (False: asked for by name only, e.g. never run on a GPU yet)
+    in_auto: bool = True      # "auto" may pick it (False: asked for by name only, e.g. not run at several ranks yet)
 
 
 # In the order transport="auto" prefers them (nvlink first when every rank is on one node: see resolve).
 BACKENDS: Tuple[Backend, ...] = (
     Backend("nvshmem", ".nvshmem.transport", "NvshmemTransport", "probe_nvshmem", spans_nodes=True),
     Backend("nccl_gin", ".nccl_gin.transport", "NcclGinTransport", "probe_nccl_gin", spans_nodes=True,
-            in_auto=False),   # never run on a GPU yet
+            in_auto=False),   # run on a GPU at one rank only
     Backend("ibgda", ".ibgda.transport", "IbgdaTransport", "probe_ibgda", spans_nodes=True),
     Backend("nvlink", ".nvlink.transport", "NvlinkTransport", "probe_nvlink", spans_nodes=False),
     Backend("reference", ".reference", "ReferenceTransport", "probe_reference", spans_nodes=True),

@@ -1,6 +1,7 @@
 """`nccl_gin` transport: the kernels over the transport contract on NCCL's device API (LSA peers by load/store,
 GIN for the network; csrc/backends/nccl_gin/device.cuh), on a window from NCCL (window.py). Channels = GIN
-contexts = `num_qps_per_rank`. Compiled and unit-tested on CPU; never run on a GPU yet."""
+contexts = `num_qps_per_rank`. On a GPU only at one rank so far (the
+H200 machine: NCCL refuses ranks sharing a GPU): the contract self-test over LSA and the low-latency suite."""
 from __future__ import annotations
 
 from ...contract import BufferContext, Capabilities
