@@ -21,6 +21,7 @@ What is checked, bit for bit (seeded per run, rank and test; replay with DEEPEP_
   ranks' blocks are resident at once on one GPU.
 - CUDA graph capture of dispatch + combine with num_worst_tokens, replayed with new input contents.
 - The sm_80 code path (DEEPEP_PORTABLE_FORCE_ARCH=sm_80, run through PTX JIT).
+- The round counter preset just below 2^32: rounds across the wrap of a 32-bit field stay exact.
 - A peer that never arrives: CommTimeoutError naming op, rank and peer within the timeout; afterwards a
   fresh Buffer works (last test of the file).
 
@@ -47,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tests/mpi (sh
 
 import deepep_portable as deep_ep  # noqa: E402
 import oracle  # noqa: E402
+from deepep_portable import layout as L  # noqa: E402
 from test_reference_mpi import (Checker, allgather, generator, make_topk,  # noqa: E402
                                 num_experts_for, nvl_bytes, world)
 
@@ -439,6 +441,27 @@ def test_dispatch_combine(nvl, pg, device, request, base_seed, case):
     gen = generator(request, base_seed, rank)
     ck = GpuChecker(pg)
     run_case(nvl, pg, gen, device, ck, tag=case, **CASES[case])
+    ck.done()
+
+
+def test_round_counter_past_2_32(pg, device, request, base_seed, nvlink_env):
+    """The round counter preset just below 2^32 on every rank of a fresh Buffer: dispatches and combines keep
+    matching the oracle across the wrap of a 32-bit field (every round word is 64-bit)."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    buf = deep_ep.Buffer(pg, nvl_bytes(num_ranks, 2048, 64), 0, transport=TRANSPORT)
+    _SHARED.graveyard.append(buf)
+    window = buf.backend.engine("normal").window
+    preset = (1 << 32) - 2
+    torch.cuda.synchronize()
+    window.view(L.CTRL_ROUND, 8, device).view(torch.int64)[0] = preset
+    torch.cuda.synchronize()
+    dist.barrier(group=pg)   # every rank preset before anyone signals
+    ck = GpuChecker(pg)
+    run_case(buf, pg, gen, device, ck, rounds=3, tag="wrap", hidden=2048, topk=4, experts=32, tokens="odd",
+             num_sms=4, num_bias=1)
+    round_now = int(window.view(L.CTRL_ROUND, 8, device).view(torch.int64)[0])
+    ck.true(round_now > (1 << 32), f"round counter {round_now}: did not cross 2^32 from {preset}")
     ck.done()
 
 
