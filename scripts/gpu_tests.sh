@@ -9,7 +9,8 @@
 #   nvlink with a legacy CUDA IPC window: DEEPEP_PORTABLE_LL_VMM=0, the pack-on-receive dispatch),
 #   selftest (the transport contract's conformance kernel over every backend, ibgda over the tests' NIC model
 #   too, N ranks), llibgda / internodeibgda (those suites over ibgda and the NIC model), llncclgin (the low-latency GPU tests over nccl_gin at one rank), llginmock (the same over
-#   nccl_gin's GIN paths on the tests' mock of NCCL's device API, N ranks sharing the GPU), internode (the
+#   nccl_gin's GIN paths on the tests' mock of NCCL's device API, N ranks sharing the GPU), internodeginmock (the
+#   internode suite the same way), internode (the
 #   internode kernels over logical nodes of N ranks, nvshmem), benchinternode (bench
 #   --mode internode, RANKS_PER_NODE=N/2 by default), soak (python -m deepep_portable soak: normal and LL,
 #   eager and graph, SOAK_ROUNDS=100000 per case; SOAK_ARGS for more), fuzz (the seeded fuzz
@@ -70,6 +71,11 @@ for s in $STEPS; do
     llginmock) start_mps   # the low-latency GPU tests over nccl_gin's device code on the tests' mock of NCCL (GIN paths)
             DEEPEP_TEST_NCCL_GIN_MOCK=1 DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llginmock $MPIRUN -x DEEPEP_TEST_NCCL_GIN_MOCK \
                 -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py
+            stop_mps ;;
+    internodeginmock) start_mps   # the internode kernels over nccl_gin on the tests' mock of NCCL (GIN between nodes)
+            DEEPEP_TEST_NCCL_GIN_MOCK=1 DEEPEP_TEST_INTERNODE_TRANSPORT=nccl_gin step internodeginmock $MPIRUN \
+                -x DEEPEP_TEST_NCCL_GIN_MOCK -x DEEPEP_TEST_INTERNODE_TRANSPORT -n "$RANKS" $PY -m pytest -q \
+                -p no:cacheprovider --with-mpi tests/mpi/test_internode_gpu_mpi.py
             stop_mps ;;
     selftest) start_mps; step selftest $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_transport_selftest_gpu_mpi.py; stop_mps ;;
     llibgda|internodeibgda) start_mps   # the ibgda backend's device code against the tests' NIC model

@@ -3,13 +3,14 @@ API (tests/native/nccl_gin_mock/), so its GIN branches run between ranks that sh
 refuses those). Tests only.
 
 `MockGinWindow` is an NcclGinWindow whose memory is a shareable VMM window every rank maps (the nvlink
-window's), whose LSA team is the rank alone, and whose "GIN" is the mock: puts land piece by piece in no order
+window's), whose LSA team is the rank alone (its logical node when the Buffer spans several), and whose
+"GIN" is the mock: puts land piece by piece in no order
 after a delay, signals only add, a signal is strong (nccl_device.h there says exactly what it promises).
 Everything the device code keeps (the SET-signal shadow, the failure word, scratch for GIN reads, the
 transport struct) is built as the real window builds it.
 
 Install it for a session with DEEPEP_TEST_NCCL_GIN_MOCK=1 (tests/mpi/conftest.py): Buffer(...,
-transport="nccl_gin") then gets this window for its low-latency engine.
+transport="nccl_gin") then gets this window for its low-latency engine and for the internode kernels.
 """
 from __future__ import annotations
 
@@ -54,18 +55,24 @@ class MockGinWindow(NcclGinWindow):
         self.dev, self.size, self.errors, self.max_blocks = inner.dev, nbytes, inner.errors, inner.max_blocks
         self.flags, self.defines = ("-I" + MOCK_DIR,), {"DEEPEP_NCCL_RUNTIME": 0}
         self.gin = True
-        self.lsa_rank, self.lsa_size, self.lsa_first, self.lsa_team = 0, 1, me, [me]
+        # The LSA team: my logical node when the Buffer spans several (the internode kernels reach their node by
+        # load/store, as on a real cluster), else myself alone (every peer through GIN).
+        per_node = ctx.ranks_per_node if ctx.num_nodes > 1 else 1
+        self.lsa_first = me // per_node * per_node
+        self.lsa_team = list(range(self.lsa_first, self.lsa_first + per_node))
+        self.lsa_rank, self.lsa_size = me - self.lsa_first, per_node
         self.gin_contexts = max(1, int(channels))
         self._all_bases = torch.tensor(inner.bases, dtype=torch.int64, device=ctx.device)   # the mock's "network"
         self._win_struct = _to_device(MockWindowStruct(self._all_bases.data_ptr(), me, R), ctx.device)
         self._win = ctypes.c_void_p(self._win_struct.data_ptr())
-        self.devcomm = _to_device(MockDevComm(me, R, 0, 1, self.gin_contexts, delay_ns), ctx.device)
+        self.devcomm = _to_device(MockDevComm(me, R, self.lsa_rank, self.lsa_size, self.gin_contexts, delay_ns),
+                                  ctx.device)
         self.shadow_keys = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=ctx.device)
         self.shadow_values = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=ctx.device)
         self.failure = torch.zeros(3, dtype=torch.int32, device=ctx.device)
         self.scratch_ticket = torch.zeros(1, dtype=torch.int32, device=ctx.device)
         self.base = inner.base
-        self.bases = [inner.base if r == me else 0 for r in range(R)]   # only myself by load/store
+        self.bases = [b if r in self.lsa_team else 0 for r, b in enumerate(inner.bases)]   # load/store: my team
         self.peer_bases = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
         torch.cuda.synchronize(self.dev)
 

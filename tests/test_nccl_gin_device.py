@@ -96,3 +96,7 @@ def test_kernels_compile_against_the_tests_mock_of_nccls_device_api(tmp_path):
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(T, C_STRUCT, "dispatch"), ll.kernel_defines(256, 3), build)
     _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(T, C_STRUCT, "combine"), ll.kernel_defines(512, 3, True), build)
     _compile(tmp_path, peer_bases.SOURCE, [], {}, build)
+    for op, shape in (("dispatch", dict(NUM_RANKS=4, RANKS_PER_NODE=2, HIDDEN_BYTES=7168, NUM_SCALES=56, NUM_TOPK=8)),
+                      ("combine", dict(NUM_RANKS=4, RANKS_PER_NODE=2, HIDDEN=7168, NUM_TOPK=8))):
+        source = internode.DISPATCH_SOURCE if op == "dispatch" else internode.COMBINE_SOURCE
+        _compile(tmp_path, source, _internode_checks(T, C_STRUCT, op, shape), shape, build)

@@ -11,7 +11,8 @@
 //     the calling thread and its synchronized warp (standalone signal), as NCCL promises for a context;
 //   * put_value is a plain store with no order; get reads the peer's word into my window; flush is a fence
 //     (every mock operation is complete when its call returns, as after NCCL's flush).
-// The LSA team is myself alone (lsaSize = 1), so every peer goes through the GIN branches.
+// The LSA team is myself alone (lsaSize = 1), so every peer goes through the GIN branches; or, for the
+// internode kernels, my logical node (reached by load/store through ncclGetPeerPointer, the rest by GIN).
 #pragma once
 
 #include <cstddef>
