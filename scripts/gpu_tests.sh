@@ -86,7 +86,7 @@ for s in $STEPS; do
             stop_mps ;;
     fuzz)   start_mps   # the seeded fuzz (tests/mpi/test_fuzz_mpi.py) over FUZZ_TRANSPORT (default nvlink), FUZZ_CASES per mode
             DEEPEP_FUZZ_TRANSPORT=${FUZZ_TRANSPORT:-nvlink} DEEPEP_FUZZ_CASES=${FUZZ_CASES:-200} step fuzz $MPIRUN \
-                -x DEEPEP_FUZZ_TRANSPORT -x DEEPEP_FUZZ_CASES ${DEEPEP_FUZZ_SEED:+-x DEEPEP_FUZZ_SEED} -n "$RANKS" \
+                -x DEEPEP_FUZZ_TRANSPORT -x DEEPEP_FUZZ_CASES ${DEEPEP_FUZZ_SEED:+-x DEEPEP_FUZZ_SEED} ${DEEPEP_FUZZ_PALETTE:+-x DEEPEP_FUZZ_PALETTE} -n "$RANKS" \
                 $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_fuzz_mpi.py
             stop_mps ;;
     profile) start_mps
