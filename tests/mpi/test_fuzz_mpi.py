@@ -107,9 +107,13 @@ def test_fuzz_normal(pg, device, base_seed):
         nvl = deep_ep.Config().get_nvl_buffer_size_hint(p["hidden"] * 2, num_ranks, max(most, 1))
         rdma = 0 if TRANSPORT == "reference" or not per_node else deep_ep.Config().get_rdma_buffer_size_hint(
             p["hidden"] * 2, num_ranks, max(most, 1), ranks_per_node=per_node)   # the internode kernels' window
-        buf = deep_ep.Buffer(pg, nvl, rdma, transport=TRANSPORT, ranks_per_node=per_node or None)
-        _run("normal", seed, dict(p, ranks_per_node=per_node), lambda: run_normal(
-            buf, pg, gen, device, num_tokens=_tokens(seed, rank, most), ranks_per_node=per_node, **p))
+        buf = deep_ep.Buffer(pg, nvl, rdma, transport=TRANSPORT, ranks_per_node=per_node or None,
+                             explicitly_destroy=True)
+        try:
+            _run("normal", seed, dict(p, ranks_per_node=per_node), lambda: run_normal(
+                buf, pg, gen, device, num_tokens=_tokens(seed, rank, most), ranks_per_node=per_node, **p))
+        finally:   # every rank gets here (a case's checker raises on all of them), all ops done: free it now
+            buf.destroy()
 
 
 def test_fuzz_low_latency(pg, device, base_seed):
@@ -121,6 +125,9 @@ def test_fuzz_low_latency(pg, device, base_seed):
         gen = torch.Generator().manual_seed(seed * 131 + rank)
         experts = num_experts_for(p["experts"], num_ranks)
         rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(p["max_tokens"], p["hidden"], num_ranks, experts)
-        buf = deep_ep.Buffer(pg, 0, rdma, low_latency_mode=True, transport=TRANSPORT)
-        _run("low-latency", seed, p, lambda: run_low_latency(
-            buf, pg, gen, device, num_tokens=_tokens(seed, rank, p["max_tokens"]), **p))
+        buf = deep_ep.Buffer(pg, 0, rdma, low_latency_mode=True, transport=TRANSPORT, explicitly_destroy=True)
+        try:
+            _run("low-latency", seed, p, lambda: run_low_latency(
+                buf, pg, gen, device, num_tokens=_tokens(seed, rank, p["max_tokens"]), **p))
+        finally:
+            buf.destroy()
