@@ -14,6 +14,7 @@ transport="nccl_gin") then gets this window for its low-latency engine and for t
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 
@@ -21,7 +22,7 @@ import torch
 
 from deepep_portable.contract import BufferContext
 from deepep_portable.transports.nccl_gin.abi import SCRATCH_WORDS
-from deepep_portable.transports.nccl_gin.window import ALIGN, SHADOW_CAPACITY, NcclGinWindow
+from deepep_portable.transports.nccl_gin.window import ALIGN, NcclGinWindow
 from deepep_portable.windows.ipc import IpcWindow
 
 MOCK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "nccl_gin_mock")
@@ -67,10 +68,7 @@ class MockGinWindow(NcclGinWindow):
         self._win = ctypes.c_void_p(self._win_struct.data_ptr())
         self.devcomm = _to_device(MockDevComm(me, R, self.lsa_rank, self.lsa_size, self.gin_contexts, delay_ns),
                                   ctx.device)
-        self.shadow_keys = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=ctx.device)
-        self.shadow_values = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=ctx.device)
-        self.failure = torch.zeros(3, dtype=torch.int32, device=ctx.device)
-        self.scratch_ticket = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        self._device_tables(ctx.device)
         self.base = inner.base
         self.bases = [b if r in self.lsa_team else 0 for r, b in enumerate(inner.bases)]   # load/store: my team
         self.peer_bases = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
@@ -83,11 +81,18 @@ class MockGinWindow(NcclGinWindow):
             self._inner.close()
 
 
-def install() -> None:
-    """Buffer(..., transport="nccl_gin") gets a MockGinWindow for its low-latency engine (this process)."""
+@contextlib.contextmanager
+def installed():
+    """While inside: Buffer(..., transport="nccl_gin") gets a MockGinWindow for its low-latency engine and the
+    internode kernels (this process)."""
     from deepep_portable.transports.nccl_gin.transport import NcclGinTransport
 
     def make_ll_window(cls, ctx: BufferContext, nbytes: int) -> MockGinWindow:
         return MockGinWindow(ctx, nbytes, channels=int(ctx.options.get("num_qps_per_rank", 1) or 1))
 
+    before = NcclGinTransport.__dict__["make_ll_window"]
     NcclGinTransport.make_ll_window = classmethod(make_ll_window)
+    try:
+        yield
+    finally:
+        NcclGinTransport.make_ll_window = before

@@ -88,9 +88,6 @@ def nccl_gin_mock():
         yield
         return
     import nccl_gin_mock as mock
-    from deepep_portable.transports.nccl_gin.transport import NcclGinTransport
 
-    before = NcclGinTransport.__dict__["make_ll_window"]
-    mock.install()
-    yield
-    NcclGinTransport.make_ll_window = before
+    with mock.installed():
+        yield

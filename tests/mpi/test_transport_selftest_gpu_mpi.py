@@ -72,15 +72,11 @@ def gin_mock():
     """The mock of NCCL's device API under the nccl_gin backend's windows, for one test."""
     import sys
 
-    from deepep_portable.transports.nccl_gin.transport import NcclGinTransport
-
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import nccl_gin_mock
 
-    before = NcclGinTransport.__dict__["make_ll_window"]
-    nccl_gin_mock.install()
-    yield
-    NcclGinTransport.make_ll_window = before
+    with nccl_gin_mock.installed():
+        yield
 
 
 @pytest.mark.mpi(min_size=2)

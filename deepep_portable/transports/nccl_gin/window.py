@@ -101,10 +101,7 @@ class NcclGinWindow(Window):
             self.lsa_first = ctx.rank - self.lsa_rank   # ncclTeamLsa: stride 1, so the team is contiguous
             self.lsa_team = list(range(self.lsa_first, self.lsa_first + self.lsa_size))
             self.base, self.size = self._mem.value, nbytes
-            self.shadow_keys = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=ctx.device)
-            self.shadow_values = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=ctx.device)
-            self.failure = torch.zeros(3, dtype=torch.int32, device=ctx.device)
-            self.scratch_ticket = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+            self._device_tables(ctx.device)
             # NCCL gives LSA addresses on the device only before 2.29: ask the device, so host and kernels agree.
             self.bases = peer_bases(self, ctx.num_ranks, ctx.device)
             # (My own entry is NCCL's LSA mapping of my window: another address of the same memory as `base`.)
@@ -120,6 +117,13 @@ class NcclGinWindow(Window):
         except BaseException:
             self._release()
             raise
+
+    def _device_tables(self, device) -> None:
+        """What device.cuh keeps besides the window: the SET-signal shadow, the failure word, the scratch ticket."""
+        self.shadow_keys = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=device)
+        self.shadow_values = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=device)
+        self.failure = torch.zeros(3, dtype=torch.int32, device=device)
+        self.scratch_ticket = torch.zeros(1, dtype=torch.int32, device=device)
 
     def kernel(self, source: str, name: str, defines: dict):
         if self._kernels is None:
