@@ -15,7 +15,7 @@
 #   --mode internode, RANKS_PER_NODE=N/2 by default), soak (python -m deepep_portable soak: normal and LL,
 #   eager and graph, SOAK_ROUNDS=100000 per case; SOAK_ARGS for more), fuzz (the seeded fuzz
 #   over FUZZ_TRANSPORT=nvlink, FUZZ_CASES=200 per mode), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
-#   benchll (bench --mode low_latency), hostcosts (scripts/host_costs.py: host cost of the steps before
+#   mpitests (MPI_TESTS="FILE [-k EXPR]" at N ranks), benchll (bench --mode low_latency), hostcosts (scripts/host_costs.py: host cost of the steps before
 #   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT).
 #   NUM_SMS=16 (normal mode), LL_NUM_SMS (low-latency mode; default: Buffer's); BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420);
 #   BENCH_ARGS: extra arguments for every bench step (e.g. "--start-line host").
@@ -95,6 +95,9 @@ for s in $STEPS; do
     benchll) start_mps
             step bench_ll $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvlink --mode low_latency --tokens 128 ${LL_NUM_SMS:+--num-sms $LL_NUM_SMS} ${BENCH_ARGS:-}
             step bench_ll_nvshmem $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvshmem --mode low_latency --tokens 128 ${LL_NUM_SMS:+--num-sms $LL_NUM_SMS} ${BENCH_ARGS:-}
+            stop_mps ;;
+    mpitests) start_mps   # any MPI tests at N ranks: MPI_TESTS="FILE [-k EXPR]"
+            step mpitests $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi ${MPI_TESTS:?set MPI_TESTS}
             stop_mps ;;
     hostcosts) start_mps; step hostcosts $PY scripts/host_costs.py --procs "$RANKS"; stop_mps ;;
     cache)  tar czf "$OUT/jit_cache.tgz" -C "$DEEPEP_PORTABLE_CACHE_DIR" . ;;

@@ -231,11 +231,8 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
         if recv_bf16 is None:
             data, scales = recv_x
             recv_bf16 = (data.float() * scales.repeat_interleave(128, dim=2)).to(torch.bfloat16)
-            # The reference cast runs on the CPU: on CUDA, torch divides by the Python scalar 448 as a
-            # multiplication by its reciprocal, which is off by one ulp of the scale now and then (seen
-            # on the H200: one FP8 step of difference, x4 through the top-k weights).
-            src = _reference_fp8_cast(x.cpu(), False)
-            ref_x = (src[0].float() * src[1].repeat_interleave(128, dim=1)).to(torch.bfloat16).to(device)
+            src = _reference_fp8_cast(x, False)   # correctly rounded on any device, as the kernels
+            ref_x = (src[0].float() * src[1].repeat_interleave(128, dim=1)).to(torch.bfloat16)
         else:
             ref_x = x
 

@@ -89,7 +89,9 @@ def _fp8_cast(x: torch.Tensor, round_scale: bool) -> Tuple[torch.Tensor, torch.T
     n, h = x.shape
     xf = x.float().reshape(n, h // FP8_BLOCK, FP8_BLOCK)
     amax = xf.abs().amax(dim=-1).clamp(min=FP8_AMAX_MIN)
-    scale = amax / FP8_MAX
+    # A tensor divisor, not the Python scalar: on CUDA, torch divides by a CPU scalar as a multiplication by
+    # its reciprocal, one ulp off the correctly rounded quotient the kernels compute (e.g. amax 3.28125).
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if round_scale:
         scale = ((_ceil_pow2(scale) + 127) << 23).view(torch.float32)
     data = (xf / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(n, h)
