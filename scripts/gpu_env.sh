@@ -7,8 +7,9 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export DEEPEP_PORTABLE_CACHE_DIR=${DEEPEP_PORTABLE_CACHE_DIR:-$PWD/.jit_cache}
 # A JIT cache brought from an earlier machine (gpu_tests.sh step "cache" wrote it): saves the precompile.
-if [ -f .jitc/jit_cache.tgz ] && [ ! -d "$DEEPEP_PORTABLE_CACHE_DIR" ]; then
-    mkdir -p "$DEEPEP_PORTABLE_CACHE_DIR" && tar xzf .jitc/jit_cache.tgz -C "$DEEPEP_PORTABLE_CACHE_DIR"
+# It comes whole (.jitc/jit_cache.tgz) or in parts (.jitc/jit_cache.tgz.NN, joined in name order).
+if ls .jitc/jit_cache.tgz* >/dev/null 2>&1 && [ ! -d "$DEEPEP_PORTABLE_CACHE_DIR" ]; then
+    mkdir -p "$DEEPEP_PORTABLE_CACHE_DIR" && cat .jitc/jit_cache.tgz* | tar xzf - -C "$DEEPEP_PORTABLE_CACHE_DIR"
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}

@@ -16,7 +16,7 @@
 #   eager and graph, SOAK_ROUNDS=100000 per case; SOAK_ARGS for more), fuzz (the seeded fuzz
 #   over FUZZ_TRANSPORT=nvlink, FUZZ_CASES=200 per mode), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
 #   mpitests (MPI_TESTS="FILE [-k EXPR]" at N ranks), benchll (bench --mode low_latency), hostcosts (scripts/host_costs.py: host cost of the steps before
-#   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT).
+#   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT, in parts jit_cache.tgz.NN).
 #   NUM_SMS=16 (normal mode), LL_NUM_SMS (low-latency mode; default: Buffer's); BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420);
 #   BENCH_ARGS: extra arguments for every bench step (e.g. "--start-line host").
 set -uo pipefail
@@ -100,7 +100,8 @@ for s in $STEPS; do
             step mpitests $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi ${MPI_TESTS:?set MPI_TESTS}
             stop_mps ;;
     hostcosts) start_mps; step hostcosts $PY scripts/host_costs.py --procs "$RANKS"; stop_mps ;;
-    cache)  tar czf "$OUT/jit_cache.tgz" -C "$DEEPEP_PORTABLE_CACHE_DIR" . ;;
+    cache)  # in parts of 15 MiB (files back from the lent machine are at most 16 MiB each)
+            tar czf - -C "$DEEPEP_PORTABLE_CACHE_DIR" . | split -b 15m -d - "$OUT/jit_cache.tgz." ;;
     bench)  start_mps
             step bench_normal $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 512 4096 16384 ${BENCH_ARGS:-}
             step bench_normal_bf16 $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --no-fp8 --tokens 4096 ${BENCH_ARGS:-}
