@@ -81,8 +81,9 @@ def pytest_generate_tests(metafunc):
 
 @pytest.mark.mpi(min_size=2)
 def test_peer_tables_keep_nodes_apart(pg, per_node):
-    """The kernels' load/store tables: the node's ranks only; the transport's peer table: 0 for every rank of
-    another node (so its puts take NVSHMEM's network path there)."""
+    """The kernels' load/store tables: the node's ranks only; the transport's reach by load/store: the node's
+    ranks only (a peer table with 0 for every rank of another node, or nccl_gin's LSA team bounds), so puts to
+    another node take the network path."""
     _usable(pg)
     rank, num_ranks = world(pg)
     buf = _buffer(pg, per_node)
@@ -90,6 +91,11 @@ def test_peer_tables_keep_nodes_apart(pg, per_node):
     ck = Checker(pg)
     node = rank // per_node
     ck.true(engine.node_bases.numel() == per_node, f"node table has {engine.node_bases.numel()} entries")
+    if hasattr(engine.transport, "lsa_first"):   # nccl_gin: its peer_ptr reaches the LSA team only
+        team = (engine.transport.lsa_first, engine.transport.lsa_size)
+        ck.true(team == (node * per_node, per_node), f"LSA team (first, size) {team} for node {node}")
+        ck.done()
+        return
     tables = {t.data_ptr(): t.cpu() for t in engine.window._node_tables}
     table = tables.get(engine.transport.peer_bases)
     ck.true(table is not None, "the transport struct does not hold the node-limited peer table")

@@ -582,6 +582,27 @@ def test_ll_call_counter_past_2_32(pg, device, request, base_seed):
     ck.done()
 
 
+def test_ll_rounds_after_clean_low_latency_buffer(pg, device, request, base_seed):
+    """clean_low_latency_buffer between rounds (DeepEP's tests call it so): the call counters and signals
+    start again from zero on every rank, and the next rounds are exact, twice in a row. (A backend that sets
+    signals as adds of differences must forget what it set: found over nccl_gin's GIN paths on the mock.)"""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    experts = num_experts_for(EXPERTS, num_ranks)
+    ck = GpuChecker(pg)
+    buf = _SHARED.buf
+    for rnd in range(3):
+        if not ck.agree(not ck.errors):
+            break
+        run_pair(buf, pg, gen, device, ck, hidden=2048, num_tokens=T - rnd, mode="bf16", hook=rnd == 1,
+                 tag=f"clean, round {rnd}")
+        run_pair(buf, pg, gen, device, ck, hidden=2048, num_tokens=T // 2, mode="fp8", tag=f"clean, round {rnd}b")
+        if ck.agree(not ck.errors):
+            ck.run(f"clean_low_latency_buffer after round {rnd}",
+                   lambda: (buf.clean_low_latency_buffer(T, MAX_HIDDEN, experts), torch.cuda.synchronize()))
+    ck.done()
+
+
 # ---- shrink mode: a rank that stops participating is masked, the others go on ----------------------------
 def _shrink_round(buf, pg, gen, device, ck: GpuChecker, dead: int, tag: str, expect_timeout: bool) -> None:
     """One dispatch + combine on every rank but `dead` (which makes no LL call at all), checked against the

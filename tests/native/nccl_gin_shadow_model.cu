@@ -2,7 +2,8 @@
 // against a mock of GIN's VA signals: add-only words, each add delivered late and out of order (a queue per
 // receiver that delivers a random pending add). Writers SET increasing values to many (peer, word) pairs, up to
 // 8 threads writing distinct words through one shared table; after everything is delivered every word must hold
-// the last value set, and at no time more than it. A full table must refuse (nullptr) and change nothing.
+// the last value set, and at no time more than it. A full table must refuse (nullptr) and change nothing; a
+// reset (forget) of a range starts its words again from 0 and leaves the others alone.
 // Compiled and run by tests/test_nccl_gin_device.py (run_native).
 #include <atomic>
 #include <cstdio>
@@ -102,6 +103,25 @@ int main() {
         printf("an existing pair's delta after a refusal: %llu\n", (unsigned long long)d);
         ++failures;
     }
+    // A reset (transport.cuh): forget [16, 32) in two strided passes; pairs there start again from 0, the
+    // others keep their last value.
+    std::vector<unsigned long long> k3(64, 0);
+    std::vector<uint64_t> v3(64, 0);
+    SignalShadow reset{k3.data(), v3.data(), 64};
+    for (int p = 0; p < 3; ++p)
+        for (int64_t off = 8; off < 48; off += 8)
+            reset.delta_for(p, off, 1000 + off, &d);
+    reset.forget(16, 32, 0, 2);
+    reset.forget(16, 32, 1, 2);
+    for (int p = 0; p < 3; ++p)
+        for (int64_t off = 8; off < 48; off += 8) {
+            const uint64_t want = off >= 16 && off < 32 ? 7 : 7 - (1000 + off);   // delta of SET 7 (wraps)
+            if (!reset.delta_for(p, off, 7, &d) || d != want) {
+                printf("after forget [16, 32): peer %d offset %lld delta %llu, want %llu\n", p,
+                       static_cast<long long>(off), (unsigned long long)d, (unsigned long long)want);
+                ++failures;
+            }
+        }
     printf("failures %d\n", failures);
     return failures != 0;
 }

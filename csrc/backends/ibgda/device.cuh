@@ -262,6 +262,8 @@ struct IbgdaTransport {
                 return;
         }
     }
+
+    DEEPEP_DEVICE void forget_signals(int64_t /*begin*/, int64_t /*end*/) const {}   // SET is an RDMA WRITE
 };
 
 }  // namespace deepep_portable::transport

@@ -249,6 +249,13 @@ struct NcclGinTransport {
             context(ch).flush(ncclCoopThread());
 #endif
     }
+
+    // Whole block. The owners zeroed their words in [begin, end) (clean_low_latency_buffer, between two
+    // barriers): forget what I set there, so my next SET adds its whole value (else the difference to the
+    // last value, now gone, would wrap). Only this rank's kernels touch the table, in stream order.
+    DEEPEP_DEVICE void forget_signals(int64_t begin, int64_t end) const {
+        shadow.forget(begin, end, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
+    }
 };
 
 }  // namespace deepep_portable::transport

@@ -51,6 +51,18 @@ struct SignalShadow {
         *last = v;
         return true;
     }
+
+    // Entries [first, capacity) step `stride` (the threads of a block share the scan): the last value set at
+    // every peer's word offsets in [begin, end) becomes 0 (their owners zeroed them: transport.cuh's reset).
+    // Keys stay: an entry is never removed.
+    DEEPEP_HOST_DEVICE void forget(int64_t begin, int64_t end, int first, int stride) const {
+        for (uint32_t i = static_cast<uint32_t>(first); i < capacity; i += static_cast<uint32_t>(stride)) {
+            const unsigned long long key = keys[i];
+            const int64_t off = static_cast<int64_t>((key - 1) & ((1ull << 40) - 1));
+            if (key != 0 && off >= begin && off < end)
+                values[i] = 0;
+        }
+    }
 };
 
 }  // namespace deepep_portable::transport

@@ -81,6 +81,8 @@ struct NvlinkTransport : PeerBuffers {
     }
 
     DEEPEP_DEVICE void flush(int /*ch*/) const {}   // stores are complete once issued
+
+    DEEPEP_DEVICE void forget_signals(int64_t /*begin*/, int64_t /*end*/) const {}   // a signal is a plain store
 };
 
 }  // namespace deepep_portable::transport

@@ -36,10 +36,15 @@
 // | flush(ch)                               | one thread | earlier ops of this thread, and of its warp under the    |
 // |                                         |            | signal() condition, are locally complete (their sources  |
 // |                                         |            | reusable); no remote promise                             |
+// | forget_signals(begin, end)              | whole block| every rank's owner zeroed its words in [begin, end) (all |
+// |                                         |            | ranks, between two barriers): my later signals there     |
+// |                                         |            | start again from 0                                       |
 //
 // Signals are single-writer 64-bit sequence numbers set (not added): a signal slot has exactly one
 // writing rank, values only grow, and writing the same value twice is harmless, so no signal needs
-// network atomics. fetch_add is the one atomic of the contract: the LL dispatch reserves its rows in
+// network atomics. The one exception is a reset (clean_low_latency_buffer): every owner zeroes a range of
+// its words and every writer calls forget_signals for it, between two barriers, so no signal is in flight
+// (a backend that emulates SET over ADD keeps what it last set per word, and must start again from 0). fetch_add is the one atomic of the contract: the LL dispatch reserves its rows in
 // the receiver's output with it (a load/store atomic for P2P peers, a network AMO otherwise, which the
 // capability record's remote_atomics states), when the transport's kCheapFetchAdd says it is cheap (a
 // compile-time constant of each transport type; the LL dispatch has a path without it). Never rely

@@ -1,5 +1,6 @@
 // clean_low_latency_buffer on the device (DeepEP's order): a barrier over the live ranks, zero my
-// control words and both halves' signals, a second barrier. The first barrier means every live peer
+// control words and both halves' signals (and forget what I set in the peers' signals: transport.cuh's
+// reset), a second barrier. The first barrier means every live peer
 // has finished the LL calls it made before (its stream runs them before this kernel), so nobody
 // signals into my buffer any more; the second that nobody starts signalling before everyone is clean.
 // One block. Shrink mode: a peer that does not reach a barrier in time is masked (report_error) and
@@ -67,6 +68,9 @@ __global__ void __launch_bounds__(kThreads) clean_buffer(const __grid_constant__
             words[i] = 0;
     for (int64_t i = p.signals_begin / 8 + threadIdx.x; i < p.signals_end / 8; i += blockDim.x)
         own<uint64_t>(c, 0)[i] = 0;
+    // Every peer zeroes the same range of its window meanwhile: a backend that sets signals as adds of
+    // differences must start again from 0 there (transport.cuh).
+    tr.forget_signals(p.signals_begin, p.signals_end);
     barrier(p, tr);
 }
 
