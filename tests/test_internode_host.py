@@ -359,3 +359,21 @@ def test_ceiling_pieces_cover_the_traffic():
     assert other[0][1] != pieces[0][1]
     with pytest.raises(ValueError, match="holds no"):
         traffic_pieces(net, nvl, (0, 8), rank=0, num_ranks=2)
+
+
+def test_kernel_transport_over_several_nodes_builds_its_engine(monkeypatch):
+    """KernelTransport sizes the internode engine from runtime_capabilities(), which a backend may answer from
+    its low-latency engine (nvshmem does): that attribute must exist before the engines are made (it did not,
+    and every nvshmem Buffer over several logical nodes failed with an AttributeError)."""
+    import torch
+
+    from deepep_portable.contract import BufferContext
+    from deepep_portable.transports import kernel
+    from deepep_portable.transports.nvshmem.transport import NvshmemTransport
+
+    made = {}
+    monkeypatch.setattr(kernel, "InternodeEngine", lambda ctx, make_window, channels: made.setdefault("ch", channels))
+    ctx = BufferContext(comm=None, rank=0, num_ranks=4, device=torch.device("cpu"), num_nvl_bytes=1,
+                        num_rdma_bytes=0, low_latency_mode=False, uid=1, timeout_s=1.0, ranks_per_node=2)
+    t = NvshmemTransport(ctx)
+    assert made["ch"] == NvshmemTransport.capabilities.max_channels and t.ll_engine is None

@@ -45,12 +45,12 @@ class KernelTransport(Transport):
         # collective set-ups. A Buffer with num_nvl_bytes=0 has no normal-mode buffer (Buffer rejects
         # normal-mode calls on it with the size they need).
         self.normal_engine = None
+        self.ll_engine: Optional[LowLatencyEngine] = None   # before the engines: runtime_capabilities reads it
         if ctx.num_nvl_bytes > 0:
             if ctx.num_nodes > 1:
                 self.normal_engine = InternodeEngine(ctx, self.make_ll_window, self.runtime_capabilities().max_channels)
             else:
                 self.normal_engine = IntranodeEngine(ctx)
-        self.ll_engine: Optional[LowLatencyEngine] = None
         # Over several nodes the network window belongs to the internode engine unless the Buffer is made
         # for low-latency ops too (then each engine has its own window of num_rdma_bytes).
         wants_ll = ctx.num_nodes == 1 or ctx.low_latency_mode or ctx.num_nvl_bytes == 0
