@@ -327,8 +327,15 @@ def test_ibgda_probe_with_fake_devices(tmp_path, fake_backend, monkeypatch):
     fake_backend("ibgda")
     s = probe.probe_ibgda(str(root3))
     libs_ok = "libibverbs.so.1" in s.details and "libmlx5.so.1" in s.details
-    # An mlx5 port up and the libraries there: what is missing then is ours, and the reason says so.
-    assert not s.usable and (not libs_ok or s.reason.startswith("the mlx5 DevX set-up")), s.reason
+    # An mlx5 port up and the libraries there: usable exactly when the DevX provider's C glue builds.
+    from deepep_portable.transports.ibgda.devx_glue import glue_status
+
+    glue_ok, glue_why = glue_status() if libs_ok else (False, "")
+    assert s.usable == (libs_ok and glue_ok), s.reason
+    if libs_ok:
+        assert s.details["devx_glue"] == glue_why
+    if s.usable:
+        assert "never run on a real NIC" in s.reason
     assert s.details["active_mlx5_ports"] == "mlx5_0:1"
 
 

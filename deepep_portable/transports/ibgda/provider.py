@@ -7,9 +7,9 @@ public half is known. Everything else (the exchange over the Buffer's group, the
 transport struct) is the window's, the same for every provider.
 
 Providers:
-  * the mlx5 DevX provider (QPs and CQs as DevX objects with their rings in GPU memory, a UAR doorbell
-    mapped into the GPU, the window an MR over dmabuf; docs/IBGDA.md): **not written yet**, so on a
-    machine with an mlx5 NIC the backend still says it is unusable;
+  * the mlx5 DevX provider (devx.py: QPs and CQs as DevX objects with their rings in GPU memory, a UAR
+    doorbell mapped into the GPU, the window an MR over dmabuf; docs/IBGDA.md), the default: written and
+    tested on CPU against a fake of its C glue, **never run on a real NIC**;
   * the NIC model (tests/ibgda_model.py, tests only): a host thread per process that plays the NIC for the
     queues, over windows in shared memory every rank maps. Tests install it with `install(factory)`.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from .. import registry
 from .abi import SendQueueParams
@@ -78,6 +78,11 @@ class NicProvider(abc.ABC):
         """Where this process's kernels reach `peer`'s window by load/store, or 0 (only through the NIC)."""
         return 0
 
+    def endpoint_keys(self, mem: WindowMemory, peer: PeerInfo, channel: int) -> Tuple[int, int]:
+        """(lkey, rkey) the WQEs of my queue to (peer, channel) name: one key pair unless the provider registers
+        the window once per NIC (then the channel's NIC decides)."""
+        return mem.lkey, peer.rkey
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release everything; every peer has stopped using my window (the caller made sure)."""
@@ -97,10 +102,3 @@ def install(factory: Optional[ProviderFactory]) -> None:
 
 def installed() -> Optional[ProviderFactory]:
     return _factory
-
-
-def make_provider(ctx) -> NicProvider:
-    if _factory is None:
-        raise RuntimeError("ibgda: no NIC provider: the mlx5 DevX set-up is not written yet (docs/IBGDA.md); only "
-                           "the tests' NIC model can drive this backend")
-    return _factory(ctx)

@@ -189,3 +189,46 @@ def spread_channels(num_channels: int, rails: Sequence[Tuple[str, int]]) -> List
     if not rails:
         raise ValueError("no usable (device, port): every chosen NIC port is down or filtered out")
     return [tuple(rails[c % len(rails)]) for c in range(num_channels)]
+
+
+def _is_active(port: Mapping) -> bool:
+    return str(port.get("state") or "").endswith("ACTIVE")
+
+
+def choose_rails(devices: Sequence[Mapping], options: IbgdaOptions = IbgdaOptions(),
+                 gpu_device_dir: Optional[str] = None, sysfs_infiniband: str = "/sys/class/infiniband"
+                 ) -> List[Tuple[str, int]]:
+    """The (device, port) rails a GPU's channels use (spread_channels then spreads channels over them).
+
+    `devices`: rdma.rdma_devices_sysfs records. With `hca_list`, exactly its entries ("mlx5_0": every active
+    port of it; "mlx5_1:1": that port), in its order; else the mlx5 devices closest to the GPU by PCIe distance
+    (all of the closest distance class, by name; every mlx5 device when the GPU's sysfs directory is unknown).
+    Only ACTIVE ports; with multi_port False, one (the first active) port per device. Raises ValueError naming
+    what was found when nothing is usable."""
+    by_name = {d["name"]: d for d in devices}
+    found = ", ".join(f"{d['name']}:{p['port']} {p.get('state')}" for d in devices for p in d.get("ports", [])) \
+        or "no RDMA device"
+    rails: List[Tuple[str, int]] = []
+    if options.hca_list:
+        for entry in options.hca_list:
+            name, _, port = entry.partition(":")
+            dev = by_name.get(name)
+            if dev is None:
+                raise ValueError(f"hca_list names {name!r}, which is not an RDMA device here ({found})")
+            ports = [p for p in dev.get("ports", []) if _is_active(p) and (not port or str(p["port"]) == port)]
+            if port and not ports:
+                raise ValueError(f"hca_list entry {entry!r}: that port is not ACTIVE ({found})")
+            rails += [(name, int(p["port"])) for p in (ports if options.multi_port or port else ports[:1])]
+    else:
+        mlx5 = [d for d in devices if str(d.get("driver") or "").startswith("mlx5") or d["name"].startswith("mlx5")]
+        usable = [d for d in mlx5 if any(_is_active(p) for p in d.get("ports", []))]
+        if usable and gpu_device_dir and os.path.exists(gpu_device_dir):
+            ranked = rank_nics(gpu_device_dir, usable, sysfs_infiniband)
+            closest = ranked[0][0]
+            usable = [by_name[name] for dist, name in ranked if dist == closest]
+        for dev in usable:
+            ports = [p for p in dev.get("ports", []) if _is_active(p)]
+            rails += [(dev["name"], int(p["port"])) for p in (ports if options.multi_port else ports[:1])]
+    if not rails:
+        raise ValueError(f"no ACTIVE mlx5 port to use ({found})")
+    return rails

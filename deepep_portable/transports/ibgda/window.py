@@ -25,10 +25,17 @@ from ...contract import BufferContext
 from ...device import device_index, device_uuid
 from ...windows.base import ERROR_WORDS, MappedWords, Window
 from .abi import IBGDA_BUILD, SCRATCH_WORDS, EndpointParams, IbgdaTransportParams
-from .provider import NicProvider, PeerInfo, make_provider
+from .devx import DevxProvider
+from .provider import NicProvider, PeerInfo, installed
 
 DEFAULT_DEPTH = 256   # WQEBBs per send queue (a power of two, <= 16384: sq.cuh)
 PAGE = 4096
+
+
+def _make_provider(ctx: BufferContext) -> NicProvider:
+    """The installed provider (the tests' NIC model), else the mlx5 DevX one."""
+    factory = installed()
+    return factory(ctx) if factory is not None else DevxProvider(ctx)
 
 
 class IbgdaWindow(Window):
@@ -43,7 +50,7 @@ class IbgdaWindow(Window):
         self.cuda = ctx.device.type == "cuda"
         self.dev = device_index(ctx.device) if self.cuda else -1
         self.base = None
-        self.provider = provider if provider is not None else make_provider(ctx)
+        self.provider = provider if provider is not None else _make_provider(ctx)
         R, me = ctx.num_ranks, ctx.rank
         try:
             self.scratch_offset = (nbytes + PAGE - 1) // PAGE * PAGE
@@ -58,8 +65,9 @@ class IbgdaWindow(Window):
             self.endpoint_structs = (EndpointParams * (R * self.channels))()
             for p in range(R):
                 for ch in range(self.channels):
+                    lkey, rkey = self.provider.endpoint_keys(self.mem, self.peers[p], ch)
                     self.endpoint_structs[p * self.channels + ch] = EndpointParams(
-                        self.queues[p][ch].sq, self.peers[p].base, self.peers[p].rkey, self.mem.lkey)
+                        self.queues[p][ch].sq, self.peers[p].base, rkey, lkey)
             raw = bytes(self.endpoint_structs)
             self.endpoints = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(ctx.device)
             # The kernels reach every rank through the NIC (transport_params' peer table is all zero, and so is

@@ -1,0 +1,317 @@
+"""The mlx5 DevX provider: the NIC resources of an ibgda window on a real NIC (provider.py's interface).
+
+Per process (one Buffer window), following the recipe every GPU-initiated RDMA library uses
+(../shared/research/IBGDA.md §1.1; docs/IBGDA.md "Host set-up"):
+
+  * rails: the (device, port) pairs the channels use (roce.choose_rails: hca_list, else the closest mlx5 NICs
+    by PCIe distance; every ACTIVE port unless multi_port is off); channel c uses rail c % rails;
+  * per device: a DevX context, a PD (its pdn), one non-cached UAR whose doorbell register is mapped into the
+    GPU (cuMemHostRegister with IOMEMORY), the completion EQ number, the general HCA caps (CQE version 1,
+    queue size, outstanding RDMA READ / atomic depth), and the window registered as an MR over dmabuf;
+  * per (peer, channel) queue: one GPU allocation [send ring | CQ ring | doorbell records], registered as one
+    DevX UMEM over dmabuf; a collapsed CQ (the NIC writes entry 0 only, overrun ignored) filled with 0xff;
+    an RC QP (SQ at the UMEM's start, zero-length RQ: nothing is ever received) on that CQ;
+  * connect: RST2INIT (remote write / read / atomic allowed, 8-byte extended atomics), INIT2RTR (the peer's
+    QPN for this channel, the path MTU both ends can do, an IB LID path or a RoCE GRH path with our GID
+    choice, the next hop's MAC, DSCP / ECN from traffic_class, priority sl & 7, a UDP source port per QP),
+    RTR2RTS (retry 7, RNR retry 7, ack timeout 20).
+
+The GPU then posts with sq.cuh: `ring`, `dbr` (the QP's send doorbell record: its second big-endian word),
+`doorbell` (the UAR register as the GPU sees it), `cq` (entry 0 of the collapsed CQ); the posters' own words
+live in a separate GPU tensor. The window MR is registered without relaxed ordering (device.cuh's ordering
+argument). Peers of this node are reached through the NIC too (no load/store mapping here): the internode
+engine, which needs a node's ranks by load/store, refuses this provider with that reason (engines/internode.py).
+
+What talks to libibverbs / libmlx5 / libcuda is devx_glue.DevxGlue (C glue compiled against the system
+headers); the PRM command layouts are prm.py. Tests drive this class with a fake glue (CPU): the sequence of
+commands and every field it sets. **Never run on a real NIC** (none is lent): docs/IBGDA.md lists what a
+first run must check.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from . import prm, roce
+from .abi import SendQueueParams
+from .provider import NicProvider, PeerInfo, QueueHandle, WindowMemory
+
+ALIGN = 1 << 16        # GPU regions start 64 KiB aligned (dmabuf export and UMEM pages)
+PAGE = 4096
+QP_DBR, CQ_DBR = 0, 64   # offsets of the QP's and the CQ's doorbell records in a queue's record page
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _log2(n: int) -> int:
+    return n.bit_length() - 1
+
+
+@dataclass
+class _Device:
+    """One NIC's DevX objects (shared by the queues and the window of its rails)."""
+
+    name: str
+    ctx: Any
+    pd: Any
+    pdn: int
+    uar: Any
+    uar_page: int
+    doorbell: int            # the UAR's doorbell register, as the GPU addresses it
+    uar_mapped: int          # host address registered with CUDA (unmapped at close)
+    eqn: int
+    caps: prm.GeneralCaps
+    ports: Dict[int, dict] = field(default_factory=dict)   # port -> query_port fields + gid choice
+    mr: Any = None
+    lkey: int = 0
+    rkey: int = 0
+
+
+@dataclass
+class _Queue:
+    """One RC queue's objects, in the order they are released (reversed)."""
+
+    device: _Device
+    port: int
+    channel: int
+    memory: torch.Tensor
+    words: torch.Tensor
+    umem: Any
+    cq: Any
+    qp: Any
+    qpn: int
+
+
+class DevxProvider(NicProvider):
+    """provider.py's interface over mlx5 DevX (module docstring). `glue`: devx_glue.DevxGlue or a test fake;
+    `devices`: rdma.rdma_devices_sysfs records (default: this machine's); `gpu_device_dir`: the GPU's sysfs
+    PCI directory (default: from the CUDA driver), for choosing the closest NICs."""
+
+    name = "mlx5-devx"
+    atomic_result_be = True   # the HCA's default 8-byte atomic response mode (first real run: check the cap)
+
+    def __init__(self, ctx, glue=None, devices: Optional[List[dict]] = None,
+                 gpu_device_dir: Optional[str] = None) -> None:
+        from .. import rdma
+
+        if glue is None:
+            from . import devx_glue
+            glue = devx_glue.load()
+        self.glue, self.ctx = glue, ctx
+        self.options: roce.IbgdaOptions = ctx.options.get("ibgda") or roce.ibgda_options()
+        devices = rdma.rdma_devices_sysfs() if devices is None else devices
+        if gpu_device_dir is None and ctx.device.type == "cuda":
+            gpu_device_dir = _gpu_sysfs_dir(ctx.device)
+        self.rails = roce.choose_rails(devices, self.options, gpu_device_dir)   # channel c: rails[c % len]
+        self.records = {d["name"]: d for d in devices}
+        self.devices: Dict[str, _Device] = {}
+        self.queues: List[_Queue] = []
+        self.window: Optional[torch.Tensor] = None
+        self._constants: Dict[str, int] = {}
+        try:
+            for name, port in self.rails:
+                self._port(self._device(name), port)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- per device / port -------------------------------------------------------------------------
+    def _const(self, name: str) -> int:
+        if name not in self._constants:
+            self._constants[name] = self.glue.constant(name)
+        return self._constants[name]
+
+    def _device(self, name: str) -> _Device:
+        if name in self.devices:
+            return self.devices[name]
+        g = self.glue
+        ctx = g.open(name)
+        dev = _Device(name, ctx, None, 0, None, 0, 0, 0, 0, prm.GeneralCaps(0, 0, 0, 0, 0, 0))
+        self.devices[name] = dev   # released by close() from here on, whatever fails next
+        dev.caps = prm.general_caps(g.general_cmd(ctx, prm.query_hca_cap_in(1), prm.QUERY_HCA_CAP_OUT))
+        if dev.caps.cqe_version != 1:
+            raise RuntimeError(f"ibgda: {name} reports CQE version {dev.caps.cqe_version}; the GPU reads version-1 "
+                               "CQEs (a firmware or driver too old for DevX queues)")
+        dev.pd, dev.pdn = g.alloc_pd(ctx)
+        dev.uar, dev.uar_page, reg_addr = g.alloc_uar(ctx)
+        # The register may sit mid-page: map its page, address the register inside it.
+        page = reg_addr & ~(PAGE - 1)
+        dev.uar_mapped = page
+        dev.doorbell = g.cuda_map_io(page, PAGE) + (reg_addr - page)
+        dev.eqn = g.query_eqn(ctx, 0)
+        return dev
+
+    def _port(self, dev: _Device, port: int) -> dict:
+        if port in dev.ports:
+            return dev.ports[port]
+        state, link_layer, mtu, lid, _, _ = self.glue.query_port(dev.ctx, port)
+        roce_port = link_layer == self._const("IBV_LINK_LAYER_ETHERNET")
+        record = next((p for p in self.records.get(dev.name, {}).get("ports", []) if int(p["port"]) == port), None)
+        if record is None:
+            raise RuntimeError(f"ibgda: {dev.name} port {port} is not in sysfs")
+        record = dict(record, link_layer="Ethernet" if roce_port else "InfiniBand")
+        gid_index, gid, why = roce.pick_gid(record, self.options)
+        dev.ports[port] = dict(roce=roce_port, mtu=mtu, lid=lid, gid_index=gid_index,
+                               gid=self.glue.query_gid(dev.ctx, port, gid_index), why=why)
+        return dev.ports[port]
+
+    # ---- NicProvider --------------------------------------------------------------------------------
+    def alloc_window(self, nbytes: int) -> WindowMemory:
+        nbytes = _round_up(nbytes, ALIGN)
+        self.window, base = _aligned_zeros(nbytes, self.ctx.device)
+        access = 0
+        for flag in ("IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE", "IBV_ACCESS_REMOTE_READ",
+                     "IBV_ACCESS_REMOTE_ATOMIC"):   # no relaxed ordering: device.cuh's write-then-signal argument
+            access |= self._const(flag)
+        fd = self.glue.cuda_dmabuf_fd(base, nbytes)
+        try:
+            for dev in self._used_devices():
+                dev.mr, dev.lkey, dev.rkey = self.glue.reg_mr(dev.pd, base, nbytes, fd, 0, access)
+        finally:
+            os.close(fd)   # each MR holds its own reference to the dma-buf
+        rails = []
+        for name, port in self.rails:
+            dev = self.devices[name]
+            p = dev.ports[port]
+            rails.append(dict(lid=p["lid"], gid=bytes(p["gid"]), mtu=p["mtu"], roce=p["roce"], rkey=dev.rkey))
+        first = self.devices[self.rails[0][0]]
+        return WindowMemory(base=base, nbytes=nbytes, lkey=first.lkey, rkey=first.rkey, public=dict(rails=rails))
+
+    def create_queue(self, peer: int, channel: int, depth: int) -> QueueHandle:
+        name, port = self.rail(channel)
+        dev, g = self.devices[name], self.glue
+        if depth > (1 << dev.caps.log_max_qp_sz):
+            raise ValueError(f"ibgda: queue depth {depth} exceeds {name}'s limit {1 << dev.caps.log_max_qp_sz}")
+        ring = _round_up(depth * 64, PAGE)           # send ring: depth WQEBBs
+        cq_at, dbr_at = ring, 2 * ring                # CQ ring: depth 64-byte CQEs; then the record page
+        total = _round_up(dbr_at + PAGE, ALIGN)
+        memory, base = _aligned_zeros(total, self.ctx.device)
+        memory.view(-1)[(base - memory.data_ptr()) + cq_at:(base - memory.data_ptr()) + cq_at + depth * 64] = 0xFF
+        words = torch.zeros(3, dtype=torch.int64, device=self.ctx.device)   # reserve, turn, completed (sq.cuh)
+        fd = g.cuda_dmabuf_fd(base, total)
+        try:
+            umem, umem_id = g.umem_reg(dev.ctx, 0, total, fd, self._const("IBV_ACCESS_LOCAL_WRITE"))
+        finally:
+            os.close(fd)
+        q = _Queue(dev, port, channel, memory, words, umem, None, None, 0)
+        self.queues.append(q)   # released by close() from here on
+        cq_in = prm.create_cq_in(log_cq_size=_log2(depth), uar_page=dev.uar_page, eqn=dev.eqn, cq_umem_id=umem_id,
+                                 cq_umem_offset=cq_at, dbr_umem_id=umem_id, dbr_offset=dbr_at + CQ_DBR)
+        q.cq, out = g.obj_create(dev.ctx, cq_in, prm.CREATE_CQ_OUT)
+        prm.check_status(out, f"CREATE_CQ on {name}")
+        cqn = prm.cqn_of(out)
+        qp_in = prm.create_qp_in(pdn=dev.pdn, uar_page=dev.uar_page, cqn_snd=cqn, cqn_rcv=cqn,
+                                 log_sq_size=_log2(depth), wq_umem_id=umem_id, dbr_umem_id=umem_id,
+                                 dbr_offset=dbr_at + QP_DBR)
+        q.qp, out = g.obj_create(dev.ctx, qp_in, prm.CREATE_QP_OUT)
+        prm.check_status(out, f"CREATE_QP on {name}")
+        q.qpn = prm.qpn_of(out)
+        w = words.data_ptr()
+        sq = SendQueueParams(ring=base, depth=depth, qpn=q.qpn, reserve=w, turn=w + 8, completed=w + 16,
+                             dbr=base + dbr_at + QP_DBR + 4,   # the send counter: the record's second be32
+                             doorbell=dev.doorbell, cq=base + cq_at)
+        return QueueHandle(sq=sq, qpn=q.qpn, private=q)
+
+    def connect(self, window: WindowMemory, queues, peers: List[PeerInfo]) -> None:
+        o, g = self.options, self.glue
+        for p in peers:
+            for ch, handle in enumerate(queues[p.rank]):
+                q: _Queue = handle.private
+                mine = q.device.ports[q.port]
+                theirs = _rail_of(p, ch)
+                remote_qpn = p.qpns_to_me[ch]
+                if theirs["roce"] != mine["roce"]:
+                    raise RuntimeError(f"ibgda: channel {ch} joins a RoCE port and an InfiniBand port "
+                                       f"(rank {self.ctx.rank} {q.device.name}:{q.port}, rank {p.rank})")
+                if mine["roce"]:
+                    rgid = bytes(theirs["gid"])
+                    path = prm.AddressPath(
+                        vhca_port_num=q.port, grh=True, rgid=rgid, src_addr_index=mine["gid_index"],
+                        rmac=g.resolve_rmac(q.device.pd, q.port, mine["gid_index"], rgid, o.hop_limit),
+                        hop_limit=o.hop_limit, tclass=o.traffic_class, eth_prio=o.service_level & 7,
+                        udp_sport=roce.udp_sport(q.qpn, remote_qpn, ch, o.udp_sport_base))
+                else:
+                    path = prm.AddressPath(vhca_port_num=q.port, rlid=theirs["lid"], sl=o.service_level)
+                caps = q.device.caps
+                steps = [("RST2INIT", prm.rst2init_qp_in(qpn=q.qpn, vhca_port_num=q.port)),
+                         ("INIT2RTR", prm.init2rtr_qp_in(qpn=q.qpn, mtu=min(mine["mtu"], theirs["mtu"]),
+                                                         remote_qpn=remote_qpn, path=path,
+                                                         log_rra_max=min(caps.log_max_ra_res_qp, 7))),
+                         ("RTR2RTS", prm.rtr2rts_qp_in(qpn=q.qpn, log_sra_max=min(caps.log_max_ra_req_qp, 7)))]
+                for what, cmd in steps:
+                    out = g.obj_modify(q.qp, cmd, prm.MODIFY_QP_OUT)
+                    prm.check_status(out, f"{what} of QP {q.qpn:#x} (rank {self.ctx.rank} -> rank {p.rank}, "
+                                          f"channel {ch}, {q.device.name}:{q.port})")
+
+    def endpoint_keys(self, mem: WindowMemory, peer: PeerInfo, channel: int) -> Tuple[int, int]:
+        """(lkey, rkey) for my queue to (peer, channel): my key on that channel's NIC, the peer's on its."""
+        return self.devices[self.rail(channel)[0]].lkey, _rail_of(peer, channel)["rkey"]
+
+    def rail(self, channel: int) -> Tuple[str, int]:
+        """The (device, port) of my channel `channel` (roce.spread_channels' rule)."""
+        return self.rails[channel % len(self.rails)]
+
+    def describe(self) -> List[str]:
+        """One line per rail: what doctor and error messages show."""
+        lines = []
+        for i, (name, port) in enumerate(self.rails):
+            p = self.devices[name].ports[port]
+            kind = f"RoCE GID {p['gid_index']} ({p['why']})" if p["roce"] else f"InfiniBand LID {p['lid']}"
+            lines.append(f"rail {i} (channels {i} mod {len(self.rails)}): {name}:{port}, {kind}, MTU {p['mtu']}")
+        return lines
+
+    def close(self) -> None:
+        """Queues (QP, CQ, UMEM), then per device the MR, UAR mapping, UAR, PD and context: the reverse of
+        their creation. Every peer has stopped using my window and queues (the window made sure)."""
+        g = self.glue
+        for q in reversed(self.queues):
+            for obj, release in ((q.qp, g.obj_destroy), (q.cq, g.obj_destroy), (q.umem, g.umem_dereg)):
+                if obj is not None:
+                    release(obj)
+        self.queues = []
+        for dev in reversed(list(self.devices.values())):
+            if dev.mr is not None:
+                g.dereg_mr(dev.mr)
+            if dev.uar_mapped:
+                g.cuda_unmap_io(dev.uar_mapped)
+            if dev.uar is not None:
+                g.free_uar(dev.uar)
+            if dev.pd is not None:
+                g.dealloc_pd(dev.pd)
+            g.close(dev.ctx)
+        self.devices = {}
+        self.window = None
+
+    def _used_devices(self) -> List[_Device]:
+        names = []
+        for name, _ in self.rails:
+            if name not in names:
+                names.append(name)
+        return [self.devices[n] for n in names]
+
+
+def _rail_of(peer: PeerInfo, channel: int) -> dict:
+    """The peer's rail for its queue to me on `channel` (its own rails, the same rule)."""
+    rails = peer.public["rails"]
+    return rails[channel % len(rails)]
+
+
+def _aligned_zeros(nbytes: int, device: torch.device) -> Tuple[torch.Tensor, int]:
+    """A zeroed allocation holding `nbytes` at an ALIGN-aligned address: (tensor to keep, that address)."""
+    t = torch.zeros(nbytes + ALIGN, dtype=torch.uint8, device=device)
+    return t, _round_up(t.data_ptr(), ALIGN)
+
+
+def _gpu_sysfs_dir(device: torch.device) -> Optional[str]:
+    from .. import system
+
+    for g in system.gpu_info() or []:
+        if g.get("index") == device.index and g.get("pci_bus_id"):
+            path = f"/sys/bus/pci/devices/{g['pci_bus_id']}"
+            return path if os.path.exists(path) else None
+    return None
