@@ -46,3 +46,38 @@ def test_gin_without_a_nic_is_refused_clearly(ctx):
 
     with pytest.raises(RuntimeError, match="nccl_gin: .*(GIN|ncclDevCommCreate)"):
         NcclGinWindow(ctx, 1 << 20, options={"gin": True}).close()
+
+
+def test_window_over_the_torch_nccl_groups_own_communicator(ctx):
+    """A torch NCCL group: the window runs over torch's own communicator when torch has _comm_ptr and one libnccl
+    is mapped (ours), else over its own and says why; either way the conformance kernel passes, and torch's
+    communicator still works after the window is closed (we never destroy what torch owns)."""
+    import dataclasses
+    import os
+
+    import torch.distributed as dist
+
+    from deepep_portable.engines.transport_selftest import TransportSelftest, window_bytes
+    from deepep_portable.transports import libraries
+    from deepep_portable.transports.nccl_gin import torch_comm
+    from deepep_portable.transports.nccl_gin.window import NcclGinWindow
+
+    group = dist.new_group([0], backend="nccl")
+    nctx = dataclasses.replace(ctx, comm=Comm(group))
+    window = NcclGinWindow(nctx, window_bytes(1))
+    try:
+        backend = group._get_backend(ctx.device)
+        libs = torch_comm.mapped_libraries()
+        expect = hasattr(backend, "_comm_ptr") and libs == [os.path.realpath(libraries.nccl_info()["lib"])]
+        print(f"\nnccl_gin communicator: {window.comm_source}; libnccl mapped: {libs}")
+        assert window.owns_comm != expect, (window.comm_source, libs)
+        if expect:
+            assert window.comm.value == backend._comm_ptr()
+        test = TransportSelftest(nctx, window)
+        res = test.run(window.transport_params())
+        assert not test.verdict([res]), test.verdict([res])
+    finally:
+        window.close()
+    t = torch.ones(1, device=ctx.device)
+    dist.all_reduce(t, group=group)
+    assert t.item() == 1

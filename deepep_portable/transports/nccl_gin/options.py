@@ -1,6 +1,7 @@
 """`Buffer(..., nccl_options={...})`: what the nccl_gin backend passes to NCCL, validated before anything is set
-up. Ours: `gin` (True / False; default: GIN when the ranks span nodes). NCCL's own settings go through its
-environment, read when the first communicator of the process is made (so the first Buffer's options win):
+up. Ours: `gin` (True / False; default: GIN when the ranks span nodes), `reuse_torch_comm` (default True: the
+window runs over the torch NCCL group's own communicator when that is safe, torch_comm.py). NCCL's own settings
+go through its environment, read when the first communicator of the process is made (so the first Buffer's options win):
 ib_gid_index -> NCCL_IB_GID_INDEX, ib_traffic_class -> NCCL_IB_TC, ib_sl -> NCCL_IB_SL, hca_list ->
 NCCL_IB_HCA, gin_type -> NCCL_GIN_TYPE. NCCL_NVLS_ENABLE=0 always (NVLink SHARP stays off: DESIGN.md)."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any, Dict, Mapping, Optional
 PASS_THROUGH = {"ib_gid_index": ("NCCL_IB_GID_INDEX", 0, 255), "ib_traffic_class": ("NCCL_IB_TC", 0, 255),
                 "ib_sl": ("NCCL_IB_SL", 0, 15), "hca_list": ("NCCL_IB_HCA", None, None),
                 "gin_type": ("NCCL_GIN_TYPE", -1, 5)}
-OURS = {"gin"}
+OURS = {"gin", "reuse_torch_comm"}
 
 
 def nccl_environment(options: Optional[Mapping[str, Any]] = None) -> Dict[str, str]:

@@ -4,9 +4,10 @@ GIN resource is asked for, so a node without a NIC works; GIN when the ranks spa
 csrc/backends/nccl_gin/device.cuh reads (the SET-signal shadow, the failure word, scratch for GIN reads past
 the engines' bytes). Kernels are compiled against the loaded libnccl's own headers (host.py's version gate).
 
-Not done yet: reusing torch's NCCL communicator (DeepEP's `_comm_ptr`), logical nodes (the device code
-cannot hide LSA peers). NCCL refuses two ranks on one GPU before 2.30 (and from 2.30 without
-NCCL_MULTI_RANK_GPU_ENABLE=1): that is refused here with that reason, before NCCL is asked.
+The communicator: the torch NCCL group's own when that is safe (torch_comm.py; `comm_source` says which), else
+one from a unique id over the group. Not done yet: logical nodes (the device code cannot hide LSA peers).
+NCCL refuses two ranks on one GPU before 2.30 (and from 2.30 without NCCL_MULTI_RANK_GPU_ENABLE=1): that is
+refused here with that reason, before NCCL is asked.
 Peer addresses come from the device (engines/peer_bases.py): NCCL before 2.29 has no host lookup.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .. import libraries
 from .abi import NCCL_GIN_BUILD, SCRATCH_WORDS, NcclGinTransportParams, SignalShadowParams, build_flags
 from .host import HostLib, Request
 from .options import apply_environment
+from .torch_comm import collective_choice, local_candidate
 
 WIN_STRICT_ORDERING = 0x02   # nccl.h NCCL_WIN_STRICT_ORDERING: GIN VA signals need it
 ALIGN = 4096                 # NCCL_WIN_REQUIRED_ALIGNMENT
@@ -61,13 +63,17 @@ class NcclGinWindow(Window):
         self.defines = {"DEEPEP_NCCL_RUNTIME": version}   # keys the JIT cache by the library's version too
         self.gin = ctx.num_nodes > 1 if options.get("gin") is None else bool(options["gin"])
         lib = host.lib
-        uid = ctypes.create_string_buffer(lib.dgin_unique_id_size())
-        if ctx.rank == 0:
-            _check(host, lib.dgin_get_unique_id(uid), "ncclGetUniqueId")
-        uid_bytes = ctx.comm.allgather_object(uid.raw if ctx.rank == 0 else None)[0]
-        self.comm = ctypes.c_void_p()
-        _check(host, lib.dgin_comm_init_rank(ctypes.byref(self.comm), ctx.num_ranks, uid_bytes, ctx.rank),
-               "ncclCommInitRank")
+        self.comm, self.owns_comm = ctypes.c_void_p(), True
+        reuse, self.comm_source = self._torch_comm(options.get("reuse_torch_comm", True) is not False)
+        if reuse:
+            self.comm, self.owns_comm = ctypes.c_void_p(reuse), False
+        else:
+            uid = ctypes.create_string_buffer(lib.dgin_unique_id_size())
+            if ctx.rank == 0:
+                _check(host, lib.dgin_get_unique_id(uid), "ncclGetUniqueId")
+            uid_bytes = ctx.comm.allgather_object(uid.raw if ctx.rank == 0 else None)[0]
+            _check(host, lib.dgin_comm_init_rank(ctypes.byref(self.comm), ctx.num_ranks, uid_bytes, ctx.rank),
+                   "ncclCommInitRank")
         self._mem = ctypes.c_void_p()
         self._win = ctypes.c_void_p()
         self._devcomm = None
@@ -118,6 +124,21 @@ class NcclGinWindow(Window):
             self._release()
             raise
 
+    def _torch_comm(self, wanted: bool):
+        """(torch's communicator pointer or 0, where the window's communicator comes from): collective."""
+        if not wanted:
+            return 0, "our own (nccl_options reuse_torch_comm=False)"
+        ctx = self.ctx
+        group = ctx.comm.raw if ctx.comm.backend.lower() == "nccl" else None
+
+        def warm_up() -> None:   # torch makes the communicator at the group's first collective
+            torch.distributed.all_reduce(torch.zeros(1, device=ctx.device), group=group)
+            torch.cuda.synchronize(ctx.device)
+
+        mine = local_candidate(group, libraries.nccl_info()["lib"], ctx.device, warm_up)
+        reuse, why = collective_choice(ctx.comm.allgather_object(mine))
+        return (mine[0] if reuse else 0), (why if reuse else f"our own ({why})")
+
     def _device_tables(self, device) -> None:
         """What device.cuh keeps besides the window: the SET-signal shadow, the failure word, the scratch ticket."""
         self.shadow_keys = torch.zeros(SHADOW_CAPACITY, dtype=torch.int64, device=device)
@@ -159,9 +180,9 @@ class NcclGinWindow(Window):
         if self._mem.value:
             lib.dgin_mem_free(self._mem)
             self._mem = ctypes.c_void_p()
-        if self.comm.value:
+        if self.comm.value and self.owns_comm:   # a reused communicator is torch's
             lib.dgin_comm_destroy(self.comm)
-            self.comm = ctypes.c_void_p()
+        self.comm = ctypes.c_void_p()
 
     def close(self) -> None:
         """Collective: nobody uses the window any more, then NCCL releases it."""
