@@ -139,7 +139,7 @@ def test_the_checker_sees_a_circle():
 def _csrc_files(sub: str) -> List[str]:
     out = []
     for dirpath, _, files in os.walk(os.path.join(ROOT, "csrc", sub)):
-        out += [os.path.join(dirpath, f) for f in files if f.endswith((".cu", ".cuh", ".cpp", ".hpp", ".h"))]
+        out += [os.path.join(dirpath, f) for f in files if f.endswith((".cu", ".cuh", ".cpp", ".cc", ".hpp", ".h"))]
     return out
 
 

@@ -36,14 +36,18 @@ def _caps(**over) -> bytes:
 class FakeGlue:
     """devx_glue.DevxGlue's methods, over a fake firmware for rank `rank` (handles are ("kind", n) tuples)."""
 
-    def __init__(self, rank: int, link_layer: int = ETH, caps: bytes = None, fail: str = "") -> None:
+    def __init__(self, rank: int, link_layer: int = ETH, caps: bytes = None, fail: str = "",
+                 atomic_modes: dict = None) -> None:
         self.rank, self.link_layer, self.caps, self.fail = rank, link_layer, caps or _caps(), fail
+        self.atomic_modes = atomic_modes or {}   # device -> (supported mode 1, mode); default (1, 1)
         self.live, self.calls, self.commands, self.n = [], [], [], 0x40 + 0x100 * rank
+        self.names, self.uar_calls, self.owner = {}, 0, {}
 
-    def _new(self, kind: str):
+    def _new(self, kind: str, ctx=None):
         self.n += 1
         h = (kind, self.n)
         self.live.append(h)
+        self.owner[h] = ctx
         return h
 
     def _free(self, h, kind: str) -> None:
@@ -55,14 +59,22 @@ class FakeGlue:
         return CONSTANTS[name]
 
     def open(self, name):
-        return self._new("ctx")
+        h = self._new("ctx")
+        self.names[h] = name
+        return h
 
     def close(self, ctx):
-        assert not [h for h in self.live if h[0] != "ctx"], f"context closed before {self.live}"
+        assert not [h for h in self.live if self.owner.get(h) == ctx], f"context closed before {self.live}"
         self._free(ctx, "ctx")
 
     def general_cmd(self, ctx, cmd, outlen):
         self.commands.append(("general", cmd))
+        if _get(cmd, prm.QUERY_HCA_CAP_IN, "op_mod") == prm.HCA_CAP_ATOMIC_CUR:
+            out = bytearray(outlen)
+            supported, mode = self.atomic_modes.get(self.names[ctx], (1, 1))
+            prm._put(out, 128 + 0x46, 1, supported, "supported")
+            prm._put(out, 128 + 0x40, 2, mode, "mode")
+            return bytes(out)
         return self.caps[:outlen]
 
     def query_port(self, ctx, port):
@@ -74,21 +86,23 @@ class FakeGlue:
         return ipaddress.IPv6Address(GIDS[index].format(self.rank + 1) if index == 3 else GIDS[index]).packed
 
     def alloc_pd(self, ctx):
-        return self._new("pd"), 0x900 + self.rank
+        return self._new("pd", ctx), 0x900 + self.rank
 
     def dealloc_pd(self, pd):
+        assert not [h for h in self.live if self.owner.get(h) == pd], f"PD freed before {self.live}"
         self._free(pd, "pd")
 
-    def alloc_uar(self, ctx):
-        return self._new("uar"), 0x77, 0x7F0000001800
+    def alloc_uar(self, ctx):   # two dedicated registers per page, as BlueFlame UARs can share one
+        i, self.uar_calls = self.uar_calls, self.uar_calls + 1
+        return self._new("uar", ctx), 0x70 + i // 2, 0x7F0000000000 + (i // 2) * 4096 + 0x800 + (i % 2) * 0x100
 
     def free_uar(self, uar):
         self._free(uar, "uar")
 
     def cuda_map_io(self, host, size):
-        assert host % 4096 == 0 and size == 4096
+        assert host % 4096 == 0 and size == 4096 and ("io", host) not in self.live, "a page mapped twice"
         self.live.append(("io", host))
-        return 0x5000000000
+        return 0x5000000000 + (host - 0x7F0000000000)
 
     def cuda_unmap_io(self, host):
         self._free(("io", host), "io")
@@ -102,14 +116,14 @@ class FakeGlue:
 
     def reg_mr(self, pd, addr, length, fd, offset, access):
         self.calls.append(("reg_mr", addr, length, access))
-        return self._new("mr"), 0x1000 + self.rank, 0x2000 + self.rank
+        return self._new("mr", pd), 0x1000 + self.rank, 0x2000 + self.rank
 
     def dereg_mr(self, mr):
         self._free(mr, "mr")
 
     def umem_reg(self, ctx, addr, size, fd, access):
         assert addr == 0 and size % ALIGN == 0
-        h = self._new("umem")
+        h = self._new("umem", ctx)
         return h, h[1]
 
     def umem_dereg(self, umem):
@@ -117,7 +131,7 @@ class FakeGlue:
 
     def obj_create(self, ctx, cmd, outlen):
         self.commands.append(("create", cmd))
-        h = self._new("obj")
+        h = self._new("obj", ctx)
         out = bytearray(outlen)
         if self.fail == "create_qp" and _get(cmd, prm.CREATE_QP_IN, "opcode") == prm.CMD_CREATE_QP:
             prm._put(out, 0, 8, 3, "status")
@@ -186,11 +200,11 @@ def test_roce_pair_commands_and_send_queues():
     assert _get(cq_cmd, prm.CREATE_CQ_IN, *cqc, "cc") == 1 and _get(cq_cmd, prm.CREATE_CQ_IN, *cqc, "oi") == 1
     assert _get(cq_cmd, prm.CREATE_CQ_IN, "cq_context", "log_cq_size") == 6            # depth 64
     assert _get(cq_cmd, prm.CREATE_CQ_IN, "cq_context", "c_eqn") == 0x1234
-    assert _get(cq_cmd, prm.CREATE_CQ_IN, "cq_context", "uar_page") == 0x77
-    umem_id = _get(cq_cmd, prm.CREATE_CQ_IN, "cq_umem_id")   # the fake numbers objects in order: UMEM, CQ, QP
+    assert _get(cq_cmd, prm.CREATE_CQ_IN, "cq_context", "uar_page") == 0x70 + 3 // 2   # the 4th queue's UAR
+    umem_id = _get(cq_cmd, prm.CREATE_CQ_IN, "cq_umem_id")   # the fake numbers in order: UMEM, UAR, CQ, QP
     assert _get(qp_cmd, prm.CREATE_QP_IN, "wq_umem_id") == umem_id
     assert _get(qp_cmd, prm.CREATE_QP_IN, "qpc", "dbr_umem_id") == umem_id
-    cqn = umem_id + 1
+    cqn = umem_id + 2
     assert _get(qp_cmd, prm.CREATE_QP_IN, "qpc", "cqn_snd") == cqn == _get(qp_cmd, prm.CREATE_QP_IN, "qpc", "cqn_rcv")
     assert q.qpn == cqn + 1
     assert _get(qp_cmd, prm.CREATE_QP_IN, "qpc", "pd") == 0x900
@@ -205,7 +219,11 @@ def test_roce_pair_commands_and_send_queues():
     assert _get(qp_cmd, prm.CREATE_QP_IN, "qpc", "dbr_addr") == 2 * ring
     assert _get(cq_cmd, prm.CREATE_CQ_IN, "cq_umem_offset") == ring
     assert _get(cq_cmd, prm.CREATE_CQ_IN, "cq_context", "dbr_addr") == 2 * ring + 64
-    assert sq.doorbell == 0x5000000000 + 0x800 and sq.depth == 64 and sq.qpn == q.qpn
+    assert _get(qp_cmd, prm.CREATE_QP_IN, "qpc", "uar_page") == 0x70 + 3 // 2
+    assert sq.doorbell == 0x5000000000 + 4096 + 0x800 + 0x100 and sq.depth == 64 and sq.qpn == q.qpn
+    doorbells = [h.sq.doorbell for row in queues[0] for h in row]
+    assert len(set(doorbells)) == len(doorbells) == 4        # a register per queue: one warp rings several
+    assert not provs[0].atomic_result_be                      # mode 1 supported and set: host order
     cq = q.private.memory.view(-1)
     start = sq.cq - q.private.memory.data_ptr()
     assert bool((cq[start:start + ring] == 0xFF).all()) and int(cq[start - ring:start].sum()) == 0
@@ -285,3 +303,36 @@ def test_choose_rails_rules():
         roce.choose_rails(devs, roce.ibgda_options({"hca_list": "mlx5_0:2"}, environ={}))
     with pytest.raises(ValueError, match="not an RDMA device"):
         roce.choose_rails(devs, roce.ibgda_options({"hca_list": "mlx5_9"}, environ={}))
+
+
+def test_atomic_result_order_comes_from_each_nic():
+    devs = _sysfs() + [dict(_sysfs()[0], name="mlx5_1")]
+    for modes, be in (({}, False), ({"mlx5_0": (0, 0), "mlx5_1": (0, 0)}, True),
+                      ({"mlx5_0": (1, 0), "mlx5_1": (1, 0)}, True)):
+        p = DevxProvider(_ctx(0), glue=FakeGlue(0, atomic_modes=modes), devices=devs)
+        assert p.atomic_result_be is be and p.rails == [("mlx5_0", 1), ("mlx5_1", 1)]
+        p.close()
+    glue = FakeGlue(0, atomic_modes={"mlx5_1": (0, 0)})
+    with pytest.raises(RuntimeError, match="mlx5_1 returns 8-byte atomic results big-endian, mlx5_0 the other way"):
+        DevxProvider(_ctx(0), glue=glue, devices=devs)
+    assert glue.live == []
+
+
+def test_close_releases_everything_even_after_a_failure():
+    glue = FakeGlue(0)
+    p = DevxProvider(_ctx(0), glue=glue, devices=_sysfs())
+    p.alloc_window(4096)
+    p.create_queue(1, 0, 64)
+    fails = {"n": 0}
+    real = glue.umem_dereg
+
+    def failing(h):
+        fails["n"] += 1
+        real(h)
+        raise RuntimeError("umem busy")
+
+    glue.umem_dereg = failing
+    with pytest.raises(RuntimeError, match="umem busy"):
+        p.close()
+    assert fails["n"] == 1 and glue.live == []
+    p.close()   # nothing left: no second release

@@ -116,7 +116,7 @@ def test_constants_are_the_headers(glue, cxx, tmp_path):
              "int main(void) {"]
     lines += [f'#ifdef {n}\n    printf("{n}=%lld\\n", (long long)({n}));\n#endif' if n.startswith("MLX5DV_UAR")
               else f'    printf("{n}=%lld\\n", (long long)({n}));' for n in names]
-    lines += ["#ifdef MLX5DV_UAR_ALLOC_TYPE_NC", '    printf("has NC\\n");', "#endif", "    return 0;", "}"]
+    lines += ["#ifdef MLX5DV_UAR_ALLOC_TYPE_NC_DEDICATED", '    printf("has NC\\n");', "#endif", "    return 0;", "}"]
     prog.write_text("\n".join(lines) + "\n")
     exe = tmp_path / "consts"
     build = subprocess.run([cxx, "-x", "c", str(prog), "-o", str(exe)], capture_output=True, text=True)
@@ -124,7 +124,7 @@ def test_constants_are_the_headers(glue, cxx, tmp_path):
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
     header = dict(line.split("=") for line in out if "=" in line)
     assert {k: int(v) for k, v in header.items()} == glue.constants
-    assert ("MLX5DV_UAR_ALLOC_TYPE_NC" in glue.constants) == ("NC" in out)
+    assert ("MLX5DV_UAR_ALLOC_TYPE_NC_DEDICATED" in glue.constants) == ("NC" in out)
     # The kernel's uABI values, fixed since the verbs interface began (ib_user_verbs / the IB spec's port states).
     assert [glue.constant(n) for n in ("IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE", "IBV_ACCESS_REMOTE_READ",
                                        "IBV_ACCESS_REMOTE_ATOMIC", "IBV_PORT_ACTIVE")] == [1, 2, 4, 8, 4]

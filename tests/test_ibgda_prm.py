@@ -328,3 +328,22 @@ def test_check_status(ref):
         prm.general_caps(bytes(ref.QueryCmdHcaCapOut(status=0xf, syndrome=0xfeed)))
     with pytest.raises(ValueError, match="output of 4 bytes"):
         prm.check_status(b"\0" * 4, "X")
+
+
+def test_atomic_result_order_from_the_atomic_caps():
+    """mlx5_ifc.h atomic_caps (not in scapy): atomic_req_8B_endianness_mode at bit 0x40 (2 bits), its support bit
+    supported_atomic_req_8B_endianness_mode_1 at 0x46; results are host-order only for mode 1 where supported."""
+    assert prm.HCA_CAP_ATOMIC_CUR == 7 and prm.query_hca_cap_in(prm.HCA_CAP_ATOMIC_CUR)[6:8] == b"\x00\x07"
+
+    def out(supported, mode, status=0):
+        b = bytearray(prm.QUERY_HCA_CAP_OUT)
+        b[0] = status
+        b[16 + 8] = (mode << 6) | (supported << 1)   # byte 8 of the caps: mode in bits 7-6, support in bit 1
+        return bytes(b)
+
+    assert prm.atomic_results_big_endian(out(1, 1)) is False
+    assert prm.atomic_results_big_endian(out(1, 0)) is True
+    assert prm.atomic_results_big_endian(out(0, 1)) is True
+    assert prm.atomic_results_big_endian(out(0, 0)) is True
+    with pytest.raises(RuntimeError, match="QUERY_HCA_CAP"):
+        prm.atomic_results_big_endian(out(1, 1, status=3))

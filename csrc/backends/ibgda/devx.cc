@@ -211,8 +211,8 @@ int with_cu(int r) noexcept {
 
 // ---- constants and handles ----------------------------------------------------------------------------------
 
-#ifdef MLX5DV_UAR_ALLOC_TYPE_NC
-#define DX_IF_NC(X) X(MLX5DV_UAR_ALLOC_TYPE_NC)
+#ifdef MLX5DV_UAR_ALLOC_TYPE_NC_DEDICATED
+#define DX_IF_NC(X) X(MLX5DV_UAR_ALLOC_TYPE_NC_DEDICATED)
 #else
 #define DX_IF_NC(X)
 #endif
@@ -227,7 +227,7 @@ int with_cu(int r) noexcept {
 struct Constant { const char* name; long long value; };
 const Constant kConstants[] = {DX_CONSTANTS(DX_ENTRY)};
 
-// A UAR and the type it was allocated with (NC when the header and the device have it, else BF).
+// A UAR and the type it was allocated with (dedicated NC when the header and the device have it, else BF).
 struct DxUar { mlx5dv_devx_uar* uar; uint32_t type; };
 
 }  // namespace
@@ -348,22 +348,26 @@ DX_API int dx_alloc_uar(void* ctx, void** uar, uint32_t* page_id, uint64_t* reg_
     *uar = nullptr;
     DxUar* h = (DxUar*)calloc(1, sizeof(DxUar));
     if (!h) return fail_errno(ENOMEM, "dx_alloc_uar: calloc failed");
+    // Every call must give a doorbell register of its own: the GPU rings several queues from the lanes of one
+    // warp at once, and one store instruction to one address from several lanes need not reach it once per lane.
+    // Plain NC is the context's singleton (one register for every caller), so never that: a dedicated NC UAR
+    // where the header has it (rdma-core >= 45), else a BlueFlame register, dedicated per call (NVSHMEM's order).
     int nc_errno = 0;
-#ifdef MLX5DV_UAR_ALLOC_TYPE_NC
-    h->uar = mlx5dv_devx_alloc_uar((ibv_context*)ctx, h->type = MLX5DV_UAR_ALLOC_TYPE_NC);
+#ifdef MLX5DV_UAR_ALLOC_TYPE_NC_DEDICATED
+    h->uar = mlx5dv_devx_alloc_uar((ibv_context*)ctx, h->type = MLX5DV_UAR_ALLOC_TYPE_NC_DEDICATED);
     if (!h->uar) nc_errno = saved_errno();
 #endif
-    if (!h->uar)   // no NC type in this header, or the device refused it: a BlueFlame UAR (NVSHMEM's fallback)
+    if (!h->uar)
         h->uar = mlx5dv_devx_alloc_uar((ibv_context*)ctx, h->type = MLX5DV_UAR_ALLOC_TYPE_BF);
     if (!h->uar) {
         int e = saved_errno();
         free(h);
-        return fail_errno(e, "dx_alloc_uar: mlx5dv_devx_alloc_uar failed (NC: errno %d; BF)", nc_errno);
+        return fail_errno(e, "dx_alloc_uar: mlx5dv_devx_alloc_uar failed (dedicated NC: errno %d; BF)", nc_errno);
     }
     return *uar = h, *page_id = h->uar->page_id, *reg_addr = (uint64_t)(uintptr_t)h->uar->reg_addr, 0;
 }
 
-// Extra export: the type dx_alloc_uar got (MLX5DV_UAR_ALLOC_TYPE_NC or _BF) and the page's mapping.
+// Extra export: the type dx_alloc_uar got (MLX5DV_UAR_ALLOC_TYPE_NC_DEDICATED or _BF) and the page's mapping.
 DX_API int dx_uar_info(void* uar, uint32_t* alloc_type, uint64_t* base_addr) noexcept {
     DX_REQUIRE(uar, "dx_uar_info");
     const DxUar* h = (const DxUar*)uar;
@@ -388,7 +392,8 @@ DX_API int dx_umem_reg(void* ctx, uint64_t addr, size_t size, int dmabuf_fd, uin
         mlx5dv_devx_umem_in in{};
         in.addr = (void*)(uintptr_t)addr;   // the offset inside the dmabuf
         in.size = size, in.access = access, in.dmabuf_fd = dmabuf_fd, in.comp_mask = MLX5DV_UMEM_MASK_DMABUF;
-        in.pgsz_bitmap = ~(uint64_t)(4096 - 1);   // any page size from 4 KiB up
+        // 4 KiB pages only: objects sit at 4 KiB offsets in the UMEM and are created with log_page_size 0.
+        in.pgsz_bitmap = 4096;
         if (!(u = mlx5dv_devx_umem_reg_ex((ibv_context*)ctx, &in)))
             return fail_errno(saved_errno(), "dx_umem_reg: mlx5dv_devx_umem_reg_ex(dmabuf fd %d, offset 0x%llx, "
                               "size %zu, access 0x%x) failed", dmabuf_fd, (unsigned long long)addr, size, access);

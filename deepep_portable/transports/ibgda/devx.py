@@ -5,12 +5,15 @@ Per process (one Buffer window), following the recipe every GPU-initiated RDMA l
 
   * rails: the (device, port) pairs the channels use (roce.choose_rails: hca_list, else the closest mlx5 NICs
     by PCIe distance; every ACTIVE port unless multi_port is off); channel c uses rail c % rails;
-  * per device: a DevX context, a PD (its pdn), one non-cached UAR whose doorbell register is mapped into the
-    GPU (cuMemHostRegister with IOMEMORY), the completion EQ number, the general HCA caps (CQE version 1,
-    queue size, outstanding RDMA READ / atomic depth), and the window registered as an MR over dmabuf;
-  * per (peer, channel) queue: one GPU allocation [send ring | CQ ring | doorbell records], registered as one
-    DevX UMEM over dmabuf; a collapsed CQ (the NIC writes entry 0 only, overrun ignored) filled with 0xff;
-    an RC QP (SQ at the UMEM's start, zero-length RQ: nothing is ever received) on that CQ;
+  * per device: a DevX context, a PD (its pdn), the completion EQ number, the general HCA caps (CQE version 1,
+    queue size, outstanding RDMA READ / atomic depth), the atomic caps (8-byte results in host order or
+    big-endian: device.cuh's atomic_result_be), and the window registered as an MR over dmabuf;
+  * per (peer, channel) queue: a UAR of its own (dedicated NC, else BlueFlame: never the context's shared NC
+    register, since one warp instruction may ring several queues and needs one register per queue) whose page
+    is mapped into the GPU (cuMemHostRegister with IOMEMORY); one GPU allocation [send ring | CQ ring |
+    doorbell records], registered as one DevX UMEM over dmabuf (4 KiB pages); a collapsed CQ (the NIC writes
+    entry 0 only, overrun ignored) filled with 0xff; an RC QP (SQ at the UMEM's start, zero-length RQ:
+    nothing is ever received) on that CQ;
   * connect: RST2INIT (remote write / read / atomic allowed, 8-byte extended atomics), INIT2RTR (the peer's
     QPN for this channel, the path MTU both ends can do, an IB LID path or a RoCE GRH path with our GID
     choice, the next hop's MAC, DSCP / ECN from traffic_class, priority sl & 7, a UDP source port per QP),
@@ -60,10 +63,6 @@ class _Device:
     ctx: Any
     pd: Any
     pdn: int
-    uar: Any
-    uar_page: int
-    doorbell: int            # the UAR's doorbell register, as the GPU addresses it
-    uar_mapped: int          # host address registered with CUDA (unmapped at close)
     eqn: int
     caps: prm.GeneralCaps
     ports: Dict[int, dict] = field(default_factory=dict)   # port -> query_port fields + gid choice
@@ -93,7 +92,7 @@ class DevxProvider(NicProvider):
     PCI directory (default: from the CUDA driver), for choosing the closest NICs."""
 
     name = "mlx5-devx"
-    atomic_result_be = True   # the HCA's default 8-byte atomic response mode (first real run: check the cap)
+    atomic_result_be = True   # set from every NIC's atomic caps (they must agree): device.cuh reads it
 
     def __init__(self, ctx, glue=None, devices: Optional[List[dict]] = None,
                  gpu_device_dir: Optional[str] = None) -> None:
@@ -111,6 +110,8 @@ class DevxProvider(NicProvider):
         self.records = {d["name"]: d for d in devices}
         self.devices: Dict[str, _Device] = {}
         self.queues: List[_Queue] = []
+        self.uars: List[Any] = []
+        self.uar_pages: Dict[int, int] = {}   # host page -> its GPU address (mapped once)
         self.window: Optional[torch.Tensor] = None
         self._constants: Dict[str, int] = {}
         try:
@@ -131,20 +132,35 @@ class DevxProvider(NicProvider):
             return self.devices[name]
         g = self.glue
         ctx = g.open(name)
-        dev = _Device(name, ctx, None, 0, None, 0, 0, 0, 0, prm.GeneralCaps(0, 0, 0, 0, 0, 0))
+        dev = _Device(name, ctx, None, 0, 0, prm.GeneralCaps(0, 0, 0, 0, 0, 0))
         self.devices[name] = dev   # released by close() from here on, whatever fails next
         dev.caps = prm.general_caps(g.general_cmd(ctx, prm.query_hca_cap_in(1), prm.QUERY_HCA_CAP_OUT))
         if dev.caps.cqe_version != 1:
             raise RuntimeError(f"ibgda: {name} reports CQE version {dev.caps.cqe_version}; the GPU reads version-1 "
                                "CQEs (a firmware or driver too old for DevX queues)")
+        # 8-byte atomic results: host order where the driver switched the HCA to it (mode 1), else big-endian.
+        be = prm.atomic_results_big_endian(g.general_cmd(ctx, prm.query_hca_cap_in(prm.HCA_CAP_ATOMIC_CUR),
+                                                         prm.QUERY_HCA_CAP_OUT))
+        if len(self.devices) > 1 and be != self.atomic_result_be:
+            raise RuntimeError(f"ibgda: {name} returns 8-byte atomic results {'big-endian' if be else 'in host order'}"
+                               f", {', '.join(n for n in self.devices if n != name)} the other way: use NICs that "
+                               "agree (hca_list)")
+        self.atomic_result_be = be
         dev.pd, dev.pdn = g.alloc_pd(ctx)
-        dev.uar, dev.uar_page, reg_addr = g.alloc_uar(ctx)
-        # The register may sit mid-page: map its page, address the register inside it.
-        page = reg_addr & ~(PAGE - 1)
-        dev.uar_mapped = page
-        dev.doorbell = g.cuda_map_io(page, PAGE) + (reg_addr - page)
         dev.eqn = g.query_eqn(ctx, 0)
         return dev
+
+    def _doorbell(self, dev: _Device) -> Tuple[Any, int, int]:
+        """A UAR of one queue's own (the GPU rings several queues from one warp instruction: each needs its own
+        register) and its register as the GPU addresses it: (uar, page id, GPU address). Its page is mapped into
+        the GPU once (dedicated registers may share a page)."""
+        g = self.glue
+        uar, page_id, reg_addr = g.alloc_uar(dev.ctx)
+        self.uars.append(uar)   # released by close() from here on
+        page = reg_addr & ~(PAGE - 1)   # the register sits inside a page: map the page
+        if page not in self.uar_pages:
+            self.uar_pages[page] = g.cuda_map_io(page, PAGE)
+        return uar, page_id, self.uar_pages[page] + (reg_addr - page)
 
     def _port(self, dev: _Device, port: int) -> dict:
         if port in dev.ports:
@@ -200,12 +216,13 @@ class DevxProvider(NicProvider):
             os.close(fd)
         q = _Queue(dev, port, channel, memory, words, umem, None, None, 0)
         self.queues.append(q)   # released by close() from here on
-        cq_in = prm.create_cq_in(log_cq_size=_log2(depth), uar_page=dev.uar_page, eqn=dev.eqn, cq_umem_id=umem_id,
+        _, uar_page, doorbell = self._doorbell(dev)
+        cq_in = prm.create_cq_in(log_cq_size=_log2(depth), uar_page=uar_page, eqn=dev.eqn, cq_umem_id=umem_id,
                                  cq_umem_offset=cq_at, dbr_umem_id=umem_id, dbr_offset=dbr_at + CQ_DBR)
         q.cq, out = g.obj_create(dev.ctx, cq_in, prm.CREATE_CQ_OUT)
         prm.check_status(out, f"CREATE_CQ on {name}")
         cqn = prm.cqn_of(out)
-        qp_in = prm.create_qp_in(pdn=dev.pdn, uar_page=dev.uar_page, cqn_snd=cqn, cqn_rcv=cqn,
+        qp_in = prm.create_qp_in(pdn=dev.pdn, uar_page=uar_page, cqn_snd=cqn, cqn_rcv=cqn,
                                  log_sq_size=_log2(depth), wq_umem_id=umem_id, dbr_umem_id=umem_id,
                                  dbr_offset=dbr_at + QP_DBR)
         q.qp, out = g.obj_create(dev.ctx, qp_in, prm.CREATE_QP_OUT)
@@ -214,11 +231,13 @@ class DevxProvider(NicProvider):
         w = words.data_ptr()
         sq = SendQueueParams(ring=base, depth=depth, qpn=q.qpn, reserve=w, turn=w + 8, completed=w + 16,
                              dbr=base + dbr_at + QP_DBR + 4,   # the send counter: the record's second be32
-                             doorbell=dev.doorbell, cq=base + cq_at)
+                             doorbell=doorbell, cq=base + cq_at)
         return QueueHandle(sq=sq, qpn=q.qpn, private=q)
 
     def connect(self, window: WindowMemory, queues, peers: List[PeerInfo]) -> None:
         o, g = self.options, self.glue
+        if self.ctx.device.type == "cuda":   # the rings' zeroing and the CQs' 0xff fill land before any use
+            torch.cuda.synchronize(self.ctx.device)
         for p in peers:
             for ch, handle in enumerate(queues[p.rank]):
                 q: _Queue = handle.private
@@ -266,26 +285,28 @@ class DevxProvider(NicProvider):
         return lines
 
     def close(self) -> None:
-        """Queues (QP, CQ, UMEM), then per device the MR, UAR mapping, UAR, PD and context: the reverse of
-        their creation. Every peer has stopped using my window and queues (the window made sure)."""
+        """Queues (QP, CQ, UMEM), the UAR mappings and UARs, then per NIC the MR, PD and context: the reverse of
+        their creation. Every peer has stopped using my window and queues (the window made sure). Each release
+        is tried whatever failed before it (the first failure is raised at the end), and none is tried twice."""
         g = self.glue
+        steps = []
         for q in reversed(self.queues):
-            for obj, release in ((q.qp, g.obj_destroy), (q.cq, g.obj_destroy), (q.umem, g.umem_dereg)):
-                if obj is not None:
-                    release(obj)
-        self.queues = []
+            steps += [(g.obj_destroy, q.qp), (g.obj_destroy, q.cq), (g.umem_dereg, q.umem)]
+        steps += [(g.cuda_unmap_io, page) for page in self.uar_pages]
+        steps += [(g.free_uar, uar) for uar in reversed(self.uars)]
         for dev in reversed(list(self.devices.values())):
-            if dev.mr is not None:
-                g.dereg_mr(dev.mr)
-            if dev.uar_mapped:
-                g.cuda_unmap_io(dev.uar_mapped)
-            if dev.uar is not None:
-                g.free_uar(dev.uar)
-            if dev.pd is not None:
-                g.dealloc_pd(dev.pd)
-            g.close(dev.ctx)
-        self.devices = {}
-        self.window = None
+            steps += [(g.dereg_mr, dev.mr), (g.dealloc_pd, dev.pd), (g.close, dev.ctx)]
+        self.queues, self.uars, self.uar_pages, self.devices, self.window = [], [], {}, {}, None
+        first: Optional[BaseException] = None
+        for release, handle in steps:
+            if handle is None:
+                continue
+            try:
+                release(handle)
+            except Exception as e:   # go on releasing; report the first failure
+                first = first or e
+        if first is not None:
+            raise first
 
     def _used_devices(self) -> List[_Device]:
         names = []

@@ -303,7 +303,8 @@ def rtr2rts_qp_in(*, qpn: int, log_sra_max: int, retry_count: int = 7, rnr_retry
 
 
 def query_hca_cap_in(op_mod: int) -> bytes:
-    """QUERY_HCA_CAP; op_mod HCA_CAP_GENERAL_CUR (1) = the general device caps, current values."""
+    """QUERY_HCA_CAP; op_mod HCA_CAP_GENERAL_CUR (1) = the general device caps, HCA_CAP_ATOMIC_CUR the atomic
+    ones, current values."""
     return _encode(16, QUERY_HCA_CAP_IN, {"opcode": CMD_QUERY_HCA_CAP, "op_mod": op_mod})
 
 
@@ -344,6 +345,24 @@ def qpn_of(out: bytes) -> int:
     _need(out, CREATE_QP_OUT, "CREATE_QP")
     check_status(out, "CREATE_QP")
     return _get(out, *CREATE_OBJ_OUT["obj"])
+
+
+# Atomic caps (capability type 3): not in rdma-core's scapy classes; the Linux kernel's mlx5_ifc.h
+# (struct mlx5_ifc_atomic_caps_bits, the same in UCX's and NVSHMEM's copies). The driver sets mode 1 (host
+# endianness) at probe time wherever the HCA supports it (mlx5_core handle_hca_cap_atomic); NVSHMEM reads both.
+HCA_CAP_ATOMIC_CUR = (0x3 << 1) | 1
+ATOMIC_CAPS: Layout = {"atomic_req_8B_endianness_mode": (0x40, 2),
+                       "supported_atomic_req_8B_endianness_mode_1": (0x46, 1)}
+
+
+def atomic_results_big_endian(out: bytes) -> bool:
+    """From a QUERY_HCA_CAP (atomic, current) output: whether 8-byte atomic results come back big-endian (mode 0)
+    rather than in host order (mode 1, only where supported); raises if the command failed."""
+    _need(out, 16 + 16, "QUERY_HCA_CAP (atomic)")
+    check_status(out, "QUERY_HCA_CAP (atomic)")
+    mode = _get(out, 128 + ATOMIC_CAPS["atomic_req_8B_endianness_mode"][0], 2)
+    supported = _get(out, 128 + ATOMIC_CAPS["supported_atomic_req_8B_endianness_mode_1"][0], 1)
+    return not (supported and mode == 1)
 
 
 @dataclass(frozen=True)
