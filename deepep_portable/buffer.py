@@ -159,8 +159,11 @@ class Buffer(LowLatencyOps):
     @property
     def capabilities(self) -> dict:
         """What this Buffer's transport can do (contract.Capabilities as a dict; e.g. for nvshmem,
-        whether every peer turned out to be reachable by load/store)."""
-        return self._live().runtime_capabilities().as_dict()
+        whether every peer turned out to be reachable by load/store), plus what the backend chose where it
+        says (ibgda: its NIC provider's rails, doorbell and memory registration)."""
+        backend = self._live()
+        notes = getattr(backend, "runtime_notes", None)
+        return {**backend.runtime_capabilities().as_dict(), **(notes() if notes else {})}
 
     @property
     def backend(self) -> Transport:

@@ -14,6 +14,7 @@ import torch
 
 from deepep_portable.transports.ibgda import prm, roce
 from deepep_portable.transports.ibgda.devx import ALIGN, DevxProvider
+from deepep_portable.transports.ibgda.devx_glue import DevxError
 from deepep_portable.transports.ibgda.provider import PeerInfo
 
 ETH, IB = 1, 0
@@ -97,9 +98,12 @@ class FakeGlue:
         return self._new("uar", ctx), 0x70 + i // 2, 0x7F0000000000 + (i // 2) * 4096 + 0x800 + (i % 2) * 0x100
 
     def free_uar(self, uar):
+        assert not [h for h in self.live if h[0] == "proxy"], "a UAR freed while the proxy may still ring it"
         self._free(uar, "uar")
 
     def cuda_map_io(self, host, size):
+        if self.fail == "map_io":
+            raise DevxError("cuda_map_io(size 4096)", 1, "cuMemHostRegister: CUDA_ERROR_NOT_PERMITTED")
         assert host % 4096 == 0 and size == 4096 and ("io", host) not in self.live, "a page mapped twice"
         self.live.append(("io", host))
         return 0x5000000000 + (host - 0x7F0000000000)
@@ -111,18 +115,21 @@ class FakeGlue:
         return 0x1234
 
     def cuda_dmabuf_fd(self, addr, size):
+        if self.fail == "dmabuf":
+            raise DevxError("cuda_dmabuf_fd", 95, "cuMemGetHandleForAddressRange: CUDA_ERROR_NOT_SUPPORTED")
         assert addr % ALIGN == 0 and size % ALIGN == 0
         return os.open(os.devnull, os.O_RDONLY)
 
     def reg_mr(self, pd, addr, length, fd, offset, access):
-        self.calls.append(("reg_mr", addr, length, access))
+        self.calls.append(("reg_mr", addr, length, access, fd))
         return self._new("mr", pd), 0x1000 + self.rank, 0x2000 + self.rank
 
     def dereg_mr(self, mr):
         self._free(mr, "mr")
 
     def umem_reg(self, ctx, addr, size, fd, access):
-        assert addr == 0 and size % ALIGN == 0
+        assert (addr == 0 if fd >= 0 else addr % ALIGN == 0 and addr > 0) and size % ALIGN == 0
+        self.calls.append(("umem_reg", addr, fd))
         h = self._new("umem", ctx)
         return h, h[1]
 
@@ -145,6 +152,13 @@ class FakeGlue:
 
     def obj_destroy(self, obj):
         self._free(obj, "obj")
+
+    def proxy_start(self, mailboxes, registers):
+        self.calls.append(("proxy_start", list(mailboxes), list(registers)))
+        return self._new("proxy")
+
+    def proxy_stop(self, proxy):
+        self._free(proxy, "proxy")
 
     def resolve_rmac(self, pd, port, gid_index, dgid, hop_limit):
         return bytes([2, 0, 0, 0, 0, dgid[-1]])
@@ -247,7 +261,8 @@ def test_roce_pair_commands_and_send_queues():
     assert _get(rts, prm.MODIFY_QP_IN, "qpc", "retry_count") == 7 == _get(rts, prm.MODIFY_QP_IN, "qpc", "rnr_retry")
     # The window: one MR per NIC, remote write / read / atomic, never relaxed ordering; keys per channel.
     (reg,) = [c for c in g0.calls if c[0] == "reg_mr"]
-    assert reg[1] == mems[0].base and reg[3] == 1 | 2 | 4 | 8
+    assert reg[1] == mems[0].base and reg[3] == 1 | 2 | 4 | 8 and reg[4] >= 0   # over dmabuf
+    assert not [c for c in g0.calls if c[0] == "proxy_start"] and provs[0].doorbell_mode == "gpu"
     assert provs[0].endpoint_keys(mems[0], PeerInfo(1, mems[1].base, mems[1].rkey, mems[1].public, []), 1) == \
         (0x1000, 0x2001)
     for p, g in zip(provs, glues):
@@ -336,3 +351,63 @@ def test_close_releases_everything_even_after_a_failure():
         p.close()
     assert fails["n"] == 1 and glue.live == []
     p.close()   # nothing left: no second release
+
+
+def test_cpu_doorbell_where_the_gpu_cannot_map_the_uar():
+    """doorbell='auto': the driver refusing the GPU mapping makes every queue's doorbell a mailbox in host memory
+    that a host thread forwards to its own register; 'gpu' refuses with the way out; 'cpu' never asks."""
+    glues, provs, mems, queues = _pair(channels=2)
+    for p in provs:
+        p.close()
+    glue = FakeGlue(0, fail="map_io")
+    p = DevxProvider(_ctx(0), glue=glue, devices=_sysfs())
+    mem = p.alloc_window(4096)
+    qs = [[p.create_queue(peer, ch, 64) for ch in range(2)] for peer in range(2)]
+    peers = [PeerInfo(r, mem.base, mem.rkey, mem.public, [q.qpn for q in qs[r]]) for r in range(2)]
+    p.connect(mem, qs, peers)
+    (start,) = [c for c in glue.calls if c[0] == "proxy_start"]
+    doorbells = [h.sq.doorbell for row in qs for h in row]
+    assert start[1] == doorbells and len(set(doorbells)) == 4                   # the GPU stores to the mailboxes
+    assert start[2] == [0x7F0000000000 + (i // 2) * 4096 + 0x800 + (i % 2) * 0x100 for i in range(4)]
+    assert p.doorbell_mode == "cpu" and "a host thread rings it" in p.describe()[-2]
+    assert "CUDA_ERROR_NOT_PERMITTED" in p.describe()[-2]
+    p.close()
+    assert glue.live == []
+    with pytest.raises(RuntimeError, match="cannot map mlx5_0's doorbell.*'doorbell': 'auto'"):
+        bad = DevxProvider(_ctx(0, doorbell="gpu"), glue=FakeGlue(0, fail="map_io"), devices=_sysfs())
+        bad.alloc_window(4096)
+        bad.create_queue(0, 0, 64)
+    glue = FakeGlue(0)
+    p = DevxProvider(_ctx(0, doorbell="cpu"), glue=glue, devices=_sysfs())
+    p.alloc_window(4096)
+    p.create_queue(0, 0, 64)
+    assert p.doorbell_mode == "cpu" and not [h for h in glue.live if h[0] == "io"]
+    p.close()
+
+
+def test_peermem_registration_where_dmabuf_is_refused():
+    glue = FakeGlue(0, fail="dmabuf")
+    p = DevxProvider(_ctx(0), glue=glue, devices=_sysfs())
+    mem = p.alloc_window(4096)
+    q = p.create_queue(1, 0, 64)
+    (reg,) = [c for c in glue.calls if c[0] == "reg_mr"]
+    (umem,) = [c for c in glue.calls if c[0] == "umem_reg"]
+    assert reg[1] == mem.base and reg[4] == -1 and umem == ("umem_reg", q.sq.ring, -1)
+    assert p.registration == "peermem" and "CUDA_ERROR_NOT_SUPPORTED" in p.describe()[-1]
+    p.close()
+    assert glue.live == []
+
+
+def test_buffer_capabilities_carry_the_providers_choices():
+    from deepep_portable.transports.ibgda.transport import IbgdaTransport
+
+    glues, provs, mems, queues = _pair(channels=1)
+    t = IbgdaTransport.__new__(IbgdaTransport)
+    t.normal_engine, t.ll_engine = None, SimpleNamespace(window=SimpleNamespace(provider=provs[0]))
+    notes = t.runtime_notes()
+    assert notes["nic_provider"] == "mlx5-devx" and notes["nic"][0].startswith("rail 0 (channels 0 mod 1): mlx5_0:1")
+    assert notes["nic"][-2:] == ["doorbell: the GPU rings the UAR", "GPU memory registered over dmabuf"]
+    t.ll_engine = None
+    assert t.runtime_notes() == {}
+    for p in provs:
+        p.close()

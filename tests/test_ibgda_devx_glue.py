@@ -96,8 +96,10 @@ def test_every_declared_symbol_exists(glue):
     assert set(BRIEF) <= set(devx_glue.SIGNATURES)
     # ... and every function devx.cc exports has a declared signature.
     src = open(os.path.join(jit.kernel_root(), devx_glue.SOURCE)).read()
+    proxy = open(os.path.join(jit.kernel_root(), devx_glue.PROXY_SOURCE)).read()
     exported = set(re.findall(r"^DX_API [^(]*?\b(dx_\w+)\(", src, re.M))
     exported |= set(re.findall(r"^DX_RELEASE\((dx_\w+),", src, re.M))
+    exported |= set(re.findall(r"^DP_API [^(]*?\b(dx_\w+)\(", proxy, re.M))
     assert len(exported) >= len(BRIEF) and exported == set(devx_glue.SIGNATURES)
     nm = shutil.which("nm")
     if nm:
@@ -210,3 +212,49 @@ def test_glue_status(glue, cxx, monkeypatch, tmp_path):
     monkeypatch.setattr(devx_glue, "build", lambda: 1 / 0)
     ok, why = devx_glue.glue_status()
     assert not ok and "division by zero" in why, why
+
+
+def test_cpu_doorbell_forwards_each_mailbox_to_its_register(glue):
+    """doorbell_proxy.cc: a host thread copies every new mailbox value to its queue's register (plain memory stands
+    in for the UAR here), the latest one, in order per queue; after stop nothing moves."""
+    import threading
+    import time
+
+    import numpy as np
+
+    n = 3
+    mail, regs = np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64)
+    addr = lambda a, i: a.ctypes.data + 8 * i   # noqa: E731
+    proxy = glue.proxy_start([addr(mail, i) for i in range(n)], [addr(regs, i) for i in range(n)])
+    try:
+        seen = [[] for _ in range(n)]
+        done = threading.Event()
+
+        def watch():   # every value a register shows, in order
+            while not done.is_set():
+                for i in range(n):
+                    v = int(regs[i])
+                    if v and (not seen[i] or seen[i][-1] != v):
+                        seen[i].append(v)
+
+        w = threading.Thread(target=watch)
+        w.start()
+        for step in range(1, 200):
+            mail[step % n] = (step << 8) | 0x55
+            time.sleep(0.0002)
+        deadline = time.time() + 5
+        while [int(r) for r in regs] != [int(m) for m in mail] and time.time() < deadline:
+            time.sleep(0.001)
+        done.set()
+        w.join()
+        assert [int(r) for r in regs] == [int(m) for m in mail]
+        for i in range(n):
+            assert seen[i] == sorted(seen[i]), f"register {i} went backwards: {seen[i][:8]}"
+        assert 0 < glue.proxy_forwarded(proxy) <= 199
+    finally:
+        glue.proxy_stop(proxy)
+    mail[0] = 0xFFFF
+    time.sleep(0.01)
+    assert int(regs[0]) != 0xFFFF
+    with pytest.raises(ValueError):
+        glue.proxy_start([1], [])

@@ -40,6 +40,7 @@ import torch
 
 from . import prm, roce
 from .abi import SendQueueParams
+from .devx_glue import DevxError
 from .provider import NicProvider, PeerInfo, QueueHandle, WindowMemory
 
 ALIGN = 1 << 16        # GPU regions start 64 KiB aligned (dmabuf export and UMEM pages)
@@ -112,6 +113,14 @@ class DevxProvider(NicProvider):
         self.queues: List[_Queue] = []
         self.uars: List[Any] = []
         self.uar_pages: Dict[int, int] = {}   # host page -> its GPU address (mapped once)
+        # Who rings the doorbells ("gpu", or "cpu": a host thread forwards mailboxes, doorbell_proxy.cc) and how
+        # GPU memory is registered ("dmabuf", or "peermem": by virtual address): decided at the first need.
+        self.doorbell_mode = "cpu" if self.options.doorbell == "cpu" else "gpu"
+        self.doorbell_why = "ibgda option doorbell='cpu'" if self.doorbell_mode == "cpu" else ""
+        self.registration, self.registration_why = "dmabuf", ""
+        self.mailboxes: List[torch.Tensor] = []
+        self.proxied: List[Tuple[int, int]] = []   # (mailbox host address, UAR register host address)
+        self.proxy = None
         self.window: Optional[torch.Tensor] = None
         self._constants: Dict[str, int] = {}
         try:
@@ -158,9 +167,32 @@ class DevxProvider(NicProvider):
         uar, page_id, reg_addr = g.alloc_uar(dev.ctx)
         self.uars.append(uar)   # released by close() from here on
         page = reg_addr & ~(PAGE - 1)   # the register sits inside a page: map the page
-        if page not in self.uar_pages:
-            self.uar_pages[page] = g.cuda_map_io(page, PAGE)
-        return uar, page_id, self.uar_pages[page] + (reg_addr - page)
+        if self.doorbell_mode == "gpu":
+            try:
+                if page not in self.uar_pages:
+                    self.uar_pages[page] = g.cuda_map_io(page, PAGE)
+                return uar, page_id, self.uar_pages[page] + (reg_addr - page)
+            except DevxError as e:
+                if self.options.doorbell == "gpu":
+                    raise RuntimeError(f"ibgda: the GPU cannot map {dev.name}'s doorbell ({e}); pass "
+                                       "ibgda_options={'doorbell': 'auto'} to let a host thread ring it") from e
+                self.doorbell_mode, self.doorbell_why = "cpu", f"the driver refused the GPU mapping: {e}"
+        # A mailbox word in pinned host memory (the GPU reaches it by its host address: UVA) that the proxy thread
+        # started by connect() forwards to the register.
+        mailbox = torch.zeros(1, dtype=torch.int64, pin_memory=self.ctx.device.type == "cuda")
+        self.mailboxes.append(mailbox)
+        self.proxied.append((mailbox.data_ptr(), reg_addr))
+        return uar, page_id, mailbox.data_ptr()
+
+    def _dmabuf(self, addr: int, size: int) -> int:
+        """A dmabuf fd of GPU memory [addr, addr + size), or -1 once the driver has refused one: registrations then
+        go by virtual address (needs nvidia-peermem)."""
+        if self.registration == "dmabuf":
+            try:
+                return self.glue.cuda_dmabuf_fd(addr, size)
+            except DevxError as e:
+                self.registration, self.registration_why = "peermem", f"dmabuf export refused: {e}"
+        return -1
 
     def _port(self, dev: _Device, port: int) -> dict:
         if port in dev.ports:
@@ -184,12 +216,13 @@ class DevxProvider(NicProvider):
         for flag in ("IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE", "IBV_ACCESS_REMOTE_READ",
                      "IBV_ACCESS_REMOTE_ATOMIC"):   # no relaxed ordering: device.cuh's write-then-signal argument
             access |= self._const(flag)
-        fd = self.glue.cuda_dmabuf_fd(base, nbytes)
+        fd = self._dmabuf(base, nbytes)
         try:
-            for dev in self._used_devices():
+            for dev in self._used_devices():   # by dmabuf (offset 0, iova = base), else by address
                 dev.mr, dev.lkey, dev.rkey = self.glue.reg_mr(dev.pd, base, nbytes, fd, 0, access)
         finally:
-            os.close(fd)   # each MR holds its own reference to the dma-buf
+            if fd >= 0:
+                os.close(fd)   # each MR holds its own reference to the dma-buf
         rails = []
         for name, port in self.rails:
             dev = self.devices[name]
@@ -209,11 +242,13 @@ class DevxProvider(NicProvider):
         memory, base = _aligned_zeros(total, self.ctx.device)
         memory.view(-1)[(base - memory.data_ptr()) + cq_at:(base - memory.data_ptr()) + cq_at + depth * 64] = 0xFF
         words = torch.zeros(3, dtype=torch.int64, device=self.ctx.device)   # reserve, turn, completed (sq.cuh)
-        fd = g.cuda_dmabuf_fd(base, total)
-        try:
-            umem, umem_id = g.umem_reg(dev.ctx, 0, total, fd, self._const("IBV_ACCESS_LOCAL_WRITE"))
+        fd = self._dmabuf(base, total)
+        try:   # by dmabuf: the UMEM's address is the offset in it; else the GPU virtual address
+            umem, umem_id = g.umem_reg(dev.ctx, 0 if fd >= 0 else base, total, fd,
+                                       self._const("IBV_ACCESS_LOCAL_WRITE"))
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         q = _Queue(dev, port, channel, memory, words, umem, None, None, 0)
         self.queues.append(q)   # released by close() from here on
         _, uar_page, doorbell = self._doorbell(dev)
@@ -266,6 +301,8 @@ class DevxProvider(NicProvider):
                     out = g.obj_modify(q.qp, cmd, prm.MODIFY_QP_OUT)
                     prm.check_status(out, f"{what} of QP {q.qpn:#x} (rank {self.ctx.rank} -> rank {p.rank}, "
                                           f"channel {ch}, {q.device.name}:{q.port})")
+        if self.proxied and self.proxy is None:   # the CPU doorbell: forward from here on
+            self.proxy = g.proxy_start([m for m, _ in self.proxied], [r for _, r in self.proxied])
 
     def endpoint_keys(self, mem: WindowMemory, peer: PeerInfo, channel: int) -> Tuple[int, int]:
         """(lkey, rkey) for my queue to (peer, channel): my key on that channel's NIC, the peer's on its."""
@@ -276,12 +313,17 @@ class DevxProvider(NicProvider):
         return self.rails[channel % len(self.rails)]
 
     def describe(self) -> List[str]:
-        """One line per rail: what doctor and error messages show."""
+        """One line per rail, then how doorbells are rung and GPU memory registered: what doctor, the Buffer's
+        capabilities and error messages show."""
         lines = []
         for i, (name, port) in enumerate(self.rails):
             p = self.devices[name].ports[port]
             kind = f"RoCE GID {p['gid_index']} ({p['why']})" if p["roce"] else f"InfiniBand LID {p['lid']}"
             lines.append(f"rail {i} (channels {i} mod {len(self.rails)}): {name}:{port}, {kind}, MTU {p['mtu']}")
+        lines.append("doorbell: " + ("the GPU rings the UAR" if self.doorbell_mode == "gpu" else
+                                     f"a host thread rings it for the GPU (slower; {self.doorbell_why})"))
+        lines.append("GPU memory registered " + ("over dmabuf" if self.registration == "dmabuf" else
+                                                 f"by address, nvidia-peermem ({self.registration_why})"))
         return lines
 
     def close(self) -> None:
@@ -289,7 +331,7 @@ class DevxProvider(NicProvider):
         their creation. Every peer has stopped using my window and queues (the window made sure). Each release
         is tried whatever failed before it (the first failure is raised at the end), and none is tried twice."""
         g = self.glue
-        steps = []
+        steps = [(g.proxy_stop, self.proxy)]   # nobody rings any more: stop forwarding before the UARs go
         for q in reversed(self.queues):
             steps += [(g.obj_destroy, q.qp), (g.obj_destroy, q.cq), (g.umem_dereg, q.umem)]
         steps += [(g.cuda_unmap_io, page) for page in self.uar_pages]
@@ -297,6 +339,7 @@ class DevxProvider(NicProvider):
         for dev in reversed(list(self.devices.values())):
             steps += [(g.dereg_mr, dev.mr), (g.dealloc_pd, dev.pd), (g.close, dev.ctx)]
         self.queues, self.uars, self.uar_pages, self.devices, self.window = [], [], {}, {}, None
+        self.proxy, self.proxied, self.mailboxes = None, [], []
         first: Optional[BaseException] = None
         for release, handle in steps:
             if handle is None:

@@ -27,6 +27,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 from ... import jit
 
 SOURCE = "backends/ibgda/devx.cc"
+PROXY_SOURCE = "backends/ibgda/doorbell_proxy.cc"   # the CPU doorbell, built into the same library
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17")
 LIBS = ("-libverbs", "-lmlx5", "-ldl")
 HEADER = "infiniband/mlx5dv.h"
@@ -63,6 +64,9 @@ SIGNATURES: Dict[str, Tuple[object, List[object]]] = {
     "dx_cuda_dmabuf_fd": (_i, [_u64, _sz, _pi]),
     "dx_cuda_map_io": (_i, [_u64, _sz, _pu64]),
     "dx_cuda_unmap_io": (_i, [_u64]),
+    "dx_proxy_start": (_i, [_vp, _vp, _i, _pvp]),
+    "dx_proxy_forwarded": (_u64, [_vp]),
+    "dx_proxy_stop": (_i, [_vp]),
 }
 
 
@@ -156,12 +160,14 @@ def build() -> str:
     if cxx is None:
         raise GlueError(f"no C++ compiler for the ibgda DevX glue: {why} (install g++)")
     src = os.path.join(jit.kernel_root(), SOURCE)
+    proxy = os.path.join(jit.kernel_root(), PROXY_SOURCE)
     include = cuda_include()
     version, headers = _compiler_facts(cxx, include, src)
     if not any(h.endswith(HEADER) for h in headers):
         raise GlueError(f"{HEADER} not among devx.cc's includes ({cxx} -M): install libibverbs-dev")
     key = hashlib.sha256()
-    for tag, data in [("source", open(src, "rb").read()), ("cxx", f"{cxx}\n{version}".encode()),
+    for tag, data in [("source", open(src, "rb").read()), ("proxy", open(proxy, "rb").read()),
+                      ("cxx", f"{cxx}\n{version}".encode()),
                       ("flags", repr((FLAGS, LIBS, include is not None)).encode())] + \
             [("header:" + h, open(h, "rb").read()) for h in headers]:
         key.update(tag.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
@@ -170,7 +176,7 @@ def build() -> str:
     def compile_glue() -> bytes:
         with tempfile.TemporaryDirectory(prefix="deepep_portable_devx_") as tmp:
             target = os.path.join(tmp, "devx.so")
-            cmd = [cxx, *FLAGS, *([f"-I{include}"] if include else []), src, "-o", target, *LIBS]
+            cmd = [cxx, *FLAGS, *([f"-I{include}"] if include else []), src, proxy, "-o", target, "-pthread", *LIBS]
             res = _run(cmd)
             if res.returncode != 0 or not os.path.isfile(target):
                 raise _explain(res.stdout + res.stderr, " ".join(cmd))
@@ -334,6 +340,26 @@ class DevxGlue:
 
     def cuda_unmap_io(self, host_addr: int) -> None:
         self._check(self.lib.dx_cuda_unmap_io(host_addr), "cuda_unmap_io")
+
+    # -- the CPU doorbell (doorbell_proxy.cc): a host thread forwarding mailbox words to UAR registers
+    def proxy_start(self, mailboxes: List[int], registers: List[int]) -> int:
+        """Forward each mailbox (host address of a pinned u64 the GPU stores doorbells to) to its register."""
+        n = len(mailboxes)
+        if n == 0 or n != len(registers):
+            raise ValueError(f"proxy_start: {n} mailboxes for {len(registers)} registers")
+        m, r, h = (ctypes.c_uint64 * n)(*mailboxes), (ctypes.c_uint64 * n)(*registers), ctypes.c_void_p()
+        rc = self.lib.dx_proxy_start(m, r, n, ctypes.byref(h))
+        if rc:
+            raise DevxError(f"proxy_start({n} queues)", rc, os.strerror(rc))
+        return h.value
+
+    def proxy_forwarded(self, proxy: int) -> int:
+        return int(self.lib.dx_proxy_forwarded(proxy))
+
+    def proxy_stop(self, proxy: int) -> None:
+        rc = self.lib.dx_proxy_stop(proxy)
+        if rc:
+            raise DevxError("proxy_stop", rc, os.strerror(rc))
 
 
 _lock = threading.Lock()

@@ -33,6 +33,8 @@ class IbgdaOptions:
     udp_sport_base: Optional[int] = None     # None: hashed per QP; else base + channel, within 0xC000-0xFFFF
     hca_list: Optional[Tuple[str, ...]] = None   # NICs to use ("mlx5_0", "mlx5_1:1"); None: the closest to the GPU
     multi_port: bool = True                  # spread channels over every up port of the chosen NICs
+    doorbell: str = "auto"                   # "gpu": the GPU rings the UAR; "cpu": a host thread does (devx.py);
+    #                                          "auto": gpu, else cpu where the driver refuses the GPU mapping
 
 
 _RANGES = {"traffic_class": (0, 255), "service_level": (0, 15), "hop_limit": (1, 255), "gid_index": (0, 1 << 16),
@@ -49,6 +51,10 @@ def _parse(name: str, value):
     if name == "address_family":
         if value not in ("ipv4", "ipv6"):
             raise ValueError(f"ibgda option address_family must be 'ipv4' or 'ipv6', got {value!r}")
+        return value
+    if name == "doorbell":
+        if value not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"ibgda option doorbell must be 'auto', 'gpu' or 'cpu', got {value!r}")
         return value
     if name == "multi_port":
         if isinstance(value, str):

@@ -4,7 +4,8 @@ csrc/backends/ibgda/device.cuh, on an IbgdaWindow (window.py) whose NIC resource
 (provider.py). Channels = RC queues per peer = `num_qps_per_rank`, as in DeepEP.
 
 What runs where: the device code on host threads against a software NIC (CI); the whole backend against the
-NIC model (tests only) where a GPU is; never on a real NIC (the DevX provider is not written)."""
+NIC model (tests only) where a GPU is; the mlx5 DevX provider (devx.py) against a fake of its C glue (CI);
+never on a real NIC."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -31,3 +32,12 @@ class IbgdaTransport(KernelTransport):
 
     def runtime_capabilities(self) -> Capabilities:
         return replace(self.capabilities, max_channels=self.channels_for(self.ctx))
+
+    def runtime_notes(self) -> dict:
+        """What the NIC provider chose (DevX: the rails, who rings the doorbells, how GPU memory is registered),
+        for Buffer.capabilities."""
+        for engine in (self.ll_engine, self.normal_engine):
+            provider = getattr(getattr(engine, "window", None), "provider", None)
+            if provider is not None and hasattr(provider, "describe"):
+                return {"nic_provider": provider.name, "nic": provider.describe()}
+        return {}
