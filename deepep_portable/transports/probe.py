@@ -223,7 +223,7 @@ def probe_ibgda(sysfs_root: str = SYSFS_INFINIBAND) -> TransportStatus:
     if gpu:
         problems.append(gpu)
     details["nvidia_peermem_loaded"] = str(os.path.isdir("/sys/module/nvidia_peermem"))
-    if len(libs) == 2:   # the DevX provider's C glue (ibgda/devx_glue.py): compiler, rdma-core headers
+    if len(libs) == 2 and not problems:   # only where a NIC could use it: the DevX glue builds (compiler, headers)
         from .ibgda.devx_glue import glue_status
 
         glue_ok, glue_why = glue_status()
