@@ -4,6 +4,12 @@ loads (the nvidia-nccl wheel in CI) and linked to it; the version gate; the devi
 as the installed version builds them. Skips without NCCL headers or nvcc."""
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import subprocess
+from types import SimpleNamespace
+
 import pytest
 
 from deepep_portable.transports import libraries
@@ -68,27 +74,44 @@ def test_gin_requirements(glue):
 
 
 def test_torch_communicator_reuse_rules(tmp_path, monkeypatch):
-    """torch_comm.py: a torch NCCL group's communicator is reused only with torch's _comm_ptr, a non-zero pointer
-    (after the warm-up collective every rank runs), and exactly one libnccl mapped, the one our glue links; the
-    choice is collective. Everything else gives a reason, never an exception."""
-    import torch.distributed as dist
+    """torch_comm.py: a torch NCCL group's communicator is reused only through ProcessGroupNCCL._comm_ptr, with a
+    non-zero pointer (after the warm-up collective every rank runs), exactly one libnccl.so mapped (plugins do
+    not count) that is our glue's, loaded by libtorch_cuda.so dynamically, at torch's NCCL version; the choice is
+    collective. Everything else gives a reason, never an exception."""
+    import shutil
+    import sys
+
+    import torch
 
     from deepep_portable.transports.nccl_gin import options as nccl_opts
-    from deepep_portable.transports.nccl_gin.torch_comm import collective_choice, local_candidate, mapped_libraries
+    from deepep_portable.transports.nccl_gin import torch_comm as tc
 
     lib = tmp_path / "libnccl.so.2.28.9"
     other = tmp_path / "other" / "libnccl.so.2"
     other.parent.mkdir()
-    for f in (lib, other):
+    for f in (lib, other, tmp_path / "libnccl-net.so"):
         f.write_bytes(b"")
+    # A real ELF that needs libnccl.so.2 would need a toolchain: take this interpreter's needs instead and check
+    # the parser on it, then stand a fake libtorch_cuda.so in whose DT_NEEDED we control through elf_needed.
+    needed = tc.elf_needed(os.path.realpath(sys.executable)) or []
+    assert tc.elf_needed(str(lib)) is None and all(isinstance(n, str) for n in needed)
+    if shutil.which("readelf") and needed:
+        out = subprocess.run(["readelf", "-d", os.path.realpath(sys.executable)], capture_output=True, text=True).stdout
+        assert needed == re.findall(r"\(NEEDED\)\s+Shared library: \[(.*?)\]", out)
+    torch_cuda = tmp_path / "libtorch_cuda.so"
+    torch_cuda.write_bytes(b"")
     maps = tmp_path / "maps"
     line = "7f00-7f10 r-xp 00000000 08:01 123 {}\n"
     maps.write_text(line.format(lib) + line.format(lib) + "7f20-7f30 rw-p 00000000 00:00 0\n"
-                    + line.format(tmp_path / "libtorch.so") + "7f40-7f50 r--p 0 0:0 0 [heap]\n")
-    assert mapped_libraries("libnccl", str(maps)) == [str(lib)]
-    assert mapped_libraries("libnccl", str(tmp_path / "absent")) == []
+                    + line.format(tmp_path / "libnccl-net.so") + line.format(torch_cuda)
+                    + "7f40-7f50 r--p 0 0:0 0 [heap]\n")
+    assert tc.mapped_libraries("libnccl.so", str(maps)) == [str(lib)]
+    assert tc.mapped_libraries("libnccl.so", str(tmp_path / "absent")) == []
+    monkeypatch.setattr(tc, "elf_needed", lambda p: ["libnccl.so.2", "libc.so.6"] if p == str(torch_cuda) else None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "nccl", SimpleNamespace(version=lambda: (2, 28, 9)), raising=False)
 
-    class Backend:
+    class ProcessGroupNCCL:
         def __init__(self):
             self.ptr, self.warm = 0, 0
 
@@ -102,28 +125,39 @@ def test_torch_communicator_reuse_rules(tmp_path, monkeypatch):
         def _get_backend(self, device):
             return self.backend
 
-    b = Backend()
+    b = ProcessGroupNCCL()
 
     def warm_up():
         b.warm += 1
         b.ptr = 0xABC0
 
-    monkeypatch.setattr(dist, "get_backend", lambda g: "nccl")
-    assert local_candidate(Group(b), str(lib), "cuda", warm_up, str(maps)) == (0xABC0, "")
-    assert b.warm == 1
+    def cand(group, warm=None, version=22809):
+        return tc.local_candidate(group, "cpu", str(lib), version, warm, str(maps))
+
+    assert cand(Group(b), warm_up) == (0xABC0, "") and b.warm == 1
+    assert tc.still_owned(Group(b), "cpu", 0xABC0) and not tc.still_owned(Group(b), "cpu", 0x1)
+    assert "torch reports NCCL 22809, our glue's library is 23000" in cand(Group(b), None, 23000)[1]
     b.ptr = 0
-    assert "has not created" in local_candidate(Group(b), str(lib), "cuda", None, str(maps))[1]
+    assert "has not created" in cand(Group(b))[1]
     b.ptr = 5
+    monkeypatch.setattr(tc, "elf_needed", lambda p: ["libc.so.6"])
+    assert "does not load libnccl.so dynamically" in cand(Group(b))[1]
     maps.write_text(line.format(lib) + line.format(other))
-    ptr, why = local_candidate(Group(b), str(lib), "cuda", None, str(maps))
+    ptr, why = cand(Group(b))
     assert ptr == 0 and "only valid inside the library copy" in why and str(other) in why
-    assert "no ProcessGroupNCCL._comm_ptr" in local_candidate(Group(object()), str(lib), "cuda", None, str(maps))[1]
-    monkeypatch.setattr(dist, "get_backend", lambda g: "gloo")
-    assert "not a torch NCCL group" in local_candidate(Group(b), str(lib), "cuda", None, str(maps))[1]
-    monkeypatch.setattr(dist, "get_backend", lambda g: (_ for _ in ()).throw(RuntimeError("no group")))
-    assert "not reachable (RuntimeError: no group)" in local_candidate(Group(b), str(lib), "cuda", None, str(maps))[1]
-    assert collective_choice([(1, ""), (2, "")]) == (True, "torch's NCCL communicator of the Buffer's group")
-    assert collective_choice([(1, ""), (0, "why")]) == (False, "rank 1: why")
+    assert "no torch NCCL backend" in cand(Group(object()))[1] and "no torch NCCL backend" in cand(None)[1]
+
+    class ProcessGroupNCCLOld:
+        pass
+    ProcessGroupNCCLOld.__name__ = "ProcessGroupNCCL"
+    assert "no ProcessGroupNCCL._comm_ptr" in cand(Group(ProcessGroupNCCLOld()))[1]
+
+    class Broken:
+        def _get_backend(self, device):
+            raise RuntimeError("no group")
+    assert "not reachable (RuntimeError: no group)" in cand(Broken())[1]
+    assert tc.collective_choice([(1, ""), (2, "")]) == (True, "torch's NCCL communicator of the Buffer's group")
+    assert tc.collective_choice([(1, ""), (0, "why")]) == (False, "rank 1: why")
     nccl_opts.nccl_environment({"reuse_torch_comm": False})
     with pytest.raises(ValueError, match="reuse_torch_comm"):
         nccl_opts.nccl_environment({"reuse_torch_comm": "yes"})

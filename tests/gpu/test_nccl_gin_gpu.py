@@ -53,7 +53,6 @@ def test_window_over_the_torch_nccl_groups_own_communicator(ctx):
     is mapped (ours), else over its own and says why; either way the conformance kernel passes, and torch's
     communicator still works after the window is closed (we never destroy what torch owns)."""
     import dataclasses
-    import os
 
     import torch.distributed as dist
 
@@ -67,12 +66,13 @@ def test_window_over_the_torch_nccl_groups_own_communicator(ctx):
     window = NcclGinWindow(nctx, window_bytes(1))
     try:
         backend = group._get_backend(ctx.device)
-        libs = torch_comm.mapped_libraries()
-        expect = hasattr(backend, "_comm_ptr") and libs == [os.path.realpath(libraries.nccl_info()["lib"])]
-        print(f"\nnccl_gin communicator: {window.comm_source}; libnccl mapped: {libs}")
-        assert window.owns_comm != expect, (window.comm_source, libs)
-        if expect:
-            assert window.comm.value == backend._comm_ptr()
+        # The rules' own answer now that the communicator exists (its reasons are CPU-tested): must match.
+        ptr, why = torch_comm.local_candidate(group, ctx.device, libraries.nccl_info()["lib"],
+                                              window.host.check_versions())
+        print(f"\nnccl_gin communicator: {window.comm_source}; libnccl mapped: {torch_comm.mapped_libraries()}")
+        assert window.owns_comm == (ptr == 0), (window.comm_source, why)
+        if ptr:
+            assert window.comm.value == ptr == backend._comm_ptr()
         test = TransportSelftest(nctx, window)
         res = test.run(window.transport_params())
         assert not test.verdict([res]), test.verdict([res])

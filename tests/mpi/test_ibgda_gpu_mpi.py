@@ -7,7 +7,8 @@ with ranks sharing a GPU:
   wraps thousands of times and its 16-bit WQE index (and the collapsed CQ's 16-bit counter) wraps past 65536
   posts; every round is checked as in the conformance test, and the posters' counters show how far they went.
 * Error completion: one rank's queue to its next peer names a wrong rkey; the GPU poster's WQE comes back as
-  an error CQE (remote access error, syndrome 0x13) that the kernel records and the host turns into an error
+  an error CQE (remote access error, syndrome 0x13; on a collapsed CQ the later WQEs' flush entries, syndrome
+  0x05, may overwrite it before the poster reads it) that the kernel records and the host turns into an error
   naming the op, the rank, the peer, the channel and the syndrome, never a hang.
 Skipped without CUDA or with fewer than 2 ranks. Written in the twelfth session, not run on a GPU yet.
 """
@@ -81,6 +82,7 @@ def test_an_error_completion_becomes_an_error_naming_the_queue(mpi_comm, pg, dev
         window.close()
     codes, ops = errors.table()
     assert record[0] == codes["nic"] and ops[record[1]] == "transport_selftest", record
-    assert tuple(record[2:]) == (rank, bad_peer, 0, 0x13), record
+    assert tuple(record[2:5]) == (rank, bad_peer, 0) and record[5] in (0x13, 0x05), record
     message = str(errors.from_record(record, 3.0))
-    assert f"rank {rank}" in message and f"peer {bad_peer} (channel 0)" in message and "syndrome 0x13" in message
+    assert f"rank {rank}" in message and f"peer {bad_peer} (channel 0)" in message
+    assert f"syndrome {record[5]:#x}" in message

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -26,8 +27,8 @@ from ...windows.base import ERROR_WORDS, MappedWords, Window
 from .. import libraries
 from .abi import NCCL_GIN_BUILD, SCRATCH_WORDS, NcclGinTransportParams, SignalShadowParams, build_flags
 from .host import HostLib, Request
-from .options import apply_environment
-from .torch_comm import collective_choice, local_candidate
+from .options import PASS_THROUGH, apply_environment
+from .torch_comm import collective_choice, local_candidate, still_owned
 
 WIN_STRICT_ORDERING = 0x02   # nccl.h NCCL_WIN_STRICT_ORDERING: GIN VA signals need it
 ALIGN = 4096                 # NCCL_WIN_REQUIRED_ALIGNMENT
@@ -63,8 +64,8 @@ class NcclGinWindow(Window):
         self.defines = {"DEEPEP_NCCL_RUNTIME": version}   # keys the JIT cache by the library's version too
         self.gin = ctx.num_nodes > 1 if options.get("gin") is None else bool(options["gin"])
         lib = host.lib
-        self.comm, self.owns_comm = ctypes.c_void_p(), True
-        reuse, self.comm_source = self._torch_comm(options.get("reuse_torch_comm", True) is not False)
+        self.comm, self.owns_comm, self._group = ctypes.c_void_p(), True, None
+        reuse, self.comm_source = self._torch_comm(options, version)
         if reuse:
             self.comm, self.owns_comm = ctypes.c_void_p(reuse), False
         else:
@@ -124,19 +125,24 @@ class NcclGinWindow(Window):
             self._release()
             raise
 
-    def _torch_comm(self, wanted: bool):
-        """(torch's communicator pointer or 0, where the window's communicator comes from): collective."""
-        if not wanted:
+    def _torch_comm(self, options: dict, version: int):
+        """(torch's communicator pointer or 0, where the window's communicator comes from): collective. The same
+        options and torch on every rank take the same branches up to the allgather."""
+        if options.get("reuse_torch_comm", True) is False:
             return 0, "our own (nccl_options reuse_torch_comm=False)"
+        given = sorted(k for k, v in options.items() if k in PASS_THROUGH and v is not None)
+        if given:   # torch made its communicator with its own environment
+            return 0, f"our own (nccl_options {given} must reach NCCL before its communicator is made)"
         ctx = self.ctx
-        group = ctx.comm.raw if ctx.comm.backend.lower() == "nccl" else None
+        group = ctx.comm.raw if isinstance(ctx.comm.raw, torch.distributed.ProcessGroup) else None
 
         def warm_up() -> None:   # torch makes the communicator at the group's first collective
             torch.distributed.all_reduce(torch.zeros(1, device=ctx.device), group=group)
             torch.cuda.synchronize(ctx.device)
 
-        mine = local_candidate(group, libraries.nccl_info()["lib"], ctx.device, warm_up)
+        mine = local_candidate(group, ctx.device, libraries.nccl_info()["lib"], version, warm_up)
         reuse, why = collective_choice(ctx.comm.allgather_object(mine))
+        self._group = group
         return (mine[0] if reuse else 0), (why if reuse else f"our own ({why})")
 
     def _device_tables(self, device) -> None:
@@ -171,6 +177,12 @@ class NcclGinWindow(Window):
 
     def _release(self) -> None:
         lib = self.host.lib
+        if self.comm.value and not self.owns_comm and not still_owned(self._group, self.ctx.device, self.comm.value):
+            # torch destroyed or aborted the communicator first (destroy_process_group before Buffer.destroy, or
+            # its watchdog): NCCL calls on it would touch freed memory. Leak the registration instead.
+            warnings.warn("nccl_gin: torch released the NCCL communicator this Buffer borrowed before the Buffer "
+                          "was destroyed; its window registration is leaked (destroy Buffers first)")
+            self._devcomm, self._win = None, ctypes.c_void_p()   # the memory itself is ours: freed below
         if self._devcomm is not None:
             lib.dgin_devcomm_destroy(self.comm, ctypes.addressof(self._devcomm))
             self._devcomm = None
