@@ -44,7 +44,10 @@
 // writing rank, values only grow, and writing the same value twice is harmless, so no signal needs
 // network atomics. The one exception is a reset (clean_low_latency_buffer): every owner zeroes a range of
 // its words and every writer calls forget_signals for it, between two barriers, so no signal is in flight
-// (a backend that emulates SET over ADD keeps what it last set per word, and must start again from 0). fetch_add is the one atomic of the contract: the LL dispatch reserves its rows in
+// (a backend that emulates SET over ADD keeps what it last set per word, and must start again from 0). "No
+// signal in flight" rests on channel order: every signal into the range and the barrier's own go on channel 0,
+// so a barrier signal seen means every earlier signal of that writer there has landed.
+// fetch_add is the one atomic of the contract: the LL dispatch reserves its rows in
 // the receiver's output with it (a load/store atomic for P2P peers, a network AMO otherwise, which the
 // capability record's remote_atomics states), when the transport's kCheapFetchAdd says it is cheap (a
 // compile-time constant of each transport type; the LL dispatch has a path without it). Never rely

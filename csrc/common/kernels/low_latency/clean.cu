@@ -6,6 +6,8 @@
 // One block. Shrink mode: a peer that does not reach a barrier in time is masked (report_error) and
 // not waited for again; without it the timeout is reported and the host raises.
 //
+// Over a network a signal may still be in flight after its kernel ended: the LL kernels and this barrier signal
+// on channel 0 only, so a peer's barrier signal, once seen, orders every earlier signal it sent here.
 // The barrier: each rank keeps in its slot of its own barrier words (Common::barrier_offset, u64 [R],
 // never cleaned) how many barriers it has entered; entering the n-th, it SETs its slot at every live
 // peer to n (a contract signal: the zeroing before it is ordered first) and waits until every live
