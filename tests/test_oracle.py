@@ -297,3 +297,14 @@ def test_reference_low_latency_one_rank(one_rank_ctx, mode, hook):
     assert got is out
     assert torch.equal(out, oracle.low_latency_combine(0, E, T, [buf], idx, w[0]))
     tr.clean_low_latency_buffer(T, 512, E)
+
+
+def test_torch_layout_ignores_entries_outside_the_experts():
+    """The CPU layout (engines/dispatch_layout.py) selects nothing for entries outside [0, E), as the kernel does."""
+    from deepep_portable.engines.dispatch_layout import dispatch_layout_torch
+
+    idx = torch.tensor([[0, 5, -1], [11, 12, 40], [-7, 3, 3 + 12]], dtype=torch.int64)
+    per_rank, per_expert, in_rank = dispatch_layout_torch(idx, 12, 3)
+    assert per_expert.tolist() == [1, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1] and per_expert.dtype == torch.int32
+    assert in_rank.tolist() == [[True, True, False], [False, False, True], [True, False, False]]
+    assert per_rank.tolist() == [2, 1, 1]

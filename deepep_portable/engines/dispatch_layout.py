@@ -141,7 +141,7 @@ def dispatch_layout_current_stream(topk_idx: torch.Tensor, num_experts: int, num
 
 def dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     experts_per_rank = num_experts // num_ranks
-    valid = topk_idx >= 0
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)   # as the kernel: entries outside [0, E) select nothing
     per_expert = torch.bincount(topk_idx[valid].flatten(), minlength=num_experts).to(torch.int32)
     rank_of = torch.where(valid, topk_idx // experts_per_rank, torch.full_like(topk_idx, num_ranks))
     in_rank = torch.zeros(topk_idx.size(0), num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
