@@ -46,10 +46,11 @@ class Buffer(LowLatencyOps):
                  Buffer of the process): ibgda, ib_gid_index, ib_traffic_class, ib_sl, hca_list,
                  remote_transport, symmetric_size (see transports/nvshmem/runtime.py PASS_THROUGH).
       ibgda_options: for transport "ibgda": GID index / address family, traffic class, service level, hop
-                 limit, UDP source ports, HCA list, ports (transports/ibgda/roce.py IbgdaOptions; also from
-                 DEEPEP_PORTABLE_IB_* variables), validated here.
-      nccl_options: for transport "nccl_gin": gin (True / False) and NCCL's IB settings (ib_gid_index,
-                 ib_traffic_class, ib_sl, hca_list, gin_type; transports/nccl_gin/options.py), validated here.
+                 limit, UDP source ports, HCA list, ports, who rings the doorbells (transports/ibgda/roce.py
+                 IbgdaOptions; also from DEEPEP_PORTABLE_IB_* variables), validated here.
+      nccl_options: for transport "nccl_gin": gin (True / False), reuse_torch_comm (True / False) and NCCL's IB
+                 settings (ib_gid_index, ib_traffic_class, ib_sl, hca_list, gin_type;
+                 transports/nccl_gin/options.py), validated here.
       ranks_per_node: ranks per node (default: DEEPEP_PORTABLE_RANKS_PER_NODE, else the machines); K
                  consecutive ranks of one machine make a logical node (topology.py, docs/INTERNODE.md).
     `group` may be a torch ProcessGroup or (as first argument or `comm=`) an mpi4py communicator.
