@@ -556,7 +556,7 @@ def test_a_cubin_of_another_installation_is_refused():
 
 def test_a_second_nvshmem_in_the_process_is_refused(monkeypatch):
     _nvshmem_or_skip()
-    monkeypatch.setattr(nr, "_mapped_files", lambda: ["/opt/other/lib/libnvshmem_host.so.3"])
+    monkeypatch.setattr(nr.libraries, "mapped_files", lambda: ["/opt/other/lib/libnvshmem_host.so.3"])
     nr._load.cache_clear()
     try:
         why = nr.load_error()

@@ -219,13 +219,12 @@ def _closest_nics(o: _Out, devs) -> None:
     if not devs:
         return
     for g in system.gpu_info() or []:
-        bus = g.get("pci_bus_id")
-        gpu_dir = f"/sys/bus/pci/devices/{bus}" if bus else None
-        if not gpu_dir or not os.path.exists(gpu_dir):
+        gpu_dir = system.gpu_sysfs_dir(g)
+        if gpu_dir is None:
             continue
         ranked = roce.rank_nics(gpu_dir, devs, rdma.SYSFS_INFINIBAND)
         nics = ", ".join(f"{name} {roce.DISTANCE_NAMES[d].split()[0]}" for d, name in ranked)
-        o.line(f"GPU {g.get('index', '?')} ({bus}), closest RDMA devices first: {nics}")
+        o.line(f"GPU {g.get('index', '?')} ({g.get('pci_bus_id')}), closest RDMA devices first: {nics}")
 
 
 def _transports(o: _Out) -> None:

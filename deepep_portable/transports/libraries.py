@@ -229,6 +229,15 @@ def nccl_header_version(nccl_h: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def mapped_files(maps: str = "/proc/self/maps") -> List[str]:
+    """Paths of the files mapped into this process, in map order ([] where there is none)."""
+    try:
+        with open(maps) as f:   # address perms offset dev inode [path]
+            return [parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6]
+    except OSError:
+        return []
+
+
 def _load_lib(soname: str) -> Tuple[Optional[str], str]:
     """(path it loaded from, "") or (None, error) via the system loader."""
     try:
@@ -236,12 +245,7 @@ def _load_lib(soname: str) -> Tuple[Optional[str], str]:
     except OSError as e:
         return None, str(e)
     base = soname.split(".so")[0]
-    try:
-        with open("/proc/self/maps") as f:
-            for ln in f:
-                path = ln.split()[-1] if len(ln.split()) >= 6 else ""
-                if os.path.basename(path).startswith(base + ".so"):
-                    return path, ""
-    except OSError:
-        pass
+    for path in mapped_files():
+        if os.path.basename(path).startswith(base + ".so"):
+            return path, ""
     return soname, ""

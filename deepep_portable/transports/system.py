@@ -224,6 +224,13 @@ def gpu_info() -> List[Dict]:
     return [dict(g) for g in _gpu_info_cached()]
 
 
+def gpu_sysfs_dir(gpu: Dict) -> Optional[str]:
+    """The sysfs PCI directory of a gpu_info() record (where its PCIe path to NICs is read), or None."""
+    bus = gpu.get("pci_bus_id")
+    path = f"/sys/bus/pci/devices/{bus}" if bus else None
+    return path if path and os.path.exists(path) else None
+
+
 # ---- the primary context (NVSHMEM initialises in the calling thread's current context) -------------
 
 class DriverUnavailable(RuntimeError):

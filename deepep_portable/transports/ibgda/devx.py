@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ...layout import align_up
 from . import prm, roce
 from .abi import SendQueueParams
 from .devx_glue import DevxError
@@ -46,10 +47,6 @@ from .provider import NicProvider, PeerInfo, QueueHandle, WindowMemory
 ALIGN = 1 << 16        # GPU regions start 64 KiB aligned (dmabuf export and UMEM pages)
 PAGE = 4096
 QP_DBR, CQ_DBR = 0, 64   # offsets of the QP's and the CQ's doorbell records in a queue's record page
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 def _log2(n: int) -> int:
@@ -210,7 +207,7 @@ class DevxProvider(NicProvider):
 
     # ---- NicProvider --------------------------------------------------------------------------------
     def alloc_window(self, nbytes: int) -> WindowMemory:
-        nbytes = _round_up(nbytes, ALIGN)
+        nbytes = align_up(nbytes, ALIGN)
         self.window, base = _aligned_zeros(nbytes, self.ctx.device)
         access = 0
         for flag in ("IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE", "IBV_ACCESS_REMOTE_READ",
@@ -236,9 +233,9 @@ class DevxProvider(NicProvider):
         dev, g = self.devices[name], self.glue
         if depth > (1 << dev.caps.log_max_qp_sz):
             raise ValueError(f"ibgda: queue depth {depth} exceeds {name}'s limit {1 << dev.caps.log_max_qp_sz}")
-        ring = _round_up(depth * 64, PAGE)           # send ring: depth WQEBBs
+        ring = align_up(depth * 64, PAGE)           # send ring: depth WQEBBs
         cq_at, dbr_at = ring, 2 * ring                # CQ ring: depth 64-byte CQEs; then the record page
-        total = _round_up(dbr_at + PAGE, ALIGN)
+        total = align_up(dbr_at + PAGE, ALIGN)
         memory, base = _aligned_zeros(total, self.ctx.device)
         memory.view(-1)[(base - memory.data_ptr()) + cq_at:(base - memory.data_ptr()) + cq_at + depth * 64] = 0xFF
         words = torch.zeros(3, dtype=torch.int64, device=self.ctx.device)   # reserve, turn, completed (sq.cuh)
@@ -368,14 +365,10 @@ def _rail_of(peer: PeerInfo, channel: int) -> dict:
 def _aligned_zeros(nbytes: int, device: torch.device) -> Tuple[torch.Tensor, int]:
     """A zeroed allocation holding `nbytes` at an ALIGN-aligned address: (tensor to keep, that address)."""
     t = torch.zeros(nbytes + ALIGN, dtype=torch.uint8, device=device)
-    return t, _round_up(t.data_ptr(), ALIGN)
+    return t, align_up(t.data_ptr(), ALIGN)
 
 
 def _gpu_sysfs_dir(device: torch.device) -> Optional[str]:
     from .. import system
 
-    for g in system.gpu_info() or []:
-        if g.get("index") == device.index and g.get("pci_bus_id"):
-            path = f"/sys/bus/pci/devices/{g['pci_bus_id']}"
-            return path if os.path.exists(path) else None
-    return None
+    return next((system.gpu_sysfs_dir(g) for g in system.gpu_info() or [] if g.get("index") == device.index), None)

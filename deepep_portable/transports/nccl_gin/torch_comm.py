@@ -23,21 +23,17 @@ import os
 import struct
 from typing import Callable, List, Optional, Tuple
 
+from .. import libraries
+
 
 def mapped_libraries(name: str = "libnccl.so", maps: str = "/proc/self/maps") -> List[str]:
     """Real paths of the shared objects `name` (or `name`.N...) mapped into this process: NCCL's own library, not
     its plugins (libnccl-net.so, libnccl-tuner.so, ...)."""
     found = set()
-    try:
-        with open(maps) as f:
-            for line in f:   # address perms offset dev inode [path]
-                parts = line.split(None, 5)
-                path = parts[5].strip() if len(parts) == 6 else ""
-                base = os.path.basename(path)
-                if path.startswith("/") and (base == name or base.startswith(name + ".")):
-                    found.add(os.path.realpath(path))
-    except OSError:
-        return []
+    for path in libraries.mapped_files(maps):
+        base = os.path.basename(path)
+        if path.startswith("/") and (base == name or base.startswith(name + ".")):
+            found.add(os.path.realpath(path))
     return sorted(found)
 
 

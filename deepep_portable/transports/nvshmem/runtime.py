@@ -153,20 +153,11 @@ SYMBOLS: Dict[str, Tuple[Any, list]] = {
 }
 
 
-def _mapped_files() -> List[str]:
-    """Paths of the files mapped into this process (/proc/self/maps; [] where there is none)."""
-    try:
-        with open("/proc/self/maps") as f:
-            return [line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6]
-    except OSError:
-        return []
-
-
 def _other_nvshmem_host_libs(path: str) -> List[str]:
     """libnvshmem_host.so* files mapped in this process that are not `path` (after realpath)."""
     mine = os.path.realpath(path)
     others = []
-    for f in _mapped_files():
+    for f in libraries.mapped_files():
         if os.path.basename(f).startswith("libnvshmem_host.so") and os.path.realpath(f) != mine \
                 and f not in others:
             others.append(f)
