@@ -88,7 +88,7 @@ def test_intranode_params(tmp_path):
 @needs_nvcc
 def test_layout_and_benchmark_params(tmp_path):
     _compile(tmp_path, dispatch_layout.LAYOUT_SOURCE, _asserts("LayoutParams", dispatch_layout.LayoutParams),
-             dispatch_layout.layout_defines(8, 8, 256))
+             {})
     checks = (_asserts("CopyParams", copy_kernels.CopyParams)
               + _asserts("CopySegmentsParams", copy_kernels.CopySegmentsParams)
               + _asserts("StartLineParams", copy_kernels.StartLineParams))

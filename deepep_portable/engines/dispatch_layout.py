@@ -16,13 +16,13 @@ from .launch import StreamLike, stream_handle
 
 LAYOUT_SOURCE = "common/kernels/layout.cu"
 LAYOUT_KERNEL = jit.kernel_symbol("deepep_portable::layout::routing_layout", "LayoutParams")
-LAYOUT_THREADS = 1024          # kThreads in layout.cu
-LAYOUT_EXPERTS_PER_BLOCK = 64  # kExpertsPerBlock in layout.cu
+LAYOUT_THREADS = 256           # kThreads in layout.cu
+LAYOUT_PER_BLOCK = 8           # kPerBlock in layout.cu: experts or ranks per block
 
 
 def layout_grid(num_ranks: int, num_experts: int) -> int:
-    """kGridBlocks of layout.cu: a block per 64 experts and one per 32 ranks."""
-    return -(-num_experts // LAYOUT_EXPERTS_PER_BLOCK) + -(-num_ranks // 32)
+    """kGridBlocks of layout.cu: a block per 8 experts and one per 8 ranks."""
+    return -(-num_experts // LAYOUT_PER_BLOCK) + -(-num_ranks // LAYOUT_PER_BLOCK)
 
 
 class LayoutParams(ctypes.Structure):
@@ -34,11 +34,11 @@ class LayoutParams(ctypes.Structure):
         ("num_tokens_per_expert", ctypes.c_uint64),
         ("is_token_in_rank", ctypes.c_uint64),
         ("num_tokens", ctypes.c_int64),
+        ("num_topk", ctypes.c_int32),
+        ("num_ranks", ctypes.c_int32),
+        ("num_experts", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
-
-
-def layout_defines(num_topk: int, num_ranks: int, num_experts: int) -> dict:
-    return dict(NUM_TOPK=num_topk, NUM_RANKS=num_ranks, NUM_EXPERTS=num_experts)
 
 
 def _check_layout_args(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> None:
@@ -51,20 +51,24 @@ def _check_layout_args(topk_idx: torch.Tensor, num_experts: int, num_ranks: int)
         raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of num_ranks ({num_ranks})")
 
 
-_functions: dict = {}   # (num_topk, num_ranks, num_experts, device, forced arch) -> (kernel, grid)
+_functions: dict = {}   # (device, forced arch) -> kernel (one for every shape: they are run-time values)
+
+
+def _kernel(dev: int):
+    key = (dev, jit.forced_arch())
+    fn = _functions.get(key)
+    if fn is None:
+        fn = _functions[key] = jit.load(LAYOUT_SOURCE, LAYOUT_KERNEL, {}, device=dev)
+    return fn
 
 
 def _launch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, dev: int, stream: int,
                    per_rank_ptr: int, per_expert_ptr: int, in_rank_ptr: int) -> None:
     """The kernel (it writes every output element, counts included, for any token count, 0 too)."""
     num_tokens, num_topk = topk_idx.shape
-    key = (num_topk, num_ranks, num_experts, dev, jit.forced_arch())
-    plan = _functions.get(key)
-    if plan is None:
-        fn = jit.load(LAYOUT_SOURCE, LAYOUT_KERNEL, layout_defines(num_topk, num_ranks, num_experts), device=dev)
-        plan = _functions[key] = (fn, layout_grid(num_ranks, num_experts))
-    params = LayoutParams(topk_idx.data_ptr(), per_rank_ptr, per_expert_ptr, in_rank_ptr, num_tokens)
-    plan[0].launch(plan[1], LAYOUT_THREADS, 0, stream, bytes(params))
+    params = LayoutParams(topk_idx.data_ptr(), per_rank_ptr, per_expert_ptr, in_rank_ptr, num_tokens,
+                          num_topk, num_ranks, num_experts, 0)
+    _kernel(dev).launch(layout_grid(num_ranks, num_experts), LAYOUT_THREADS, 0, stream, bytes(params))
 
 
 def dispatch_layout_cuda_into(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, stream: StreamLike,
@@ -117,7 +121,7 @@ def dispatch_layout_cuda(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
     return counts[:num_ranks], counts[num_ranks:], in_rank
 
 
-_PACK = struct.Struct("<QQQQq").pack   # LayoutParams, packed without a ctypes object (hot path)
+_PACK = struct.Struct("<QQQQqiiii").pack   # LayoutParams, packed without a ctypes object (hot path)
 
 
 def dispatch_layout_current_stream(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
@@ -125,16 +129,13 @@ def dispatch_layout_current_stream(topk_idx: torch.Tensor, num_experts: int, num
     the eager hot path, an allocation and a launch (the host path is most of such a call's time)."""
     num_tokens, num_topk = topk_idx.shape
     dev = topk_idx.device.index
-    key = (num_topk, num_ranks, num_experts, dev, jit.forced_arch())
-    plan = _functions.get(key)
-    if plan is None:
-        fn = jit.load(LAYOUT_SOURCE, LAYOUT_KERNEL, layout_defines(num_topk, num_ranks, num_experts), device=dev)
-        plan = _functions[key] = (fn, layout_grid(num_ranks, num_experts))
+    fn = _kernel(dev)
     head = 4 * (num_ranks + num_experts)
     raw = torch.empty(head + num_tokens * num_ranks, dtype=torch.uint8, device=topk_idx.device)
     ptr = raw.data_ptr()
-    plan[0].launch(plan[1], LAYOUT_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream,
-                   _PACK(topk_idx.data_ptr(), ptr, ptr + 4 * num_ranks, ptr + head, num_tokens))
+    fn.launch(layout_grid(num_ranks, num_experts), LAYOUT_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream,
+              _PACK(topk_idx.data_ptr(), ptr, ptr + 4 * num_ranks, ptr + head, num_tokens,
+                    num_topk, num_ranks, num_experts, 0))
     counts = raw[:head].view(torch.int32)
     return counts[:num_ranks], counts[num_ranks:], raw[head:].view(torch.bool).view(num_tokens, num_ranks)
 
@@ -160,7 +161,4 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
 
 
 # What `python -m deepep_portable precompile` and CI compile of this kernel.
-jit.register_family("layout", LAYOUT_SOURCE, [LAYOUT_KERNEL],
-                    variants=[dict(NUM_TOPK=8, NUM_RANKS=8, NUM_EXPERTS=256),
-                              dict(NUM_TOPK=8, NUM_RANKS=16, NUM_EXPERTS=256),
-                              dict(NUM_TOPK=6, NUM_RANKS=4, NUM_EXPERTS=64)])
+jit.register_family("layout", LAYOUT_SOURCE, [LAYOUT_KERNEL], variants=[{}])

@@ -129,7 +129,7 @@ def test_layout_non_contiguous_input():
 
 
 def test_param_size_known_to_driver():
-    fn = jit.load(_kernels.LAYOUT_SOURCE, _kernels.LAYOUT_KERNEL, _kernels.layout_defines(8, 8, 256))
+    fn = jit.load(_kernels.LAYOUT_SOURCE, _kernels.LAYOUT_KERNEL, {})
     import ctypes
 
     assert fn.param_size in (-1, ctypes.sizeof(_kernels.LayoutParams))
@@ -150,7 +150,7 @@ def test_layout_forced_sm80(monkeypatch, shape):
         n, k, e, r, masked = shape
         gen = torch.Generator().manual_seed(5)
         check(make_topk(n, k, e, masked, gen=gen), e, r)
-        fn = jit.load(_kernels.LAYOUT_SOURCE, _kernels.LAYOUT_KERNEL, _kernels.layout_defines(k, r, e))
+        fn = jit.load(_kernels.LAYOUT_SOURCE, _kernels.LAYOUT_KERNEL, {})
         if native != "sm_80":
             attrs = fn.attributes()
             assert attrs["binary_version"] == int(native[3:])  # SASS JIT-compiled for this GPU
@@ -189,7 +189,7 @@ def test_forced_arch_newer_than_device_is_refused(monkeypatch):
     jit.clear_memory_cache()
     try:
         with pytest.raises(ValueError, match="newer than device"):
-            jit.load(_kernels.LAYOUT_SOURCE, _kernels.LAYOUT_KERNEL, _kernels.layout_defines(8, 8, 256), device=dev)
+            jit.load(_kernels.LAYOUT_SOURCE, _kernels.LAYOUT_KERNEL, {}, device=dev)
     finally:
         monkeypatch.delenv("DEEPEP_PORTABLE_FORCE_ARCH")
         jit.clear_memory_cache()
