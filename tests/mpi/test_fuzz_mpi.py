@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 
 import pytest
 import torch
@@ -35,6 +36,14 @@ INTERNODE = ("reference", "nvshmem")   # transports whose normal mode spans (log
 # in minutes once the JIT cache holds the palette; everything else stays free. The palette keeps a hidden that
 # is not a multiple of 512 and odd top-k widths. A seed replays the same case only with the same setting.
 PALETTE = os.environ.get("DEEPEP_FUZZ_PALETTE", "0" if TRANSPORT == "reference" else "1") == "1"
+# Off the reference transport a Buffer's set-up (IPC handles, windows, barriers) costs more than a case: there
+# (with the palette) most cases share one Buffer sized for the palette's largest case, as a model's Buffer
+# serves every shape, and every FRESH_EVERY-th case makes its own of exactly its size, so tight sizes stay
+# covered. DEEPEP_FUZZ_SHARED=0 gives every case its own Buffer (=1 shares them on any transport); a seed
+# replays alike either way.
+REUSE = os.environ.get("DEEPEP_FUZZ_SHARED", "1" if PALETTE and TRANSPORT != "reference" else "0") == "1"
+FRESH_EVERY = 8
+LARGEST_TOKENS = 64   # the largest max_tokens of either mode's cases
 NORMAL_HIDDEN = {False: [264, 7168], True: [384, 7168]}   # by fp8
 LL_HIDDEN, LL_HIDDEN_UE8M0 = [2944, 7168], [1536, 7168]
 PALETTE_TOPK = [1, 5, 8]
@@ -96,38 +105,104 @@ def _run(name: str, seed: int, params: dict, fn) -> None:
                              f"DEEPEP_FUZZ_CASES=1 DEEPEP_FUZZ_PALETTE={int(PALETTE)}:\n{e}") from None
 
 
+class _Buffers:
+    """The Buffer a case runs on: shared ones (REUSE), kept per `key`, or one of the case's own.
+    `setup_s` sums the time spent creating them (printed with the case count)."""
+
+    def __init__(self) -> None:
+        self.shared: dict = {}
+        self.setup_s = 0.0
+
+    def make(self, make) -> deep_ep.Buffer:
+        t0 = time.perf_counter()
+        buf = make()
+        self.setup_s += time.perf_counter() - t0
+        return buf
+
+    def get(self, seed: int, key, make_exact, make_largest):
+        """(buffer, owned): an owned buffer is the case's own, destroyed after it."""
+        if not REUSE or seed % FRESH_EVERY == 0:
+            return self.make(make_exact), True
+        if key not in self.shared:
+            self.shared[key] = self.make(make_largest)
+        return self.shared[key], False
+
+    def close(self) -> None:
+        for buf in self.shared.values():
+            buf.destroy()
+        self.shared.clear()
+
+
+def _report(rank: int, mode: str, cases: int, t0: float, buffers: _Buffers) -> None:
+    print(f"\n[rank {rank}] {mode} fuzz: {cases} cases passed in {time.perf_counter() - t0:.1f} s "
+          f"({buffers.setup_s:.1f} s creating Buffers; shared Buffers: {REUSE})")
+
+
 def test_fuzz_normal(pg, device, base_seed):
     rank, num_ranks = world(pg)
     first = _first_seed(base_seed, 1)
     print(f"\n[rank {rank}] normal-mode fuzz: {CASES} cases from seed {first} ({TRANSPORT})")
-    for seed in range(first, first + CASES):
-        p = normal_case(seed, num_ranks)
-        gen = torch.Generator().manual_seed(seed * 131 + rank)
-        most, per_node = p.pop("max_tokens"), p.pop("ranks_per_node")
-        nvl = deep_ep.Config().get_nvl_buffer_size_hint(p["hidden"] * 2, num_ranks, max(most, 1))
+
+    def sizes(hidden: int, most: int, per_node: int):
+        nvl = deep_ep.Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks, max(most, 1))
         rdma = 0 if TRANSPORT == "reference" or not per_node else deep_ep.Config().get_rdma_buffer_size_hint(
-            p["hidden"] * 2, num_ranks, max(most, 1), ranks_per_node=per_node)   # the internode kernels' window
-        buf = deep_ep.Buffer(pg, nvl, rdma, transport=TRANSPORT, ranks_per_node=per_node or None,
-                             explicitly_destroy=True)
-        try:
-            _run("normal", seed, dict(p, ranks_per_node=per_node), lambda: run_normal(
-                buf, pg, gen, device, num_tokens=_tokens(seed, rank, most), ranks_per_node=per_node, **p))
-        finally:   # every rank gets here (a case's checker raises on all of them), all ops done: free it now
-            buf.destroy()
+            hidden * 2, num_ranks, max(most, 1), ranks_per_node=per_node)   # the internode kernels' window
+        return nvl, rdma
+
+    def make(hidden: int, most: int, per_node: int):
+        return lambda: deep_ep.Buffer(pg, *sizes(hidden, most, per_node), transport=TRANSPORT,
+                                      ranks_per_node=per_node or None, explicitly_destroy=True)
+
+    buffers, t0 = _Buffers(), time.perf_counter()
+    largest_hidden = max(max(h) for h in NORMAL_HIDDEN.values())
+    try:
+        for seed in range(first, first + CASES):
+            p = normal_case(seed, num_ranks)
+            gen = torch.Generator().manual_seed(seed * 131 + rank)
+            most, per_node = p.pop("max_tokens"), p.pop("ranks_per_node")
+            buf, owned = buffers.get(seed, per_node, make(p["hidden"], most, per_node),
+                                     make(largest_hidden, LARGEST_TOKENS, per_node))
+            try:
+                _run("normal", seed, dict(p, ranks_per_node=per_node), lambda: run_normal(
+                    buf, pg, gen, device, num_tokens=_tokens(seed, rank, most), ranks_per_node=per_node, **p))
+            finally:   # every rank gets here (a case's checker raises on all of them), all ops done: free it now
+                if owned:
+                    buf.destroy()
+    finally:
+        buffers.close()
+    _report(rank, "normal-mode", CASES, t0, buffers)
 
 
 def test_fuzz_low_latency(pg, device, base_seed):
     rank, num_ranks = world(pg)
     first = _first_seed(base_seed, 2)
     print(f"\n[rank {rank}] low-latency fuzz: {CASES} cases from seed {first} ({TRANSPORT})")
-    for seed in range(first, first + CASES):
-        p = ll_case(seed, num_ranks)
-        gen = torch.Generator().manual_seed(seed * 131 + rank)
-        experts = num_experts_for(p["experts"], num_ranks)
-        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(p["max_tokens"], p["hidden"], num_ranks, experts)
-        buf = deep_ep.Buffer(pg, 0, rdma, low_latency_mode=True, transport=TRANSPORT, explicitly_destroy=True)
-        try:
-            _run("low-latency", seed, p, lambda: run_low_latency(
-                buf, pg, gen, device, num_tokens=_tokens(seed, rank, p["max_tokens"]), **p))
-        finally:
-            buf.destroy()
+
+    def make(tokens: int, hidden: int, experts: int):
+        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts)
+        return lambda: deep_ep.Buffer(pg, 0, rdma, low_latency_mode=True, transport=TRANSPORT,
+                                      explicitly_destroy=True)
+
+    buffers, t0 = _Buffers(), time.perf_counter()
+    largest = make(LARGEST_TOKENS, max(LL_HIDDEN + LL_HIDDEN_UE8M0), num_experts_for(num_ranks * 64, num_ranks))
+    signals_of: dict = {}   # shared Buffer -> the num_experts its signals were last cleaned for
+    try:
+        for seed in range(first, first + CASES):
+            p = ll_case(seed, num_ranks)
+            gen = torch.Generator().manual_seed(seed * 131 + rank)
+            experts = num_experts_for(p["experts"], num_ranks)
+            buf, owned = buffers.get(seed, "ll", make(p["max_tokens"], p["hidden"], experts), largest)
+            if not owned and signals_of.get(id(buf), experts) != experts:
+                # A shared Buffer changes num_experts only through a clean (collective; every earlier LL op of
+                # every rank is complete: the previous case's checks read its results, then met in a collective).
+                buf.clean_low_latency_buffer(p["max_tokens"], p["hidden"], experts)
+            signals_of[id(buf)] = experts
+            try:
+                _run("low-latency", seed, p, lambda: run_low_latency(
+                    buf, pg, gen, device, num_tokens=_tokens(seed, rank, p["max_tokens"]), **p))
+            finally:
+                if owned:
+                    buf.destroy()
+    finally:
+        buffers.close()
+    _report(rank, "low-latency", CASES, t0, buffers)
