@@ -87,7 +87,7 @@ for s in $STEPS; do
     fuzz)   start_mps   # the seeded fuzz (tests/mpi/test_fuzz_mpi.py) over FUZZ_TRANSPORT (default nvlink), FUZZ_CASES per mode
             DEEPEP_FUZZ_TRANSPORT=${FUZZ_TRANSPORT:-nvlink} DEEPEP_FUZZ_CASES=${FUZZ_CASES:-200} step fuzz $MPIRUN \
                 -x DEEPEP_FUZZ_TRANSPORT -x DEEPEP_FUZZ_CASES ${DEEPEP_FUZZ_SEED:+-x DEEPEP_FUZZ_SEED} ${DEEPEP_FUZZ_PALETTE:+-x DEEPEP_FUZZ_PALETTE} -n "$RANKS" \
-                $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_fuzz_mpi.py
+                $PY -m pytest -q -s -p no:cacheprovider --with-mpi tests/mpi/test_fuzz_mpi.py   # -s: seeds, counts, times
             stop_mps ;;
     profile) start_mps
             DEEPEP_PORTABLE_PROFILE=1 step profile $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --tokens 4096 16384 ${BENCH_ARGS:-}

@@ -75,7 +75,8 @@ def normal_case(seed: int, num_ranks: int) -> dict:
                 num_worst_extra=r.choice([None, None, 0, 3]), num_bias=r.randint(0, 2),
                 p_none=r.choice([0.0, 0.1, 0.5, 1.0]), skew=r.random() < 0.15,
                 ranks_per_node=r.choice(divisors) if TRANSPORT in INTERNODE and r.random() < 0.4 else 0,
-                max_tokens=r.choice([1, 2, 17, 64]))
+                max_tokens=r.choice([1, 2, 17, 64]),
+                overlap=r.choice([None, None, "caller", "comm"]))   # drawn last: earlier seeds keep their shapes
 
 
 def ll_case(seed: int, num_ranks: int) -> dict:
@@ -88,7 +89,25 @@ def ll_case(seed: int, num_ranks: int) -> dict:
     experts = num_ranks * r.randint(1, 64)
     return dict(hidden=hidden, topk=_topk(r, experts), experts=experts, mode=mode,
                 max_tokens=r.choice([1, 3, 16, 64]), hook=r.random() < 0.5, zero_copy=r.random() < 0.3,
-                use_out=r.random() < 0.3, p_none=r.choice([0.0, 0.1, 0.5, 1.0]))
+                use_out=r.random() < 0.3, p_none=r.choice([0.0, 0.1, 0.5, 1.0]),
+                # drawn last, so earlier seeds keep their shapes: async_finish (without a hook); on a GPU, a
+                # BF16 round captured in a CUDA graph and replayed with new contents
+                overlap=r.random() < 0.3, graph=r.random() < 0.2)
+
+
+# A graph case runs on CUDA transports only (the reference transport computes on the host).
+GRAPHS = torch.cuda.is_available() and TRANSPORT != "reference"
+
+
+def _graph_case(buf, pg, gen, device, *, num_tokens, experts, hidden, topk, max_tokens, **_unused) -> None:
+    """The case's shape through test_low_latency_gpu_mpi.run_ll_graph: BF16 dispatch, y = 2 * recv_x, combine,
+    eager once, then captured and replayed twice with new contents; every result checked against the oracle."""
+    from test_intranode_gpu_mpi import GpuChecker
+    from test_low_latency_gpu_mpi import run_ll_graph
+    ck = GpuChecker(pg)
+    run_ll_graph(buf, pg, gen, device, ck, experts=experts, hidden=hidden, num_tokens=num_tokens,
+                 max_tokens=max_tokens, topk=topk, replays=2)
+    ck.done()
 
 
 def _tokens(seed: int, rank: int, most: int) -> int:
@@ -197,9 +216,14 @@ def test_fuzz_low_latency(pg, device, base_seed):
                 # every rank is complete: the previous case's checks read its results, then met in a collective).
                 buf.clean_low_latency_buffer(p["max_tokens"], p["hidden"], experts)
             signals_of[id(buf)] = experts
+            graph = p.pop("graph") and GRAPHS
             try:
-                _run("low-latency", seed, p, lambda: run_low_latency(
-                    buf, pg, gen, device, num_tokens=_tokens(seed, rank, p["max_tokens"]), **p))
+                if graph:
+                    _run("low-latency graph", seed, p, lambda: _graph_case(
+                        buf, pg, gen, device, num_tokens=_tokens(seed, rank, p["max_tokens"]), **p))
+                else:
+                    _run("low-latency", seed, p, lambda: run_low_latency(
+                        buf, pg, gen, device, num_tokens=_tokens(seed, rank, p["max_tokens"]), **p))
             finally:
                 if owned:
                     buf.destroy()

@@ -350,37 +350,51 @@ def test_ll_cuda_graph(pg, device, request, base_seed):
     """dispatch (BF16) + an "expert" (y = recv_x * 2) + combine captured once, replayed with new contents."""
     rank, num_ranks = world(pg)
     gen = generator(request, base_seed, rank)
-    experts = num_experts_for(EXPERTS, num_ranks)
-    hidden, n = 4096, 64 + rank
     buf = _SHARED.buf
     ck = GpuChecker(pg)
+    if run_ll_graph(buf, pg, gen, device, ck, experts=num_experts_for(EXPERTS, num_ranks), hidden=4096,
+                    num_tokens=64 + rank, max_tokens=T, topk=TOPK):
+        run_pair(buf, pg, gen, device, ck, hidden=2048, num_tokens=5, mode="fp8", zero_copy=True,
+                 tag="eager after graph")
+    ck.done()
+
+
+def run_ll_graph(buf, pg, gen, device, ck, *, experts: int, hidden: int, num_tokens: int, max_tokens: int,
+                 topk: int, replays: int = 3) -> bool:
+    """An eager warm-up of dispatch (BF16) + an "expert" (y = recv_x * 2) + combine, then the same captured in
+    a CUDA graph and replayed `replays` times, each with new input contents, every result checked against the
+    oracle into `ck` (the caller calls ck.done()). Returns whether every rank saw every step pass. Also the
+    fuzz's graph cases (tests/mpi/test_fuzz_mpi.py)."""
+    rank, num_ranks = world(pg)
+    n = num_tokens
     st = dict(x=torch.zeros(n, hidden, dtype=torch.bfloat16, device=device),
-              idx=torch.zeros(n, TOPK, dtype=torch.int64, device=device),
-              w=torch.zeros(n, TOPK, device=device))
+              idx=torch.zeros(n, topk, dtype=torch.int64, device=device),
+              w=torch.zeros(n, topk, device=device))
 
     def draw() -> dict:
-        h = dict(x=make_x(gen, n, hidden), idx=make_topk(n, TOPK, experts, gen), w=torch.rand(n, TOPK, generator=gen))
+        h = dict(x=make_x(gen, n, hidden), idx=make_topk(n, topk, experts, gen), w=torch.rand(n, topk, generator=gen))
         for k, v in h.items():
             st[k].copy_(v.to(device))
         torch.cuda.synchronize()
         return h
 
     def body() -> dict:
-        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(st["x"], st["idx"], T, experts, use_fp8=False)
+        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(st["x"], st["idx"], max_tokens, experts,
+                                                                    use_fp8=False)
         y = recv_x * 2
         combined, _, _ = buf.low_latency_combine(y, st["idx"], st["w"], handle)
         return dict(recv_x=recv_x, recv_count=recv_count, layout_range=handle.layout_range, combined=combined)
 
     def check(outs: Optional[dict], h: dict, what: str) -> None:
         x_all, idx_all = allgather(h["x"], pg), allgather(h["idx"], pg)
-        exps = [oracle.low_latency_dispatch(j, experts, T, x_all, idx_all) for j in range(num_ranks)]
+        exps = [oracle.low_latency_dispatch(j, experts, max_tokens, x_all, idx_all) for j in range(num_ranks)]
         y_all = []
         for ex in exps:   # the "expert" on the valid rows only (the rest is never read nor touched)
             y = torch.empty_like(ex.recv_x)
             for e, c in enumerate(ex.recv_count.tolist()):
                 y[e, :c] = ex.recv_x[e, :c] * 2
             y_all.append(y)
-        exp_out = oracle.low_latency_combine(rank, experts, T, y_all, idx_all, h["w"])
+        exp_out = oracle.low_latency_combine(rank, experts, max_tokens, y_all, idx_all, h["w"])
         if outs is None:
             return
         exp = exps[rank]
@@ -404,27 +418,26 @@ def test_ll_cuda_graph(pg, device, request, base_seed):
 
     h = draw()
     check(ck.run("[graph warm-up] eager", eager), h, "warm-up")
-    if ck.agree(not ck.errors):
-        graph = torch.cuda.CUDAGraph()
+    if not ck.agree(not ck.errors):
+        return False
+    graph = torch.cuda.CUDAGraph()
 
-        def capture() -> dict:
-            with torch.cuda.graph(graph):
-                outs = body()
-            torch.cuda.synchronize()
-            return outs
+    def capture() -> dict:
+        with torch.cuda.graph(graph):
+            outs = body()
+        torch.cuda.synchronize()
+        return outs
 
-        outs = ck.run("[graph] capture", capture)
-        if ck.agree(outs is not None):
-            for i in range(3):
-                h = draw()
-                done = ck.run(f"[graph replay {i}]", lambda: (graph.replay(), torch.cuda.synchronize()))
-                check(outs if done is not None else None, h, f"replay {i}")
-                if not ck.agree(not ck.errors):
-                    break
-    if ck.agree(not ck.errors):
-        run_pair(buf, pg, gen, device, ck, hidden=2048, num_tokens=5, mode="fp8", zero_copy=True,
-                 tag="eager after graph")
-    ck.done()
+    outs = ck.run("[graph] capture", capture)
+    if not ck.agree(outs is not None):
+        return False
+    for i in range(replays):
+        h = draw()
+        done = ck.run(f"[graph replay {i}]", lambda: (graph.replay(), torch.cuda.synchronize()))
+        check(outs if done is not None else None, h, f"replay {i}")
+        if not ck.agree(not ck.errors):
+            return False
+    return True
 
 
 def test_ll_combine_of_recv_x_itself_back_to_back(pg, device, request, base_seed):

@@ -158,13 +158,29 @@ def ll_mpi_buffer(mpi_comm, pg):
 
 
 # ---- normal mode ---------------------------------------------------------------------------------
+def _overlap(buf, overlap) -> dict:
+    """DeepEP's overlap arguments for one op (a fresh previous_event each time), or none."""
+    if overlap is None:
+        return {}
+    return dict(previous_event=buf.capture(), async_finish=True, allocate_on_comm_stream=overlap == "comm")
+
+
+def _finish(event, overlap) -> None:
+    """An async op's results may be read once the caller's stream waited on its event."""
+    if overlap is not None:
+        assert isinstance(event, deep_ep.EventOverlap), f"async_finish=True returned {type(event)}, not an EventOverlap"
+        event.current_stream_wait()
+
+
 def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=None, use_topk=True,
                expert_alignment=1, num_worst_extra=None, num_bias=0, p_none=0.1, column_major_scales=False,
-               ranks_per_node=0, skew=False):
+               ranks_per_node=0, skew=False, overlap=None):
     """dispatch, cached dispatch and combine of random inputs; everything compared to the oracle.
 
     fp8: None (bf16), "float" or "int32" scales. num_worst_extra: None, or pad num_worst_tokens to the
-    largest receive count of any rank plus this many rows."""
+    largest receive count of any rank plus this many rows. overlap: None (plain calls), "caller" or "comm":
+    every op gets a previous_event and async_finish=True (allocating on the caller's or the comm stream), and
+    its results are read only after the caller's stream waits on the event it returns."""
     rank, num_ranks = world(pg)
     experts = num_experts_for(experts, num_ranks)
     x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
@@ -185,7 +201,8 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
         scales = scales.T.contiguous().T
 
     ck = Checker(pg)
-    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    per_rank, per_rdma, per_expert, in_rank, event = buf.get_dispatch_layout(idx, experts, **_overlap(buf, overlap))
+    _finish(event, overlap)
     exp_rank, exp_expert, exp_in_rank = oracle.dispatch_layout(idx, experts, num_ranks)
     if not 0 < ranks_per_node < num_ranks:
         ranks_per_node = 0   # one node
@@ -209,11 +226,12 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
                                idx_all if use_topk else None, weights_all if use_topk else None,
                                per_expert_all, expert_alignment, num_worst)
 
-    recv_x, recv_idx, recv_w, per_expert_list, handle, _ = buf.dispatch(
+    recv_x, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
         (x, scales) if scales is not None else x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=idx if use_topk else None,
         topk_weights=weights if use_topk else None, expert_alignment=expert_alignment,
-        num_worst_tokens=num_worst)
+        num_worst_tokens=num_worst, **_overlap(buf, overlap))
+    _finish(event, overlap)
     recv_scales = None
     if scales is not None:
         ck.true(isinstance(recv_x, tuple), "FP8 dispatch must return (recv_x, recv_x_scales)")
@@ -246,7 +264,8 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
     if ranks_per_node:
         handle = outer   # the caller's handle goes back in as it came out
     # cached dispatch: same movement, payload only
-    again, *rest = buf.dispatch((x, scales) if scales is not None else x, handle=handle)
+    again, *rest = buf.dispatch((x, scales) if scales is not None else x, handle=handle, **_overlap(buf, overlap))
+    _finish(rest[-1], overlap)
     ck.true(all(r is None for r in rest[:4]), "cached dispatch must return None for topk/weights/list/handle")
     again_scales = None
     if scales is not None:
@@ -265,7 +284,8 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
     y_w = wide(rows_here, topk).float() if use_topk else None
     biases = [wide(num_tokens, hidden) for _ in range(num_bias)]
     bias = None if num_bias == 0 else (biases[0] if num_bias == 1 else tuple(biases))
-    combined, combined_w, _ = buf.combine(y, handle, topk_weights=y_w, bias=bias)
+    combined, combined_w, event = buf.combine(y, handle, topk_weights=y_w, bias=bias, **_overlap(buf, overlap))
+    _finish(event, overlap)
     exp_x, exp_w = oracle.combine(rank, allgather(y, pg), in_rank_all, allgather(y_w, pg),
                                   biases[0] if num_bias else None, biases[1] if num_bias == 2 else None,
                                   ranks_per_node=ranks_per_node)
@@ -371,7 +391,9 @@ def test_mpi_comm_buffer_normal(mpi_buffer, pg, device, request, base_seed):
 
 # ---- low-latency mode ----------------------------------------------------------------------------
 def run_low_latency(buf, pg, gen, device, *, hidden, topk, experts, max_tokens, num_tokens, mode,
-                    hook=False, zero_copy=False, use_out=False, p_none=0.1):
+                    hook=False, zero_copy=False, use_out=False, p_none=0.1, overlap=False):
+    """low_latency_dispatch and low_latency_combine of random inputs, compared to the oracle. overlap (with
+    hook=False): async_finish=True, results read after the caller's stream waited on the returned event."""
     rank, num_ranks = world(pg)
     experts = num_experts_for(experts, num_ranks)
     local = experts // num_ranks
@@ -387,10 +409,12 @@ def run_low_latency(buf, pg, gen, device, *, hidden, topk, experts, max_tokens, 
     wait_stats = torch.zeros(num_ranks, dtype=torch.int64, device=device)
 
     ck = Checker(pg)
-    recv_x, recv_count, handle, _, recv_hook = buf.low_latency_dispatch(
+    overlap = overlap and not hook
+    recv_x, recv_count, handle, event, recv_hook = buf.low_latency_dispatch(
         x, idx, max_tokens, experts, cumulative_local_expert_recv_stats=recv_stats,
         dispatch_wait_recv_cost_stats=wait_stats, use_fp8=fp8, round_scale=round_scale, use_ue8m0=ue8m0,
-        return_recv_hook=hook)
+        return_recv_hook=hook, async_finish=overlap)
+    _finish(event, "caller" if overlap else None)
     ck.true((recv_hook is not None) == hook, f"hook {recv_hook} with return_recv_hook={hook}")
     if hook:
         recv_hook()
@@ -440,9 +464,10 @@ def run_low_latency(buf, pg, gen, device, *, hidden, topk, experts, max_tokens, 
         offset += n
     out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=device) if use_out else None
     combine_stats = torch.zeros(num_ranks, dtype=torch.int64, device=device)
-    combined, _, combine_hook = buf.low_latency_combine(y, idx, weights, handle, zero_copy=zero_copy,
-                                                        return_recv_hook=hook, out=out,
-                                                        combine_wait_recv_cost_stats=combine_stats)
+    combined, event, combine_hook = buf.low_latency_combine(y, idx, weights, handle, zero_copy=zero_copy,
+                                                            return_recv_hook=hook, out=out, async_finish=overlap,
+                                                            combine_wait_recv_cost_stats=combine_stats)
+    _finish(event, "caller" if overlap else None)
     ck.true((combine_hook is not None) == hook, f"combine hook {combine_hook} with return_recv_hook={hook}")
     if hook:
         combine_hook()
