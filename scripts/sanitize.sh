@@ -14,10 +14,11 @@ export DEEPEP_TEST_LL_TRANSPORT=${DEEPEP_TEST_LL_TRANSPORT:-nvlink}
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x PYTHONPATH -x CUDA_HOME -x DEEPEP_PORTABLE_CACHE_DIR
         -x DEEPEP_PORTABLE_TIMEOUT_S -x PYTHONUNBUFFERED -x DEEPEP_TEST_DEVICE=cuda -x DEEPEP_TEST_LL_TRANSPORT -n 2)
 # name | ranks | test file | -k expression: the layout and copy kernels (not the killed-rank tests: their
-# SIGKILL under the tool tests the tool); intranode dispatch/combine (small
+# SIGKILL under the tool tests the tool); the layout kernel alone (a quick subset of the first); intranode dispatch/combine (small
 # cases: top-3); low-latency dispatch/combine/clean (small, LogFMT, shrink); the transport conformance kernel;
 # the internode kernels (2 logical nodes of 1 rank, nvshmem; not run under the tool yet).
 SUITES=("gpu|1|tests/gpu|not killed"
+        "layout|1|tests/gpu/test_layout_gpu.py|not sm80 and not forced"
         "intranode|2|tests/mpi/test_intranode_gpu_mpi.py|top3"
         "low_latency|2|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink"
         "selftest|2|tests/mpi/test_transport_selftest_gpu_mpi.py|"
