@@ -97,7 +97,7 @@ for s in $STEPS; do
             step bench_ll_nvshmem $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvshmem --mode low_latency --tokens 128 ${LL_NUM_SMS:+--num-sms $LL_NUM_SMS} ${BENCH_ARGS:-}
             stop_mps ;;
     mpitests) start_mps   # any MPI tests at N ranks: MPI_TESTS="FILE [-k EXPR]"
-            step mpitests $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi ${MPI_TESTS:?set MPI_TESTS}
+            step mpitests $MPIRUN ${DEEPEP_TEST_MANY_BUFFERS:+-x DEEPEP_TEST_MANY_BUFFERS} -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi ${MPI_TESTS:?set MPI_TESTS}
             stop_mps ;;
     hostcosts) start_mps; step hostcosts $PY scripts/host_costs.py --procs "$RANKS"; stop_mps ;;
     cache)  # in parts of 15 MiB (files back from the lent machine are at most 16 MiB each)

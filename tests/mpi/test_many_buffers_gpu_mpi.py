@@ -21,6 +21,9 @@ pytestmark = [pytest.mark.mpi,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="the windows live on a CUDA GPU")]
 TRANSPORT = os.environ.get("DEEPEP_TEST_LL_TRANSPORT", "nvlink")
 T, HIDDEN, EXPERTS = 8, 512, 16
+# Buffers created, used and destroyed after the warm-up (issue 20 asks for 1000: DEEPEP_TEST_MANY_BUFFERS=1000,
+# about 2 minutes at 4 ranks sharing the H200; the default keeps the GPU suite short).
+COUNT = int(os.environ.get("DEEPEP_TEST_MANY_BUFFERS", "100"))
 
 
 def _open_fds() -> int:
@@ -53,9 +56,9 @@ def _cycle(pg, n: int) -> None:
 def test_many_buffers_leave_nothing(pg):
     _cycle(pg, 5)   # warm-up: JIT modules, caches, lazy initialisations
     fds, (free, _) = _open_fds(), torch.cuda.mem_get_info()
-    _cycle(pg, 100)
+    _cycle(pg, COUNT)
     fds_after, (free_after, _) = _open_fds(), torch.cuda.mem_get_info()
-    print(f"\n[rank {dist.get_rank()}] after 100 Buffers: fds {fds} -> {fds_after}, "
+    print(f"\n[rank {dist.get_rank()}] after {COUNT} Buffers: fds {fds} -> {fds_after}, "
           f"free GPU memory {free >> 20} -> {free_after >> 20} MiB")
     assert fds_after <= fds, f"file descriptors grew from {fds} to {fds_after}"
     # other ranks share the GPU and free at their own pace: allow a little slack, never a Buffer's worth a time
