@@ -49,6 +49,8 @@ def _check_layout_args(topk_idx: torch.Tensor, num_experts: int, num_ranks: int)
         raise ValueError(f"top-k must be in [1, 128], got {topk_idx.size(1)}")
     if num_ranks < 1 or num_experts < num_ranks or num_experts % num_ranks:
         raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of num_ranks ({num_ranks})")
+    if num_experts >= 1 << 31:   # the kernel takes the shapes as int32
+        raise ValueError(f"num_experts ({num_experts}) must be below 2^31")
 
 
 _functions: dict = {}   # (device, forced arch) -> kernel (one for every shape: they are run-time values)

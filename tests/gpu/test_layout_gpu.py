@@ -98,6 +98,23 @@ def test_layout_duplicates_and_out_of_range():
     check(idx, 32, 4)
 
 
+def test_layout_rows_at_an_unaligned_address():
+    """R % 8 == 0 but is_token_in_rank starts one byte into an allocation: the kernel must take its byte-wise
+    path (its 8-byte stores need an 8-aligned base), and write nothing outside the view."""
+    gen = torch.Generator().manual_seed(13)
+    idx = make_topk(777, 8, 256, 0.1, gen=gen)
+    per_rank, per_expert = poisoned((16,), torch.int32), poisoned((256,), torch.int32)
+    backing = poisoned((777 * 16 + 2,), torch.bool)
+    in_rank = backing[1:-1].view(777, 16)
+    _kernels.dispatch_layout_cuda_into(idx, 256, 16, None, per_rank, per_expert, in_rank)
+    torch.cuda.synchronize()
+    ref_rank, ref_expert, ref_in = oracle(idx, 256, 16)
+    assert torch.equal(per_rank.cpu(), ref_rank) and torch.equal(per_expert.cpu(), ref_expert)
+    assert torch.equal(in_rank.view(torch.uint8).cpu(), ref_in.to(torch.uint8))
+    edges = backing.view(torch.uint8)[[0, -1]].cpu().tolist()
+    assert edges == [0xAB, 0xAB], f"bytes around the view were written: {edges}"
+
+
 def test_layout_returns_fresh_outputs_on_side_stream():
     gen = torch.Generator().manual_seed(3)
     idx = make_topk(2048, 8, 256, 0.05, gen=gen)

@@ -95,8 +95,21 @@ def ll_case(seed: int, num_ranks: int) -> dict:
                 overlap=r.random() < 0.3, graph=r.random() < 0.2)
 
 
-# A graph case runs on CUDA transports only (the reference transport computes on the host).
-GRAPHS = torch.cuda.is_available() and TRANSPORT != "reference"
+# A graph case runs where the LL kernels serve the ops (the reference transport computes on the host).
+GRAPHS = (torch.cuda.is_available() and TRANSPORT != "reference"
+          and os.environ.get("DEEPEP_PORTABLE_LL_KERNELS", "1") != "0")
+
+
+def _nvshmem_heap(nbytes: int) -> None:
+    """NVSHMEM's symmetric heap is sized once per process, at the first window (transports/nvshmem/window.py):
+    over nvshmem, ask up front for room for the largest Buffers the test holds at once (+ 256 MiB). Too late
+    if an earlier test of the same process already started NVSHMEM: run the fuzz on its own there."""
+    if TRANSPORT != "nvshmem":
+        return
+    from deepep_portable.transports.nvshmem.runtime import _parse_size
+    want = nbytes + (256 << 20)
+    if _parse_size(os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "0")) < want:
+        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(want)
 
 
 def _graph_case(buf, pg, gen, device, *, num_tokens, experts, hidden, topk, max_tokens, **_unused) -> None:
@@ -174,6 +187,8 @@ def test_fuzz_normal(pg, device, base_seed):
 
     buffers, t0 = _Buffers(), time.perf_counter()
     largest_hidden = max(max(h) for h in NORMAL_HIDDEN.values())
+    # shared Buffers (one per node shape: at most 4 divisors of the rank count in use) and a case's own
+    _nvshmem_heap(5 * sum(sizes(largest_hidden, LARGEST_TOKENS, max(1, num_ranks // 2))))
     try:
         for seed in range(first, first + CASES):
             p = normal_case(seed, num_ranks)
@@ -203,19 +218,23 @@ def test_fuzz_low_latency(pg, device, base_seed):
                                       explicitly_destroy=True)
 
     buffers, t0 = _Buffers(), time.perf_counter()
-    largest = make(LARGEST_TOKENS, max(LL_HIDDEN + LL_HIDDEN_UE8M0), num_experts_for(num_ranks * 64, num_ranks))
-    signals_of: dict = {}   # shared Buffer -> the num_experts its signals were last cleaned for
+    largest_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        LARGEST_TOKENS, max(LL_HIDDEN + LL_HIDDEN_UE8M0), num_ranks, num_ranks * 64)
+    _nvshmem_heap(2 * largest_bytes)   # the shared Buffer and a case's own of the same size at once
+    largest = make(LARGEST_TOKENS, max(LL_HIDDEN + LL_HIDDEN_UE8M0), num_ranks * 64)
+    shared_experts = None   # the num_experts the shared Buffer's signals were last cleaned for
     try:
         for seed in range(first, first + CASES):
             p = ll_case(seed, num_ranks)
             gen = torch.Generator().manual_seed(seed * 131 + rank)
             experts = num_experts_for(p["experts"], num_ranks)
             buf, owned = buffers.get(seed, "ll", make(p["max_tokens"], p["hidden"], experts), largest)
-            if not owned and signals_of.get(id(buf), experts) != experts:
-                # A shared Buffer changes num_experts only through a clean (collective; every earlier LL op of
-                # every rank is complete: the previous case's checks read its results, then met in a collective).
-                buf.clean_low_latency_buffer(p["max_tokens"], p["hidden"], experts)
-            signals_of[id(buf)] = experts
+            if not owned:
+                if shared_experts not in (None, experts):
+                    # A shared Buffer changes num_experts only through a clean (collective; every earlier LL op of
+                    # every rank is complete: the previous case's checks read its results, then met in a collective).
+                    buf.clean_low_latency_buffer(p["max_tokens"], p["hidden"], experts)
+                shared_experts = experts
             graph = p.pop("graph") and GRAPHS
             try:
                 if graph:

@@ -65,10 +65,10 @@ __global__ void __launch_bounds__(kThreads) routing_layout(const __grid_constant
         if (expert_block) {
 #pragma unroll 8
             for (int k = 0; k < num_topk; ++k) {
-                const int64_t e = __ldg(row + k) - lo;   // -1 and out-of-range entries select nothing
+                const int64_t e = __ldg(row + k);   // -1 and out-of-range entries select nothing
 #pragma unroll
                 for (int j = 0; j < kPerBlock; ++j)
-                    count[j] += e == j;
+                    count[j] += e == lo + j;   // compared, never subtracted: no overflow for any int64 entry
             }
         } else {
             uint32_t mask = 0;   // bit j: the token has an expert on rank lo + j
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) routing_layout(const __grid_constant
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
     for (int j = 0; j < kPerBlock; ++j) {
-        const int sum = __reduce_add_sync(0xffffffffu, count[j]);
+        const int sum = __reduce_add_sync(0xffffffffu, count[j]);   // sm_80+ (every architecture we build)
         if (lane == 0)
             partial[warp][j] = sum;
     }
