@@ -1,11 +1,11 @@
 """A rank killed (SIGKILL) in the middle of low-latency work (issue 20, item 2), on one GPU: 4 worker
-processes spawned from this test (not MPI: mpirun would take the whole job down with the killed rank),
-each with its own context on the GPU, a gloo group over a file store.
+processes (DEEPEP_TEST_KILLED_RANKS) spawned from this test (not MPI: mpirun would take the whole job down
+with the killed rank), each with its own context on the GPU, a gloo group over a file store.
 
-- Without shrink: rank 3 dies before a dispatch; every survivor raises CommTimeoutError naming peer 3
+- Without shrink: the last rank dies before a dispatch; every survivor raises CommTimeoutError naming it
   within the Buffer's timeout (plus slack), its CUDA context still works, and a fresh group and Buffer of
   the survivors then runs a dispatch + combine checked against plain torch.
-- With shrink (enable_shrink=True): the survivors' dispatch and combine complete without rank 3's rows
+- With shrink (enable_shrink=True): the survivors' dispatch and combine complete without the dead rank's rows
   and its mask bit is set.
 """
 from __future__ import annotations
@@ -24,8 +24,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-RANKS, DEAD, TIMEOUT_S = 4, 3, 4.0
-T, HIDDEN, EXPERTS, TOPK = 16, 512, 16, 2
+# Workers (DEEPEP_TEST_KILLED_RANKS, default 4); the last one dies. Four experts per rank.
+RANKS = int(os.environ.get("DEEPEP_TEST_KILLED_RANKS", "4"))
+DEAD, TIMEOUT_S = RANKS - 1, 4.0
+T, HIDDEN, EXPERTS, TOPK = 16, 512, 4 * RANKS, 2
 
 
 def _group(store_dir: str, tag: str, rank: int, world: int):
