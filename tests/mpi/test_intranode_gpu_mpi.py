@@ -193,6 +193,20 @@ def wide(gen: torch.Generator, rows: int, cols: int) -> torch.Tensor:
     return (torch.randn(rows, cols, generator=gen) * magnitude).to(torch.bfloat16)
 
 
+def capture_graph(ck: GpuChecker, body: Callable[[], dict], what: str):
+    """(graph, outputs): body() captured once into a CUDA graph under ck.run (outputs None if that failed).
+    Also the low-latency suite's."""
+    graph = torch.cuda.CUDAGraph()
+
+    def capture() -> dict:
+        with torch.cuda.graph(graph):
+            outs = body()
+        torch.cuda.synchronize()
+        return outs
+
+    return graph, ck.run(what, capture)
+
+
 def gpu_sleep() -> None:
     if hasattr(torch.cuda, "_sleep"):
         torch.cuda._sleep(SLEEP_CYCLES)
@@ -587,15 +601,7 @@ def test_cuda_graph_num_worst_tokens(nvl, pg, device, request, base_seed, fp8):
     outs0 = ck.run("[graph warm-up] eager dispatch+combine", warm_up)
     check(outs0, host, "graph warm-up (eager)")
     if ck.agree(outs0 is not None and not ck.errors):
-        graph = torch.cuda.CUDAGraph()
-
-        def capture() -> dict:
-            with torch.cuda.graph(graph):
-                outs = body()
-            torch.cuda.synchronize()
-            return outs
-
-        outs = ck.run("[graph] capture of dispatch+combine", capture)
+        graph, outs = capture_graph(ck, body, "[graph] capture of dispatch+combine")
         if ck.agree(outs is not None):
             for i in range(3):
                 host = draw()

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tests/mpi (sh
 
 import deepep_portable as deep_ep  # noqa: E402
 import oracle  # noqa: E402
-from test_intranode_gpu_mpi import GpuChecker, _short  # noqa: E402
+from test_intranode_gpu_mpi import GpuChecker, _short, capture_graph  # noqa: E402
 from test_reference_mpi import allgather, generator, make_topk, num_experts_for, world  # noqa: E402
 from deepep_portable.logfmt import roundtrip as logfmt_roundtrip  # noqa: E402
 
@@ -420,15 +420,7 @@ def run_ll_graph(buf, pg, gen, device, ck, *, experts: int, hidden: int, num_tok
     check(ck.run("[graph warm-up] eager", eager), h, "warm-up")
     if not ck.agree(not ck.errors):
         return False
-    graph = torch.cuda.CUDAGraph()
-
-    def capture() -> dict:
-        with torch.cuda.graph(graph):
-            outs = body()
-        torch.cuda.synchronize()
-        return outs
-
-    outs = ck.run("[graph] capture", capture)
+    graph, outs = capture_graph(ck, body, "[graph] capture")
     if not ck.agree(outs is not None):
         return False
     for i in range(replays):
