@@ -25,7 +25,6 @@ Environment:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import shlex
@@ -39,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+from .jit_key import cache_key as _cache_key
+
 __all__ = [
     "JitCompileError", "CompileResult", "KernelFamily", "find_nvcc", "nvcc_version", "kernel_root",
     "cache_dir", "device_arch", "compile", "compile_cached", "load", "KernelCache", "forced_arch",
@@ -49,7 +50,6 @@ __all__ = [
 Defines = Mapping[str, Union[int, bool, str]]
 
 BASE_FLAGS: Tuple[str, ...] = ("-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo")
-_HASHED_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".inc", ".inl")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -185,33 +185,6 @@ def _target_flags(arch: str, ptx: bool) -> List[str]:
 
 def _extra_flags() -> List[str]:
     return shlex.split(os.environ.get("DEEPEP_PORTABLE_NVCC_FLAGS", ""))
-
-
-def _tree_files(root: str) -> List[str]:
-    files = []
-    for sub in (os.path.join(root, "common", "kernels"), os.path.join(root, "backends")):
-        for dirpath, dirnames, filenames in os.walk(sub):
-            dirnames.sort()
-            files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(_HASHED_SUFFIXES)]
-    return files
-
-
-def _cache_key(source: str, root: str, defines: List[Tuple[str, str]], flags: List[str],
-               nvcc_ver: str) -> str:
-    h = hashlib.sha256()
-
-    def add(tag: str, data: bytes) -> None:
-        h.update(tag.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
-
-    with open(source, "rb") as f:
-        add("source", f.read())
-    for path in _tree_files(root):
-        with open(path, "rb") as f:
-            add("file:" + os.path.relpath(path, root).replace(os.sep, "/"), f.read())
-    add("defines", repr(defines).encode())
-    add("flags", repr(flags).encode())
-    add("nvcc", nvcc_ver.encode())
-    return h.hexdigest()
 
 
 @contextlib.contextmanager

@@ -23,8 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(deepep_portable.__file__)
 # Floors, lowest first: a module imports only modules of its own floor or below. (By the package's
 # first level; `transports` holds the registry, the probes and every backend.)
 FLOORS = [
-    {"comm", "layout", "internode_layout", "handles", "errors", "device", "jit", "profiling", "event", "topology",
-     "logfmt", "_C"},
+    {"comm", "layout", "internode_layout", "handles", "errors", "device", "jit", "jit_key", "profiling", "event",
+     "topology", "logfmt", "_C"},
     {"contract", "config", "_validate"},
     {"windows"},
     {"engines"},

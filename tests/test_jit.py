@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from deepep_portable import _C, jit
+from deepep_portable import _C, jit, jit_key
 
 try:
     NVCC, NVCC_MISSING = jit.find_nvcc(), ""
@@ -97,13 +97,45 @@ def test_cache_key_covers_defines_and_headers(tmp_path):
     k0 = key(LAYOUT_VARIANTS[1])
     assert k0 == key(dict(reversed(list(LAYOUT_VARIANTS[1].items()))))  # order-independent
     assert k0 != key(LAYOUT_VARIANTS[0])
-    with open(root / "common/kernels/common.cuh", "a") as f:
+    with open(root / "common/kernels/common.cuh", "a") as f:   # a header layout.cu includes
         f.write("\n// touched\n")
     k1 = key(LAYOUT_VARIANTS[1])
     assert k1 != k0
+    # files it does not read leave its key (and cached builds) alone: another family's source, a new header
+    with open(root / "common/kernels/intranode/combine.cu", "a") as f:
+        f.write("\n// touched\n")
     (root / "backends" / "nvshmem").mkdir(parents=True, exist_ok=True)
     (root / "backends" / "nvshmem" / "new.cuh").write_text("// new backend header\n")
-    assert key(LAYOUT_VARIANTS[1]) not in (k0, k1)
+    assert key(LAYOUT_VARIANTS[1]) == k1
+
+
+def test_cache_key_follows_includes_and_pre_included_headers(tmp_path):
+    root = tmp_path / "csrc"
+    (root / "common" / "kernels").mkdir(parents=True)
+    (root / "backends" / "x").mkdir(parents=True)
+    (root / "k.cu").write_text('#include <cstdint>\n  #  include "common/kernels/a.cuh"\n')
+    (root / "common" / "kernels" / "a.cuh").write_text('#include "b.cuh"   // next to a.cuh\n')
+    (root / "common" / "kernels" / "b.cuh").write_text("// b\n")
+    (root / "backends" / "x" / "device.cuh").write_text("// the backend\n")
+    (root / "common" / "kernels" / "unrelated.cuh").write_text("// nobody includes it\n")
+    src, flags = str(root / "k.cu"), ["-include", "backends/x/device.cuh"]
+    deps = jit_key.dependencies(src, str(root), flags)
+    assert [os.path.relpath(p, root) for p in deps] == ["backends/x/device.cuh", "common/kernels/a.cuh",
+                                                        "common/kernels/b.cuh"]
+    key = lambda: jit_key.cache_key(src, str(root), [], flags, "v")  # noqa: E731
+    k0 = key()
+    (root / "common" / "kernels" / "b.cuh").write_text("// b, changed\n")   # two includes deep
+    k1 = key()
+    (root / "backends" / "x" / "device.cuh").write_text("// the backend, changed\n")   # pre-included
+    k2 = key()
+    (root / "common" / "kernels" / "unrelated.cuh").write_text("// changed\n")
+    assert len({k0, k1, k2}) == 3 and key() == k2
+    # an include only the preprocessor can resolve: the whole tree goes into the key
+    (root / "k.cu").write_text('#include HEADER_FROM_A_DEFINE\n')
+    assert jit_key.dependencies(src, str(root), flags) is None
+    k3 = key()
+    (root / "common" / "kernels" / "unrelated.cuh").write_text("// changed again\n")
+    assert key() != k3
 
 
 @needs_nvcc
