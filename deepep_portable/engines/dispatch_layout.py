@@ -53,6 +53,12 @@ def _check_layout_args(topk_idx: torch.Tensor, num_experts: int, num_ranks: int)
         raise ValueError(f"num_experts ({num_experts}) must be below 2^31")
 
 
+# LayoutParams packed without a ctypes object (the hot path); the ctypes mirror is what tests/test_mirrors.py
+# checks against the kernel's struct, field by field.
+_PACK_STRUCT = struct.Struct("<QQQQqiiii")
+assert _PACK_STRUCT.size == ctypes.sizeof(LayoutParams)
+_PACK = _PACK_STRUCT.pack
+
 _functions: dict = {}   # (device, forced arch) -> kernel (one for every shape: they are run-time values)
 
 
@@ -68,9 +74,9 @@ def _launch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, dev
                    per_rank_ptr: int, per_expert_ptr: int, in_rank_ptr: int) -> None:
     """The kernel (it writes every output element, counts included, for any token count, 0 too)."""
     num_tokens, num_topk = topk_idx.shape
-    params = LayoutParams(topk_idx.data_ptr(), per_rank_ptr, per_expert_ptr, in_rank_ptr, num_tokens,
-                          num_topk, num_ranks, num_experts, 0)
-    _kernel(dev).launch(layout_grid(num_ranks, num_experts), LAYOUT_THREADS, 0, stream, bytes(params))
+    _kernel(dev).launch(layout_grid(num_ranks, num_experts), LAYOUT_THREADS, 0, stream,
+                        _PACK(topk_idx.data_ptr(), per_rank_ptr, per_expert_ptr, in_rank_ptr, num_tokens,
+                              num_topk, num_ranks, num_experts, 0))
 
 
 def dispatch_layout_cuda_into(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, stream: StreamLike,
@@ -123,21 +129,16 @@ def dispatch_layout_cuda(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
     return counts[:num_ranks], counts[num_ranks:], in_rank
 
 
-_PACK = struct.Struct("<QQQQqiiii").pack   # LayoutParams, packed without a ctypes object (hot path)
-
-
 def dispatch_layout_current_stream(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     """dispatch_layout_cuda on the current stream, for arguments already validated (Buffer's checks):
     the eager hot path, an allocation and a launch (the host path is most of such a call's time)."""
-    num_tokens, num_topk = topk_idx.shape
+    num_tokens = topk_idx.size(0)
     dev = topk_idx.device.index
-    fn = _kernel(dev)
     head = 4 * (num_ranks + num_experts)
     raw = torch.empty(head + num_tokens * num_ranks, dtype=torch.uint8, device=topk_idx.device)
     ptr = raw.data_ptr()
-    fn.launch(layout_grid(num_ranks, num_experts), LAYOUT_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream,
-              _PACK(topk_idx.data_ptr(), ptr, ptr + 4 * num_ranks, ptr + head, num_tokens,
-                    num_topk, num_ranks, num_experts, 0))
+    _launch_layout(topk_idx, num_experts, num_ranks, dev, torch.cuda.current_stream(dev).cuda_stream,
+                   ptr, ptr + 4 * num_ranks, ptr + head)
     counts = raw[:head].view(torch.int32)
     return counts[:num_ranks], counts[num_ranks:], raw[head:].view(torch.bool).view(num_tokens, num_ranks)
 
