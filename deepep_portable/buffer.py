@@ -399,6 +399,23 @@ class Buffer(LowLatencyOps):
         """The DispatchHandle an internode handle holds (any other object is checked as it is)."""
         return handle.inner if isinstance(handle, InternodeHandle) else handle
 
+    def get_next_combine_buffer(self, handle: DispatchHandle, hidden: Optional[int] = None) -> torch.Tensor:
+        """A [num_recv_rows, hidden] bf16 tensor (hidden: the dispatch's by default) to write the expert outputs
+        of `handle`'s rows into, then pass as `combine`'s x (not a DeepEP V1 API; the normal-mode analogue of
+        `get_next_low_latency_combine_buffer`). Over the intranode kernels it is a view of this Buffer: the
+        combine reads the rows there instead of first copying them in (one pass over them instead of two).
+
+        Collective: every rank calls it after its dispatch and before its combine (it waits, on the GPU and
+        ordered before the caller's later work, until every peer has finished reading this Buffer's last op,
+        i.e. has called it too or started its combine). The tensor is valid until the next op on this
+        Buffer. Other engines (reference transport, several nodes) return a fresh tensor."""
+        backend = self._live()
+        handle = self._inner(handle)
+        check.dispatch_handle(handle, self._ctx.uid)
+        hidden = handle.hidden if hidden is None else check.positive_int("hidden", hidden)
+        check.hidden(hidden, fp8=False)
+        return backend.get_next_combine_buffer(handle, hidden)
+
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,

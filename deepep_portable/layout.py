@@ -76,9 +76,23 @@ class NormalLayout:
     def dispatch_topk_weights_offset(self) -> int:
         return self.dispatch_topk_idx_offset + align_up(self.num_topk * 4)
 
-    @property
-    def combine_weights_offset(self) -> int:
-        return align_up(self.hidden * 2)
+    def combine_rows(self, capacity: int) -> int:
+        """Rows the combine's send area holds: every rank may send me `capacity` tokens."""
+        return self.num_ranks * capacity
+
+    @staticmethod
+    def combine_rows_offset() -> int:
+        """The combine's send area: [rows, hidden] bf16 expert outputs, contiguous (so a caller may write
+        them there itself: Buffer.get_next_combine_buffer), right after the control area. It does not
+        depend on the call's top-k (the caller asks for it before the combine), and it may cover the
+        dispatch's send lists: a round starts only once every peer has finished reading the last one."""
+        return align_up(CONTROL_BYTES, 128)
+
+    def combine_weights_area_offset(self, capacity: int) -> int:
+        """Then their top-k weights, [rows, top-k] f32. Rows and weights fit where the rows' combine slots are
+        counted (bytes_per_token, plus the 128 bytes of alignment buffer_bytes allows); hidden is a
+        multiple of 8, so the weights start 16-byte aligned."""
+        return self.combine_rows_offset() + self.combine_rows(capacity) * self.hidden * 2
 
     @property
     def bytes_per_token(self) -> int:

@@ -43,6 +43,11 @@ def test_layout_capacity_is_consistent_with_hint():
             # the send area at that capacity holds both the dispatch slots and the combine slots
             end = lay.send_area_offset(cap) + max(cap * lay.dispatch_slot, ranks * cap * lay.combine_slot)
             assert end <= hint
+            # the combine's two arrays (rows, then weights) fit in the same area, the weights 16-byte aligned
+            rows, weights = lay.combine_rows_offset(), lay.combine_weights_area_offset(cap)
+            assert rows >= L.CONTROL_BYTES and rows % 128 == 0
+            assert weights == rows + lay.combine_rows(cap) * hidden * 2 and weights % 16 == 0
+            assert weights + lay.combine_rows(cap) * topk * 4 <= hint
 
 
 def test_control_area_fits():
@@ -108,8 +113,9 @@ def test_combine_plan_fills_the_layout_fields_once():
     kernels, t = intranode.IntranodeEngine._combine_plan(stub, 4096, 8)
     lay = L.NormalLayout(4, 4096, 2, 0, 8)
     assert kernels == intranode.COMBINE_KERNELS
-    assert t.send_area_offset == lay.send_area_offset(lay.max_tokens_per_rank(1 << 28))
-    assert (t.slot_bytes, t.weights_offset, t.rank) == (lay.combine_slot, 4096 * 2, 3)
+    assert t.send_area_offset == lay.combine_rows_offset()
+    cap = lay.max_tokens_per_rank(1 << 28)
+    assert (t.weights_area_offset, t.rank) == (lay.combine_weights_area_offset(cap), 3)
     p = intranode.CombineParams.from_buffer_copy(t)
     p.out = 42
     assert t.out == 0

@@ -30,7 +30,8 @@ THREADS = 512   # __launch_bounds__ of the intranode kernels
 DISPATCH_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_tokens", "DispatchParams"),
                     jit.kernel_symbol("deepep_portable::intranode::dispatch", "DispatchParams"))
 COMBINE_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_expert_rows", "CombineParams"),
-                   jit.kernel_symbol("deepep_portable::intranode::combine", "CombineParams"))
+                   jit.kernel_symbol("deepep_portable::intranode::combine", "CombineParams"),
+                   jit.kernel_symbol("deepep_portable::intranode::open_expert_output_round", "CombineParams"))
 MAX_SPARES = 4   # (kind, tokens) shapes whose next dispatch finds its small outputs ready
 
 
@@ -48,7 +49,7 @@ DispatchParams = params_struct("DispatchParams", [
     "error_claim", "error_host", "timeout_ns"])
 CombineParams = params_struct("CombineParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
-    "send_area_offset", "slot_bytes", "weights_offset", "x", "topk_weights", "num_rows", "send_rows",
+    "send_area_offset", "weights_area_offset", "x", "topk_weights", "num_rows", "send_rows",
     "bias_0", "bias_1", "out", "out_topk_weights", "num_tokens", "error_claim", "error_host", "timeout_ns"])
 
 
@@ -125,8 +126,8 @@ class IntranodeEngine(Engine):
         lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, topk)
         p = CombineParams()
         self._common(p)
-        p.send_area_offset, p.slot_bytes = lay.send_area_offset(self._capacity(lay)), lay.combine_slot
-        p.weights_offset = lay.combine_weights_offset
+        cap = self._capacity(lay)
+        p.send_area_offset, p.weights_area_offset = lay.combine_rows_offset(), lay.combine_weights_area_offset(cap)
         defines = dict(NUM_RANKS=self.num_ranks, HIDDEN=hidden, NUM_TOPK=topk)
         kernels = tuple(self._kernel(COMBINE_SOURCE, k, defines) for k in COMBINE_KERNELS)
         return kernels, p
@@ -277,15 +278,48 @@ class IntranodeEngine(Engine):
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_list, new_handle)
 
     # ---- combine ----------------------------------------------------------------------------------
+    def _combine_rows_fit(self, rows: int, hidden: int, topk: int) -> L.NormalLayout:
+        lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, topk)
+        most = lay.combine_rows(self._capacity(lay))
+        if rows > most:
+            raise ValueError(f"a combine of {rows} rows x hidden {hidden} (top-k {topk}) needs more than this Buffer's "
+                             f"num_nvl_bytes={self.ctx.num_nvl_bytes} holds ({most} rows)")
+        return lay
+
+    def next_combine_buffer(self, handle: DispatchHandle, hidden: int) -> torch.Tensor:
+        """[num_recv_rows, hidden] bf16 view of my send area for a zero-copy combine (Buffer.get_next_combine_buffer).
+        First, on the comm stream and ordered before the caller's later work, the combine round's prologue
+        (open_expert_output_round): once it has run no peer reads my send area, so the caller may write there."""
+        self.check()
+        rows = handle.num_recv_rows
+        self._combine_rows_fit(rows, hidden, 0)
+        (_, _, opener), template = self._plan(("combine", hidden, 0), lambda: self._combine_plan(hidden, 0))
+        comm, current = self.ctx.comm_stream, torch.cuda.current_stream(self.dev)
+        comm.wait_stream(current)
+        launch(opener, 1, THREADS, CombineParams.from_buffer_copy(template), stream_handle(comm))
+        current.wait_stream(comm)
+        area = self.window.view(L.NormalLayout.combine_rows_offset(), rows * hidden * 2, self.ctx.device)
+        return area.view(torch.bfloat16).view(rows, hidden)
+
     def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         x, handle, topk_weights, bias_0, bias_1 = args.x, args.handle, args.topk_weights, args.bias_0, args.bias_1
         self.check()
         comm = self.ctx.comm_stream
         hidden = x.size(1)
         topk = 0 if topk_weights is None else topk_weights.size(1)
-        (stage, pull), template = self._plan(("combine", hidden, topk), lambda: self._combine_plan(hidden, topk))
+        self._combine_rows_fit(handle.num_recv_rows, hidden, topk)
+        (stage, pull, _), template = self._plan(("combine", hidden, topk), lambda: self._combine_plan(hidden, topk))
         p = CombineParams.from_buffer_copy(template)
-        p.x, p.topk_weights = x.data_ptr(), ptr(topk_weights)
+        # x written in place by the caller (next_combine_buffer's view): the stage copies only the weights.
+        # Any other overlap with the send area would be copied onto itself mid-read: refused.
+        area_lo = self.base + p.send_area_offset
+        area_hi = self.base + p.weights_area_offset + handle.num_recv_rows * topk * 4
+        x_lo, x_hi = x.data_ptr(), x.data_ptr() + x.numel() * 2
+        in_place = x_lo == area_lo and x.numel() > 0
+        if not in_place and x_lo < area_hi and area_lo < x_hi:
+            raise ValueError("x overlaps this Buffer's combine area: pass get_next_combine_buffer()'s tensor itself, "
+                             "or a tensor outside the Buffer")
+        p.x, p.topk_weights = (0 if in_place else x.data_ptr()), ptr(topk_weights)
         p.num_rows = handle.transport_state.num_recv.data_ptr()
         p.send_rows = handle.send_rows.data_ptr()
         p.bias_0, p.bias_1 = ptr(bias_0), ptr(bias_1)

@@ -171,6 +171,16 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
                                lambda: buf.get_dispatch_layout(topk_idx, experts), device, rank == 0)
         t_combine = slowest(timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group),
                             group)
+        # The zero-copy combine (not a DeepEP V1 API): the same rows written into the Buffer's own combine area
+        # (get_next_combine_buffer), which the kernels read in place; where the engine has one (intranode).
+        t_combine_zc = None
+        if getattr(buf.backend.engine("normal"), "next_combine_buffer", None) is not None:
+            area = buf.get_next_combine_buffer(handle)
+            area.copy_(combine_in)
+            if not torch.equal(buf.combine(area, handle)[0], combined):
+                raise AssertionError(f"rank {rank}: the zero-copy combine differs from the staged one")
+            t_combine_zc = slowest(timer(device, lambda: buf.combine(area, handle), cfg.warmup, cfg.iters, group),
+                                   group)
         # The layout reads topk_idx once: its ceiling is one copy of those bytes (same timing method).
         t_layout = slowest(timer(device, lambda: buf.get_dispatch_layout(topk_idx, experts), cfg.warmup, cfg.iters,
                                  group), group)
@@ -196,6 +206,8 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
         measured = [("layout", t_layout, c_layout, layout_bytes, "int64"),
                     ("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                     ("combine", t_combine, c_combine, combine_bytes, "bf16")]
+        if t_combine_zc is not None:
+            measured.append(("combine_zc", t_combine_zc, c_combine, combine_bytes, "bf16"))
         if per_node:   # DeepEP's two bandwidths: rows that cross the network once per node, and NVLink rows,
             # each beside the rate the op's ceiling moves them at (the op row's ceiling time)
             net_rows, nvl_rows = _internode_rows(in_rank, rank, per_node)

@@ -23,7 +23,7 @@ from ..contract import (BufferContext, CachedDispatchArgs, CombineArgs, Dispatch
 from ..engines.internode import InternodeEngine
 from ..engines.intranode import IntranodeEngine
 from ..engines.low_latency import LowLatencyEngine
-from ..handles import InternodeState, IntranodeState, LowLatencyHandle
+from ..handles import DispatchHandle, InternodeState, IntranodeState, LowLatencyHandle
 from ..windows.base import Window
 from .reference import ReferenceTransport
 
@@ -76,6 +76,10 @@ class KernelTransport(Transport):
 
     def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         return self.normal_engine.combine(args)
+
+    def get_next_combine_buffer(self, handle: DispatchHandle, hidden: int) -> torch.Tensor:
+        zero_copy = getattr(self.normal_engine, "next_combine_buffer", None)   # the intranode engine's
+        return super().get_next_combine_buffer(handle, hidden) if zero_copy is None else zero_copy(handle, hidden)
 
     # ---- low-latency mode ---------------------------------------------------------------------
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs) -> LowLatencyDispatchResult:

@@ -76,7 +76,8 @@ def normal_case(seed: int, num_ranks: int) -> dict:
                 p_none=r.choice([0.0, 0.1, 0.5, 1.0]), skew=r.random() < 0.15,
                 ranks_per_node=r.choice(divisors) if TRANSPORT in INTERNODE and r.random() < 0.4 else 0,
                 max_tokens=r.choice([1, 2, 17, 64]),
-                overlap=r.choice([None, None, "caller", "comm"]))   # drawn last: earlier seeds keep their shapes
+                overlap=r.choice([None, None, "caller", "comm"]),   # drawn last: earlier seeds keep their shapes
+                zero_copy=r.random() < 0.3)   # expert outputs written into get_next_combine_buffer's tensor
 
 
 def ll_case(seed: int, num_ranks: int) -> dict:

@@ -298,8 +298,8 @@ def check_dispatch(ck: GpuChecker, tag: str, out, expected: oracle.DispatchExpec
 def run_round(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, topk: int, experts: int, tokens,
               num_sms: Optional[int], fp8: bool = False, use_topk: bool = True, expert_alignment: int = 1,
               worst_extra: Optional[int] = None, num_bias: int = 0, p_none: float = 0.1, all_none: bool = True,
-              async_mode: Optional[str] = None, column_major_scales: bool = False, rnd: int = 0,
-              tag: str = "") -> None:
+              async_mode: Optional[str] = None, column_major_scales: bool = False, zero_copy: bool = False,
+              rnd: int = 0, tag: str = "") -> None:
     """Every collective (all-gathers for the oracle, agree) runs on every rank in the same order whatever
     fails locally; kernel calls run only while every rank is still healthy."""
     rank, num_ranks = world(pg)
@@ -405,6 +405,10 @@ def run_round(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, topk: int, e
     def do_combine():
         d_y, d_b0, d_b1 = late(device, y, biases[0] if num_bias else None, biases[1] if num_bias == 2 else None)
         bias = None if num_bias == 0 else (d_b0 if num_bias == 1 else (d_b0, d_b1))
+        if zero_copy:   # the expert outputs written into the Buffer itself (collective: every rank calls it)
+            in_buffer = buf.get_next_combine_buffer(handle)
+            in_buffer.copy_(d_y)
+            d_y = in_buffer
         cx, cw, ev = buf.combine(d_y, handle, topk_weights=y_w.to(device) if use_topk else None, bias=bias,
                                  config=cfg, **ordered())
         finish(ev, "combine")
@@ -446,6 +450,13 @@ CASES = {
     "bf16-h2048-top8-1100-tokens-sm4": dict(hidden=2048, topk=8, experts=256, tokens=1100, num_sms=4),
     "bf16-h7168-top8-dense-default-config": dict(hidden=7168, topk=8, experts=256, tokens="small", num_sms=None,
                                                  p_none=0.0, all_none=False),
+    # the expert outputs written into Buffer.get_next_combine_buffer's view (the combine reads them in place)
+    "bf16-h7168-top8-sm8-bias1-zero-copy": dict(hidden=7168, topk=8, experts=256, tokens="typical", num_sms=8,
+                                                num_bias=1, zero_copy=True),
+    "fp8-h7168-top3-odd-sm4-worst-zero-copy": dict(hidden=7168, fp8=True, topk=3, experts=24, tokens="odd",
+                                                   num_sms=4, worst_extra=5, zero_copy=True),
+    "bf16-h2048-no-topk-zero-rank-zero-copy": dict(hidden=2048, topk=3, experts=24, tokens="zero", num_sms=8,
+                                                   use_topk=False, zero_copy=True),
 }
 
 
@@ -487,6 +498,49 @@ ASYNC_CASES = {
     "bf16-h2048-zero-rank-worst-async-comm-alloc": dict(hidden=2048, topk=3, experts=24, tokens="zero", num_sms=4,
                                                         worst_extra=2, async_mode="comm-alloc"),
 }
+
+
+def test_zero_copy_combine_matches_the_staged_one_and_refuses_overlap(nvl, pg, device, request, base_seed):
+    """Buffer.get_next_combine_buffer: an x that overlaps the Buffer's combine area without being that tensor
+    is refused before any launch (it would be copied onto itself mid-read), on every rank alike; then the
+    zero-copy combine of the received rows gives bit for bit the staged combine's result on the same handle."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    hidden, experts = 4096, num_experts_for(64, num_ranks)
+    n = int(torch.randint(0, 200, (1,), generator=gen))
+    x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16).to(device)
+    idx = make_topk(n, 4, experts, gen, 0.1).to(device)
+    ck = GpuChecker(pg)
+
+    def dispatch():
+        per_rank, _, per_expert, in_rank, _ = nvl.get_dispatch_layout(idx, experts)
+        recv_x, *_, handle, _ = nvl.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                             num_tokens_per_expert=per_expert)
+        return recv_x, handle
+
+    def staged_then_zero_copy():
+        recv_x, handle = dispatch()
+        staged, _, _ = nvl.combine(recv_x, handle)
+        recv_x, handle = dispatch()
+        area = nvl.get_next_combine_buffer(handle)
+        shifted = nvl.get_local_buffer_tensor(torch.bfloat16, area.shape,
+                                              offset=L.NormalLayout.combine_rows_offset() + 16)
+        try:
+            nvl.combine(shifted, handle)
+            refused = False
+        except ValueError as e:
+            refused = "overlaps" in str(e)
+        area.copy_(recv_x)
+        in_place, _, _ = nvl.combine(area, handle)
+        torch.cuda.synchronize()
+        return staged, in_place, refused
+
+    out = ck.run("zero-copy combine", staged_then_zero_copy)
+    if out is not None:
+        staged, in_place, refused = out
+        ck.true(refused, "combine(x overlapping the combine area) must raise ValueError naming the overlap")
+        ck.bits(in_place, staged, "zero-copy combine vs the staged combine")
+    ck.done()
 
 
 @pytest.mark.parametrize("case", list(ASYNC_CASES))

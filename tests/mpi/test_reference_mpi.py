@@ -174,13 +174,14 @@ def _finish(event, overlap) -> None:
 
 def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=None, use_topk=True,
                expert_alignment=1, num_worst_extra=None, num_bias=0, p_none=0.1, column_major_scales=False,
-               ranks_per_node=0, skew=False, overlap=None):
+               ranks_per_node=0, skew=False, overlap=None, zero_copy=False):
     """dispatch, cached dispatch and combine of random inputs; everything compared to the oracle.
 
     fp8: None (bf16), "float" or "int32" scales. num_worst_extra: None, or pad num_worst_tokens to the
     largest receive count of any rank plus this many rows. overlap: None (plain calls), "caller" or "comm":
     every op gets a previous_event and async_finish=True (allocating on the caller's or the comm stream), and
-    its results are read only after the caller's stream waits on the event it returns."""
+    its results are read only after the caller's stream waits on the event it returns. zero_copy: the expert
+    outputs are written into Buffer.get_next_combine_buffer's tensor, which goes to combine as x."""
     rank, num_ranks = world(pg)
     experts = num_experts_for(experts, num_ranks)
     x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
@@ -284,7 +285,14 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
     y_w = wide(rows_here, topk).float() if use_topk else None
     biases = [wide(num_tokens, hidden) for _ in range(num_bias)]
     bias = None if num_bias == 0 else (biases[0] if num_bias == 1 else tuple(biases))
-    combined, combined_w, event = buf.combine(y, handle, topk_weights=y_w, bias=bias, **_overlap(buf, overlap))
+    if zero_copy:   # every rank (collective), after the last op before the combine
+        y_in = buf.get_next_combine_buffer(handle)
+        ck.true(y_in.shape == y.shape and y_in.dtype == torch.bfloat16 and y_in.is_contiguous(),
+                f"get_next_combine_buffer gave {y_in.dtype}{list(y_in.shape)}, want {list(y.shape)}")
+        y_in.copy_(y)
+    else:
+        y_in = y
+    combined, combined_w, event = buf.combine(y_in, handle, topk_weights=y_w, bias=bias, **_overlap(buf, overlap))
     _finish(event, overlap)
     exp_x, exp_w = oracle.combine(rank, allgather(y, pg), in_rank_all, allgather(y_w, pg),
                                   biases[0] if num_bias else None, biases[1] if num_bias == 2 else None,
@@ -305,7 +313,7 @@ def test_dispatch_combine_big(buffer, pg, device, request, base_seed, fp8):
                expert_alignment=1 if fp8 is None else 4, num_bias=1 if fp8 else 0, column_major_scales=column_major)
 
 
-@pytest.mark.parametrize("case", ["bf16-align4", "fp8-int32-scales", "no-topk", "dense"])
+@pytest.mark.parametrize("case", ["bf16-align4", "fp8-int32-scales", "no-topk", "dense", "zero-copy"])
 def test_dispatch_combine_small(buffer, pg, device, request, base_seed, case):
     """Odd shapes: hidden 256, 3 tokens, top-3 of 12 experts; rank 1 holds no tokens at all."""
     rank, _ = world(pg)
@@ -318,6 +326,8 @@ def test_dispatch_combine_small(buffer, pg, device, request, base_seed, case):
         run_normal(buffer, pg, gen, device, **kwargs, fp8="int32", num_bias=1)
     elif case == "no-topk":
         run_normal(buffer, pg, gen, device, **kwargs, use_topk=False, expert_alignment=4)
+    elif case == "zero-copy":   # expert outputs written into get_next_combine_buffer's tensor
+        run_normal(buffer, pg, gen, device, **kwargs, zero_copy=True, num_bias=1)
     else:   # no -1 slots: every token reaches several ranks
         run_normal(buffer, pg, gen, device, **kwargs, p_none=0.0)
 

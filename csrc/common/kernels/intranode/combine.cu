@@ -1,7 +1,16 @@
 // Intranode combine, pull-based (see protocol.cuh for the round protocol).
 //
+// My send area holds, for the combine, two arrays: the expert outputs [rows, HIDDEN] bf16 (row i =
+// the i-th row I received in the dispatch) and after them their top-k weights [rows, NUM_TOPK] f32.
+//   open_expert_output_round: the stage kernel's prologue alone (begin_round), for
+//                            Buffer.get_next_combine_buffer: once it has run nobody reads my send area, so
+//                            the caller may write its expert outputs there itself (a zero-copy combine: the
+//                            stage then skips the rows). No "combine" in its name: profiler tables find
+//                            the op's kernel by that word.
 //   stage_expert_rows: copy the rows I received in the dispatch (now expert outputs) and
-//                            their top-k weights once into my send area, row i at slot i.
+//                            their top-k weights once into my send area (the rows only when x is not
+//                            already there: x == nullptr). begin_round is idempotent within a round
+//                            (same DONE values, same CURRENT), so it may follow open_expert_output_round.
 //   combine:                 for each of my tokens, read its row from every rank it was sent to
 //                            (row index from the dispatch handle) and sum in float32 in a fixed
 //                            order: 0, + bias_0, + bias_1, + rows of ranks 0..R-1. Plain adds (no
@@ -44,11 +53,11 @@ struct CombineParams {
     const uint64_t* peer_bases;
     int64_t rank;
     ControlLayout ctrl;
-    int64_t send_area_offset;
-    int64_t slot_bytes;
-    int64_t weights_offset;          // byte offset of the top-k weights inside a slot
+    int64_t send_area_offset;        // the expert outputs: [rows, HIDDEN] bf16, contiguous
+    int64_t weights_area_offset;     // their top-k weights: [rows, NUM_TOPK] f32, contiguous
     // stage inputs
-    const int4* x;                   // [num_rows, HIDDEN] bf16: the rows this rank received
+    const int4* x;                   // [num_rows, HIDDEN] bf16: the rows this rank received; null: already
+                                     // in my send area (written there by the caller, zero-copy)
     const float* topk_weights;       // [num_rows, NUM_TOPK], or null
     const int* num_rows;             // device count of real rows (padding rows are not staged)
     // pull
@@ -78,33 +87,43 @@ DEEPEP_DEVICE int load_send_row(const CombineParams& p, int64_t t, int lane) {
 
 namespace deepep_portable::intranode {
 
+__global__ void __launch_bounds__(kThreads) open_expert_output_round(const __grid_constant__ CombineParams p) {
+    begin_round(bufs_of(p), p.ctrl, p.timeout_ns,
+                ErrorSink{p.error_claim, p.error_host, kOpCombine, static_cast<int>(p.rank)});
+}
+
 __global__ void __launch_bounds__(kThreads) stage_expert_rows(const __grid_constant__ CombineParams p) {
     const PeerBuffers bufs = bufs_of(p);
     const uint64_t n = begin_round(bufs, p.ctrl, p.timeout_ns,
                                    ErrorSink{p.error_claim, p.error_host, kOpCombine, static_cast<int>(p.rank)});
     if (n == 0)
         return;
-    char* send_area = bufs.at<char>(bufs.rank, p.send_area_offset);
+    int4* rows = bufs.at<int4>(bufs.rank, p.send_area_offset);
+    float* weights = bufs.at<float>(bufs.rank, p.weights_area_offset);
     const int num_rows = *p.num_rows;
+    const bool has_weights = kNumTopk > 0 && p.topk_weights != nullptr;
+    if (p.x == nullptr && !has_weights)
+        return;   // zero-copy and no weights: nothing to stage
     const int lane = threadIdx.x % 32;
     const int warps = gridDim.x * (blockDim.x / 32);
     for (int64_t i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < num_rows; i += warps) {
-        char* slot = send_area + i * p.slot_bytes;
-        const int4* src = p.x + i * kHiddenInt4;
         RowCopy<kHiddenInt4> row;
-        row.load(src, 0, lane);
+        const int4* src = p.x == nullptr ? nullptr : p.x + i * kHiddenInt4;
+        if (src != nullptr)
+            row.load(src, 0, lane);
         float weight[kTopkPerLane > 0 ? kTopkPerLane : 1];
-        const bool has_weights = kNumTopk > 0 && p.topk_weights != nullptr;
 #pragma unroll
         for (int u = 0; u < kTopkPerLane; ++u)
             if (has_weights && lane + 32 * u < kNumTopk)
                 weight[u] = p.topk_weights[i * kNumTopk + lane + 32 * u];
-        row.store(reinterpret_cast<int4*>(slot), 0, lane);
-        row.copy_rest(reinterpret_cast<int4*>(slot), src, lane);
+        if (src != nullptr) {
+            row.store(rows + i * kHiddenInt4, 0, lane);
+            row.copy_rest(rows + i * kHiddenInt4, src, lane);
+        }
 #pragma unroll
         for (int u = 0; u < kTopkPerLane; ++u)
             if (has_weights && lane + 32 * u < kNumTopk)
-                reinterpret_cast<float*>(slot + p.weights_offset)[lane + 32 * u] = weight[u];
+                weights[i * kNumTopk + lane + 32 * u] = weight[u];
     }
 }
 
@@ -129,11 +148,12 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
         if (t + warps < p.num_tokens)
             next_row = load_send_row(p, t + warps, lane);
         const int4* src[kNumRanks];
+        int rows_at[kNumRanks];
 #pragma unroll
         for (int r = 0; r < kNumRanks; ++r) {
             const int row = kNumRanks <= 32 ? __shfl_sync(0xffffffffu, my_row, r) : p.send_rows[t * kNumRanks + r];
-            src[r] = row >= 0 ? reinterpret_cast<const int4*>(bufs.at<const char>(r, p.send_area_offset) +
-                                                              static_cast<int64_t>(row) * p.slot_bytes)
+            rows_at[r] = row;
+            src[r] = row >= 0 ? bufs.at<const int4>(r, p.send_area_offset) + static_cast<int64_t>(row) * kHiddenInt4
                               : nullptr;
         }
         // kColumns 16-byte columns per lane at a time, each read from a group of ranks: up to 16
@@ -180,9 +200,9 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
                     float w = 0.0f;
 #pragma unroll
                     for (int r = 0; r < kNumRanks; ++r)
-                        if (src[r] != nullptr)
-                            w = __fadd_rn(w, reinterpret_cast<const float*>(
-                                                 reinterpret_cast<const char*>(src[r]) + p.weights_offset)[k]);
+                        if (rows_at[r] >= 0)
+                            w = __fadd_rn(w, bufs.at<const float>(r, p.weights_area_offset)[
+                                                 static_cast<int64_t>(rows_at[r]) * kNumTopk + k]);
                     p.out_topk_weights[t * kNumTopk + k] = w;
                 }
             }
