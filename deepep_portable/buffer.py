@@ -407,8 +407,9 @@ class Buffer(LowLatencyOps):
 
         Collective: every rank calls it after its dispatch and before its combine (it waits, on the GPU and
         ordered before the caller's later work, until every peer has finished reading this Buffer's last op,
-        i.e. has called it too or started its combine). The tensor is valid until the next op on this
-        Buffer. Other engines (reference transport, several nodes) return a fresh tensor."""
+        i.e. has called it too or started its combine). Write the outputs before the combine; any op on this
+        Buffer closes the area (call this again before each combine that is to read it in place, also to
+        reuse the same contents). Other engines (reference transport, several nodes) return a fresh tensor."""
         backend = self._live()
         handle = self._inner(handle)
         check.dispatch_handle(handle, self._ctx.uid)

@@ -9,11 +9,12 @@ Normal mode (intranode, pull-based): every rank owns one buffer shared with its 
 
 An op first copies what it sends into its *own* send area (once per token, whatever the fan-out),
 then signals; receivers pull the rows they need from the peers' send areas straight into their
-outputs. Dispatch slots (one per source token) and combine slots (one per received row) share the
-send area, because a rank only restages after every peer has finished pulling the previous op.
+outputs. Dispatch slots (one per source token) and the combine's rows (one per received row) reuse
+the same bytes, because a rank only restages after every peer has finished pulling the previous op.
 
     dispatch slot: [ payload | scales (4 B each) | top-k ids (int32) | top-k weights (fp32) ]
-    combine slot:  [ bf16 row | top-k weights (fp32) ]          (each part 16-byte aligned)
+    combine:       [ control | rows [R*cap, hidden] bf16 | weights [R*cap, top-k] fp32 ]
+                   (contiguous rows: a caller may write them in place, Buffer.get_next_combine_buffer)
 
 Low-latency mode: two identical halves (double buffering, so consecutive calls need no cleaning);
 each half has a dispatch receive area with one slot per (local expert, source rank, token), a

@@ -69,6 +69,9 @@ class IntranodeEngine(Engine):
         self.errors = self.window.errors
         self._plans: dict = {}   # per call shape: (kernels, filled params template); see _plan
         self._spares: dict = {}   # (cached, N) -> the next such dispatch's small outputs; see _small_outputs
+        # (address, rows, hidden) of the combine area get_next_combine_buffer opened for the next combine; any op
+        # closes it (a combine reads x in place only from an area opened for it, after the round's prologue).
+        self._opened: Optional[tuple] = None
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
@@ -180,6 +183,7 @@ class IntranodeEngine(Engine):
         dispatch; no top-k, no expert counts)."""
         t_host = time.perf_counter()
         self.check()
+        self._opened = None
         comm = self.ctx.comm_stream
         N, hidden = x.shape
         R = self.num_ranks
@@ -278,27 +282,27 @@ class IntranodeEngine(Engine):
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_list, new_handle)
 
     # ---- combine ----------------------------------------------------------------------------------
-    def _combine_rows_fit(self, rows: int, hidden: int, topk: int) -> L.NormalLayout:
-        lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, topk)
-        most = lay.combine_rows(self._capacity(lay))
-        if rows > most:
-            raise ValueError(f"a combine of {rows} rows x hidden {hidden} (top-k {topk}) needs more than this Buffer's "
-                             f"num_nvl_bytes={self.ctx.num_nvl_bytes} holds ({most} rows)")
-        return lay
-
     def next_combine_buffer(self, handle: DispatchHandle, hidden: int) -> torch.Tensor:
         """[num_recv_rows, hidden] bf16 view of my send area for a zero-copy combine (Buffer.get_next_combine_buffer).
         First, on the comm stream and ordered before the caller's later work, the combine round's prologue
-        (open_expert_output_round): once it has run no peer reads my send area, so the caller may write there."""
+        (open_expert_output_round): once it has run no peer reads my send area, so the caller may write there.
+        The rows must fit at any top-k the combine may bring (checked at the widest, so that combine never
+        refuses after this prologue has run on some ranks and not others)."""
         self.check()
         rows = handle.num_recv_rows
-        self._combine_rows_fit(rows, hidden, 0)
+        lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, L.MAX_TOPK)
+        most = lay.combine_rows(self._capacity(lay))
+        if rows > most:
+            raise ValueError(f"get_next_combine_buffer: {rows} rows x hidden {hidden} need more than this Buffer's "
+                             f"num_nvl_bytes={self.ctx.num_nvl_bytes} holds at top-k up to {L.MAX_TOPK} ({most} rows)")
         (_, _, opener), template = self._plan(("combine", hidden, 0), lambda: self._combine_plan(hidden, 0))
         comm, current = self.ctx.comm_stream, torch.cuda.current_stream(self.dev)
         comm.wait_stream(current)
         launch(opener, 1, THREADS, CombineParams.from_buffer_copy(template), stream_handle(comm))
         current.wait_stream(comm)
-        area = self.window.view(L.NormalLayout.combine_rows_offset(), rows * hidden * 2, self.ctx.device)
+        offset = L.NormalLayout.combine_rows_offset()
+        self._opened = (self.base + offset, rows, hidden)
+        area = self.window.view(offset, rows * hidden * 2, self.ctx.device)
         return area.view(torch.bfloat16).view(rows, hidden)
 
     def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -307,18 +311,20 @@ class IntranodeEngine(Engine):
         comm = self.ctx.comm_stream
         hidden = x.size(1)
         topk = 0 if topk_weights is None else topk_weights.size(1)
-        self._combine_rows_fit(handle.num_recv_rows, hidden, topk)
         (stage, pull, _), template = self._plan(("combine", hidden, topk), lambda: self._combine_plan(hidden, topk))
         p = CombineParams.from_buffer_copy(template)
-        # x written in place by the caller (next_combine_buffer's view): the stage copies only the weights.
-        # Any other overlap with the send area would be copied onto itself mid-read: refused.
+        # x written in place by the caller into the area next_combine_buffer opened for this combine: the stage
+        # copies only the weights. Any other x overlapping the area (one not opened since the last op: peers may
+        # still read it) would be copied onto itself mid-read or race with them: refused before any launch.
+        opened, self._opened = self._opened, None
         area_lo = self.base + p.send_area_offset
         area_hi = self.base + p.weights_area_offset + handle.num_recv_rows * topk * 4
         x_lo, x_hi = x.data_ptr(), x.data_ptr() + x.numel() * 2
-        in_place = x_lo == area_lo and x.numel() > 0
-        if not in_place and x_lo < area_hi and area_lo < x_hi:
-            raise ValueError("x overlaps this Buffer's combine area: pass get_next_combine_buffer()'s tensor itself, "
-                             "or a tensor outside the Buffer")
+        in_place = x.numel() > 0 and opened == (x_lo, handle.num_recv_rows, hidden)
+        if not in_place and x.numel() > 0 and x_lo < area_hi and area_lo < x_hi:
+            raise ValueError("x overlaps this Buffer's combine area: pass the tensor get_next_combine_buffer() "
+                             "returned for this combine (call it again before each combine that reads it), or a "
+                             "tensor outside the Buffer")
         p.x, p.topk_weights = (0 if in_place else x.data_ptr()), ptr(topk_weights)
         p.num_rows = handle.transport_state.num_recv.data_ptr()
         p.send_rows = handle.send_rows.data_ptr()
