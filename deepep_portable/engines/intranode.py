@@ -72,6 +72,7 @@ class IntranodeEngine(Engine):
         # (address, rows, hidden) of the combine area get_next_combine_buffer opened for the next combine; any op
         # closes it (a combine reads x in place only from an area opened for it, after the round's prologue).
         self._opened: Optional[tuple] = None
+        self.in_place_combines = 0   # combines that read x in place (tests and tools look)
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
@@ -326,6 +327,7 @@ class IntranodeEngine(Engine):
                              "returned for this combine (call it again before each combine that reads it), or a "
                              "tensor outside the Buffer")
         p.x, p.topk_weights = (0 if in_place else x.data_ptr()), ptr(topk_weights)
+        self.in_place_combines += in_place
         p.num_rows = handle.transport_state.num_recv.data_ptr()
         p.send_rows = handle.send_rows.data_ptr()
         p.bias_0, p.bias_1 = ptr(bias_0), ptr(bias_1)

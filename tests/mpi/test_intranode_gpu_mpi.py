@@ -534,14 +534,17 @@ def test_zero_copy_combine_matches_the_staged_one_and_refuses_overlap(nvl, pg, d
                 refused = "overlaps" in str(e)
             area = nvl.get_next_combine_buffer(handle)   # the refused call closed the opened area: open it again
         area.copy_(recv_x)
+        engine = nvl.backend.engine("normal")
+        before = engine.in_place_combines
         in_place, _, _ = nvl.combine(area, handle)
         torch.cuda.synchronize()
-        return staged, in_place, refused
+        return staged, in_place, refused and engine.in_place_combines == before + (area.numel() > 0)
 
     out = ck.run("zero-copy combine", staged_then_zero_copy)
     if out is not None:
         staged, in_place, refused = out
-        ck.true(refused, "combine(x overlapping the combine area) must raise ValueError naming the overlap")
+        ck.true(refused, "combine(x overlapping the combine area) must raise ValueError naming the overlap, and "
+                         "combine(get_next_combine_buffer's tensor) must read it in place")
         ck.bits(in_place, staged, "zero-copy combine vs the staged combine")
     ck.done()
 
