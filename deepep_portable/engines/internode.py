@@ -291,6 +291,17 @@ PRECOMPILE_COMBINE = [(7168, 8), (7168, 0), (256, 3), (256, 0), (2048, 4)]
 PRECOMPILE_NODES = [(8, 4), (8, 2), (16, 8), (16, 4), (16, 2)]   # (ranks, ranks per node) of the GPU suites
 
 
+def round_variants(num_ranks: int, ranks_per_node: int, hidden: int, element_bytes: int, num_scales: int,
+                   topk: int) -> List[Tuple[str, dict]]:
+    """(source, defines) of the kernels one normal round of this shape builds: the dispatch, the cached dispatch
+    (top-k 0) and the combine (its top-k: the weights' width, 0 without weights). For compiling ahead of use."""
+    def dispatch(k: int) -> Tuple[str, dict]:
+        return DISPATCH_SOURCE, kernel_defines(num_ranks, ranks_per_node, HIDDEN_BYTES=hidden * element_bytes,
+                                               NUM_SCALES=num_scales, NUM_TOPK=k)
+    return [dispatch(topk), dispatch(0),
+            (COMBINE_SOURCE, kernel_defines(num_ranks, ranks_per_node, HIDDEN=hidden, NUM_TOPK=topk))]
+
+
 def precompile_variants() -> List[Tuple[str, dict]]:
     """(source, defines) of every internode kernel the GPU suites use."""
     out = []

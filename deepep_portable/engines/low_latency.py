@@ -45,7 +45,7 @@ The combine kernel checks it and reports a mismatch instead of silently racing.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -104,6 +104,11 @@ def kernel_defines(hidden: int, num_topk: int, logfmt: Optional[bool] = None) ->
     if logfmt is not None:
         defines["LOGFMT"] = int(logfmt)
     return defines
+
+
+def round_variants(hidden: int, num_topk: int) -> List[Tuple[str, dict]]:
+    """(source, defines) of one low-latency round's kernels (BF16 combine), for compiling ahead of use."""
+    return [(s, kernel_defines(hidden, num_topk, lf)) for s, lf in ((DISPATCH_SOURCE, None), (COMBINE_SOURCE, False))]
 
 
 class LowLatencyEngine(Engine):

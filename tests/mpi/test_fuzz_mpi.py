@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import deepep_portable as deep_ep  # noqa: E402
+from deepep_portable.engines import internode, low_latency  # noqa: E402
 from test_reference_mpi import num_experts_for, run_low_latency, run_normal, world  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -113,6 +114,22 @@ def _nvshmem_heap(nbytes: int) -> None:
         os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(want)
 
 
+def _compile_ahead(rank: int, variants) -> None:
+    """Over nvshmem every kernel shape is a device-linked build of about 10 s (the intranode ones over nvlink take
+    about 1 s): build the drawn cases' shapes up front, in parallel (one nvcc per core; the JIT's lock files let
+    one rank build each while the others wait for it), instead of one at a time inside the cases."""
+    if TRANSPORT != "nvshmem" or not torch.cuda.is_available():
+        return
+    from deepep_portable import jit
+    from deepep_portable.transports.nvshmem.transport import precompile
+    unique = sorted({(source, tuple(sorted(defines.items()))) for source, defines in variants})
+    t0 = time.perf_counter()
+    built = precompile((jit.device_arch(torch.cuda.current_device()),),
+                       variants=[(source, dict(defines)) for source, defines in unique])
+    print(f"\n[rank {rank}] {len(unique)} kernel shapes ready in {time.perf_counter() - t0:.1f} s "
+          f"({sum(not hit for *_, hit in built)} built here)")
+
+
 def _graph_case(buf, pg, gen, device, *, num_tokens, experts, hidden, topk, max_tokens, **_unused) -> None:
     """The case's shape through test_low_latency_gpu_mpi.run_ll_graph: BF16 dispatch, y = 2 * recv_x, combine,
     eager once, then captured and replayed twice with new contents; every result checked against the oracle."""
@@ -190,6 +207,11 @@ def test_fuzz_normal(pg, device, base_seed):
     largest_hidden = max(max(h) for h in NORMAL_HIDDEN.values())
     # shared Buffers (one per node shape: at most 4 divisors of the rank count in use) and a case's own
     _nvshmem_heap(5 * sum(sizes(largest_hidden, LARGEST_TOKENS, max(1, num_ranks // 2))))
+    _compile_ahead(rank, [v for c in map(lambda s: normal_case(s, num_ranks), range(first, first + CASES))
+                          if c["ranks_per_node"] and c["ranks_per_node"] < num_ranks
+                          for v in internode.round_variants(num_ranks, c["ranks_per_node"], c["hidden"],
+                                                            1 if c["fp8"] else 2, c["hidden"] // 128 if c["fp8"] else 0,
+                                                            c["topk"] if c["use_topk"] else 0)])
     try:
         for seed in range(first, first + CASES):
             p = normal_case(seed, num_ranks)
@@ -222,6 +244,8 @@ def test_fuzz_low_latency(pg, device, base_seed):
     largest_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
         LARGEST_TOKENS, max(LL_HIDDEN + LL_HIDDEN_UE8M0), num_ranks, num_ranks * 64)
     _nvshmem_heap(2 * largest_bytes)   # the shared Buffer and a case's own of the same size at once
+    _compile_ahead(rank, [v for c in map(lambda s: ll_case(s, num_ranks), range(first, first + CASES))
+                          for v in low_latency.round_variants(c["hidden"], c["topk"])])
     largest = make(LARGEST_TOKENS, max(LL_HIDDEN + LL_HIDDEN_UE8M0), num_ranks * 64)
     shared_experts = None   # the num_experts the shared Buffer's signals were last cleaned for
     try:

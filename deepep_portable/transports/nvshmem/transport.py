@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 from ... import jit
 from ...contract import BufferContext, Capabilities
@@ -45,15 +45,16 @@ class NvshmemTransport(KernelTransport):
         return replace(self.capabilities, peer_load_store=not window.network_peers)
 
 
-def precompile(archs=("sm_90",), jobs: Optional[int] = None):
-    """Device-link the low-latency kernel families' variants and the internode suites' for this backend (in
-    parallel, `jobs` nvcc processes). Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc
-    is missing."""
-    ll = low_latency
-    variants = [(ll.DISPATCH_SOURCE, ll.kernel_defines(h, 8)) for h in ll.HIDDENS] + \
-        [(ll.COMBINE_SOURCE, ll.kernel_defines(h, 8, False)) for h in ll.HIDDENS] + \
-        [(ll.COMBINE_SOURCE, ll.kernel_defines(7168, 8, True)), (ll.CLEAN_SOURCE, {})]
-    variants += internode.precompile_variants()
+def precompile(archs=("sm_90",), jobs: Optional[int] = None, variants: Optional[Sequence[Tuple[str, dict]]] = None):
+    """Device-link kernels for this backend (in parallel, `jobs` nvcc processes): `variants` ((source, defines)
+    pairs, e.g. from the engines' round_variants), by default the low-latency kernel families' variants and the
+    internode suites'. Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc is missing."""
+    if variants is None:
+        ll = low_latency
+        variants = [(ll.DISPATCH_SOURCE, ll.kernel_defines(h, 8)) for h in ll.HIDDENS] + \
+            [(ll.COMBINE_SOURCE, ll.kernel_defines(h, 8, False)) for h in ll.HIDDENS] + \
+            [(ll.COMBINE_SOURCE, ll.kernel_defines(7168, 8, True)), (ll.CLEAN_SOURCE, {})]
+        variants += internode.precompile_variants()
     tasks = [(source, defines, arch) for source, defines in variants for arch in archs]
 
     def run(task):
