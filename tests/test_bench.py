@@ -106,6 +106,17 @@ def test_bench_compare_drives_a_peer_module():
     assert len(ratios) == 3
 
 
+def test_comparison_puts_the_zero_copy_combine_beside_the_peers_combine(capsys):
+    from collections import namedtuple
+    from deepep_portable.tools.compare import print_comparison
+    Row = namedtuple("Row", "op tokens precision time_us transport")
+    rows = [Row("combine", 64, "bf16", 200.0, "nvlink"), Row("combine_zc", 64, "bf16", 100.0, "nvlink"),
+            Row("combine", 64, "bf16", 300.0, "deep_ep")]
+    print_comparison(rows, "deep_ep")
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if " = " in line]
+    assert [(line[0], line[-1]) for line in lines] == [("combine", "1.500"), ("combine_zc", "3.000")]
+
+
 def test_soak_runs_and_passes_on_the_cpu():
     # --slowdown: time per round on a shared 2-core CI machine is noise; the verdict's rule has its own test
     r = run("soak", "--ranks", "2", "--rounds", "20", "--check-every", "5", "--modes", "normal", "low_latency",

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 19's side-by-side: DeepEP V1 and deepep_portable in the same bench processes (`bench --compare deep_ep`:
+# same inputs, same timing, our rows then DeepEP's, then DeepEP's time over ours per op), at several SM budgets,
+# several runs, ranks sharing the GPU under MPS. Nothing is fetched: give it a DeepEP V1 checkout (tested with
+# commit 567632d); it is built in place first if it holds no built module (about 100 s with 16 jobs, against
+# the pip NVSHMEM; never commit the build).
+#   usage: bash scripts/compare_deepep.sh DEEPEP_DIR [ranks=8] [sms="8 16 24"] [runs=2]
+#   TOKENS (4096), BENCH_ARGS (more bench options); logs in $OUT (or .gpu_out); the ratios are printed last.
+set -uo pipefail
+DEEPEP=$(cd "$1" && pwd) || exit 2
+RANKS=${2:-8}
+SMS=${3:-"8 16 24"}
+RUNS=${4:-2}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+
+if ! ls "$DEEPEP"/deep_ep_cpp*.so >/dev/null 2>&1; then
+    echo "=== building DeepEP in $DEEPEP"
+    (cd "$DEEPEP" && CPLUS_INCLUDE_PATH=$CUDA_HOME/include/cccl${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH} \
+        MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0 $PY setup.py build_ext --inplace) >"$OUT/deepep_build.log" 2>&1 \
+        || { tail -30 "$OUT/deepep_build.log"; echo "DeepEP build failed (log: $OUT/deepep_build.log)"; exit 1; }
+fi
+
+export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+nvidia-cuda-mps-control -d && echo "MPS started"
+trap 'echo quit | nvidia-cuda-mps-control 2>/dev/null || true' EXIT
+
+for run in $(seq "$RUNS"); do
+    for sms in $SMS; do
+        log="$OUT/compare_${sms}sms_run$run.log"
+        echo "=== run $run, $sms SMs per rank"
+        PYTHONPATH=$PYTHONPATH:$DEEPEP timeout -k 10 "${STEP_TIMEOUT:-300}" $PY -m deepep_portable bench --no-progress \
+            --ranks "$RANKS" --num-sms "$sms" --mode normal --tokens "${TOKENS:-4096}" --compare deep_ep \
+            ${BENCH_ARGS:-} >"$log" 2>&1 || echo "run $run at $sms SMs: exit code $? (log: $log)"
+        tail -16 "$log"
+    done
+done
+
+echo
+echo "=== DeepEP time / ours (> 1: deepep_portable is faster), $RANKS ranks, ${TOKENS:-4096} tokens"
+for run in $(seq "$RUNS"); do
+    for sms in $SMS; do
+        grep -a " = " "$OUT/compare_${sms}sms_run$run.log" 2>/dev/null | sed "s/^/run $run, $sms SMs: /"
+    done
+done
