@@ -42,7 +42,9 @@ def tensor(name: str, t: object, dtype: Optional[torch.dtype] = None, shape: Opt
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.type != "cuda" or device_index(a) == device_index(b))
+    # Equal devices first: the C-level compare is what a hot path pays (device_index may ask torch for the
+    # current device, when one side has no index).
+    return a == b or (a.type == b.type and (a.type != "cuda" or device_index(a) == device_index(b)))
 
 
 def positive_int(name: str, v: object, minimum: int = 1) -> int:
@@ -75,11 +77,11 @@ def expert_indices(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
     once per tensor: the usual get_dispatch_layout -> dispatch sequence checks the same unmodified
     tensor object (same object, same version counter) only once. Skipped during graph capture and when
     DEEPEP_PORTABLE_SKIP_RANGE_CHECK=1."""
-    if topk_idx.numel() == 0 or not _range_check_enabled(topk_idx):
-        return
-    key = (topk_idx._version, topk_idx.data_ptr(), tuple(topk_idx.shape), num_experts)
+    key = (topk_idx._version, topk_idx.data_ptr(), topk_idx.shape, num_experts)
     ref = _last_checked[0]
-    if ref is not None and ref() is topk_idx and _last_checked[1] == key:
+    if ref is not None and ref() is topk_idx and _last_checked[1] == key:   # checked, unmodified since
+        return
+    if topk_idx.numel() == 0 or not _range_check_enabled(topk_idx):
         return
     lo, hi = torch.aminmax(topk_idx)
     lo, hi = int(lo), int(hi)

@@ -8,7 +8,8 @@ stream. This times the candidate steps one by one, each the median over --iters 
 in --procs processes at once (as the ranks run; start MPS first to match gpu_tests.sh), and rank 0
 prints a table (microseconds). Steps: allocations on the current stream and under
 `torch.cuda.stream(side)`, the context manager alone, record_stream, stream/event ordering, the
-ctypes params copy, and an empty kernel launch through the library's launch path.
+ctypes params copy, an empty kernel launch through the library's launch path, and get_dispatch_layout's
+eager path in two parts (the Buffer's checks, the op body).
 """
 import argparse
 import ctypes
@@ -75,10 +76,28 @@ def _steps(side: torch.cuda.Stream):
     def launch_empty():
         launch(copy, 1, 256, params, handle)
 
+    # get_dispatch_layout's eager path in its parts (4096 tokens, top-8 of 256 experts, 8 ranks): the Buffer's
+    # argument checks (the range check hits its cache: same tensor, as in the bench), then the op body
+    from deepep_portable import _validate as check
+    from deepep_portable.engines.dispatch_layout import dispatch_layout_current_stream
+    topk_idx = torch.randint(0, 256, (4096, 8), device=dev)
+
+    def layout_checks():
+        check.tensor("topk_idx", topk_idx, torch.int64, (None, None), dev)
+        check.num_experts(256, 8)
+        check.topk_width(topk_idx)
+        check.expert_indices("topk_idx", topk_idx, 256)
+
+    def layout_body():
+        keep.append(dispatch_layout_current_stream(topk_idx, 256, 8))
+        keep.clear()
+
     return [("torch.empty (current stream)", alloc_current), ("torch.empty under stream(side)", alloc_side),
             ("stream(side) context alone", stream_context), ("empty + record_stream(side)", alloc_record_stream),
             ("side.wait_stream(current)", wait_stream), ("Event().record(side)", event_record),
             ("params from_buffer_copy", params_copy), ("empty kernel launch", launch_empty),
+            ("current_stream().cuda_stream", lambda: torch.cuda.current_stream(dev.index).cuda_stream),
+            ("layout: Buffer's argument checks", layout_checks), ("layout: op body (alloc, launch)", layout_body),
             ("ctypes sizeof (baseline)", lambda: ctypes.sizeof(template))]
 
 

@@ -135,12 +135,12 @@ def dispatch_layout_current_stream(topk_idx: torch.Tensor, num_experts: int, num
     num_tokens = topk_idx.size(0)
     dev = topk_idx.device.index
     head = 4 * (num_ranks + num_experts)
-    raw = torch.empty(head + num_tokens * num_ranks, dtype=torch.uint8, device=topk_idx.device)
+    raw = torch.empty(head + num_tokens * num_ranks, dtype=torch.bool, device=topk_idx.device)
     ptr = raw.data_ptr()
     _launch_layout(topk_idx, num_experts, num_ranks, dev, torch.cuda.current_stream(dev).cuda_stream,
                    ptr, ptr + 4 * num_ranks, ptr + head)
-    counts = raw[:head].view(torch.int32)
-    return counts[:num_ranks], counts[num_ranks:], raw[head:].view(torch.bool).view(num_tokens, num_ranks)
+    per_rank, per_expert = raw[:head].view(torch.int32).split((num_ranks, num_experts))
+    return per_rank, per_expert, raw[head:].view(num_tokens, num_ranks)
 
 
 def dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
