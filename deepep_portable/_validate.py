@@ -77,9 +77,10 @@ def expert_indices(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
     once per tensor: the usual get_dispatch_layout -> dispatch sequence checks the same unmodified
     tensor object (same object, same version counter) only once. Skipped during graph capture and when
     DEEPEP_PORTABLE_SKIP_RANGE_CHECK=1."""
-    key = (topk_idx._version, topk_idx.data_ptr(), topk_idx.shape, num_experts)
+    # An inference-mode tensor has no version counter: it is checked every time.
+    key = None if topk_idx.is_inference() else (topk_idx._version, topk_idx.data_ptr(), topk_idx.shape, num_experts)
     ref = _last_checked[0]
-    if ref is not None and ref() is topk_idx and _last_checked[1] == key:   # checked, unmodified since
+    if key is not None and ref is not None and ref() is topk_idx and _last_checked[1] == key:   # checked, unmodified
         return
     if topk_idx.numel() == 0 or not _range_check_enabled(topk_idx):
         return
@@ -88,7 +89,8 @@ def expert_indices(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
     if lo < -1 or hi >= num_experts:
         bad = lo if lo < -1 else hi
         raise ValueError(f"{name} holds expert index {bad}, outside [-1, {num_experts}) (num_experts={num_experts})")
-    _last_checked[0], _last_checked[1] = weakref.ref(topk_idx), key
+    if key is not None:
+        _last_checked[0], _last_checked[1] = weakref.ref(topk_idx), key
 
 
 # ---- the Buffer's argument checks (ctx: the Buffer's contract.BufferContext) -------------------------

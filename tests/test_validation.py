@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import deepep_portable as deep_ep
+from deepep_portable import _validate as check
 
 HIDDEN, TOKENS, EXPERTS, TOPK = 256, 8, 8, 2
 
@@ -224,6 +225,20 @@ def test_range_check_runs_again_for_new_or_modified_tensors(buffer, device):
     fresh = idx.clone()                                 # a new object is checked too
     with pytest.raises(ValueError, match="outside"):
         buffer.get_dispatch_layout(fresh, EXPERTS)
+
+
+def test_inference_mode_tensors_are_checked_every_time(buffer, device, monkeypatch):
+    """They have no version counter to remember a check by: every call checks them (and the skip still works)."""
+    _, idx, _ = make_inputs(device)
+    with torch.inference_mode():
+        good, bad = idx.clone(), idx.clone()
+        bad[0, 0] = EXPERTS
+        for _ in range(2):
+            buffer.get_dispatch_layout(good, EXPERTS)
+            with pytest.raises(ValueError, match="outside"):
+                buffer.get_dispatch_layout(bad, EXPERTS)
+        monkeypatch.setenv("DEEPEP_PORTABLE_SKIP_RANGE_CHECK", "1")
+        check.expert_indices("topk_idx", bad, EXPERTS)   # skipped: no error, no version counter read
 
 
 def test_unknown_nvshmem_option_rejected(group):

@@ -6,7 +6,7 @@ skewed routing, hooks, zero-copy...) comes from its seed, the same on every rank
 (0 and 1 included) from the seed and the rank. A failing case names its seed; rerun just that case with
     DEEPEP_FUZZ_SEED=<seed> DEEPEP_FUZZ_CASES=1 DEEPEP_FUZZ_PALETTE=<0|1> mpirun -n <ranks> \
         python -m pytest --with-mpi tests/mpi/test_fuzz_mpi.py
-DEEPEP_FUZZ_CASES (default 60 per mode) sets how many cases run; DEEPEP_FUZZ_SEED (default: from the run's
+DEEPEP_FUZZ_CASES (default 150 per mode) sets how many cases run; DEEPEP_FUZZ_SEED (default: from the run's
 base seed) the first seed; DEEPEP_FUZZ_PALETTE (below) whether hidden and top-k come from a small palette.
 DEEPEP_FUZZ_TRANSPORT (default "reference") runs the same cases on another transport (on a GPU machine:
 "nvlink", whose normal mode needs one node, so logical nodes are left out; "nvshmem", whose cases over
@@ -29,7 +29,7 @@ from deepep_portable.engines import internode, low_latency  # noqa: E402
 from test_reference_mpi import num_experts_for, run_low_latency, run_normal, world  # noqa: E402
 
 pytestmark = pytest.mark.mpi
-CASES = int(os.environ.get("DEEPEP_FUZZ_CASES", "60"))
+CASES = int(os.environ.get("DEEPEP_FUZZ_CASES", "150"))
 TRANSPORT = os.environ.get("DEEPEP_FUZZ_TRANSPORT", "reference")
 INTERNODE = ("reference", "nvshmem")   # transports whose normal mode spans (logical) nodes
 # On a GPU every new (hidden, top-k) is kernels to JIT-compile, seconds each: there the cases draw them from a
@@ -245,7 +245,8 @@ def test_fuzz_low_latency(pg, device, base_seed):
         LARGEST_TOKENS, max(LL_HIDDEN + LL_HIDDEN_UE8M0), num_ranks, num_ranks * 64)
     _nvshmem_heap(2 * largest_bytes)   # the shared Buffer and a case's own of the same size at once
     _compile_ahead(rank, [v for c in map(lambda s: ll_case(s, num_ranks), range(first, first + CASES))
-                          for v in low_latency.round_variants(c["hidden"], c["topk"])])
+                          for v in low_latency.round_variants(c["hidden"], c["topk"])]
+                   + [(low_latency.CLEAN_SOURCE, {})])   # a shared Buffer is cleaned when the expert count changes
     largest = make(LARGEST_TOKENS, max(LL_HIDDEN + LL_HIDDEN_UE8M0), num_ranks * 64)
     shared_experts = None   # the num_experts the shared Buffer's signals were last cleaned for
     try:

@@ -177,11 +177,16 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
                ranks_per_node=0, skew=False, overlap=None, zero_copy=False):
     """dispatch, cached dispatch and combine of random inputs; everything compared to the oracle.
 
-    fp8: None (bf16), "float" or "int32" scales. num_worst_extra: None, or pad num_worst_tokens to the
+    fp8: None (bf16), "float" or "int32" scales, or "float-column-major" (float scales with DeepGEMM's
+    column-major strides, as column_major_scales=True). num_worst_extra: None, or pad num_worst_tokens to the
     largest receive count of any rank plus this many rows. overlap: None (plain calls), "caller" or "comm":
     every op gets a previous_event and async_finish=True (allocating on the caller's or the comm stream), and
     its results are read only after the caller's stream waits on the event it returns. zero_copy: the expert
     outputs are written into Buffer.get_next_combine_buffer's tensor, which goes to combine as x."""
+    if fp8 not in (None, "float", "int32", "float-column-major"):   # never a silent BF16 case
+        raise ValueError(f"run_normal: unknown fp8 {fp8!r}")
+    if fp8 == "float-column-major":
+        fp8, column_major_scales = "float", True
     rank, num_ranks = world(pg)
     experts = num_experts_for(experts, num_ranks)
     x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
