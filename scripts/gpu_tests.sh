@@ -7,7 +7,8 @@
 #   other steps: precompile (every kernel family for sm_90, all cores), mpi2 (the MPI suite at 2 ranks), ll (the low-latency GPU tests at N ranks),
 #   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs), lllegacy (the same over
 #   nvlink with a legacy CUDA IPC window: DEEPEP_PORTABLE_LL_VMM=0, the pack-on-receive dispatch),
-#   selftest (the transport contract's conformance kernel over every backend, ibgda over the tests' NIC model
+#   llncclgin2 (the conformance kernel and the low-latency GPU tests over nccl_gin at 2 ranks sharing the GPU: NCCL_HOME
+#   = an NCCL >= 2.30, brought in parts with scripts/carry_in_parts.sh), selftest (the transport contract's conformance kernel over every backend, ibgda over the tests' NIC model
 #   too, N ranks), llibgda / internodeibgda (those suites over ibgda and the NIC model), llncclgin (the low-latency GPU tests over nccl_gin at one rank), llginmock (the same over
 #   nccl_gin's GIN paths on the tests' mock of NCCL's device API, N ranks sharing the GPU), internodeginmock (the
 #   internode suite the same way), internode (the
@@ -68,6 +69,15 @@ for s in $STEPS; do
             stop_mps ;;
     llncclgin) DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llncclgin $MPIRUN -n 1 $PY -m pytest -q -rs -p no:cacheprovider \
                 --with-mpi tests/mpi/test_low_latency_gpu_mpi.py ;;   # one rank: NCCL refuses ranks sharing a GPU
+    llncclgin2) # issue 18's one try: 2 ranks sharing the GPU over a real NCCL >= 2.30 (NCCL_HOME: its lib/ and include/),
+            # NCCL_MULTI_RANK_GPU_ENABLE=1; LD_LIBRARY_PATH makes torch load that libnccl too (one library per process)
+            if [ -z "${NCCL_HOME:-}" ]; then echo "llncclgin2: set NCCL_HOME to an NCCL >= 2.30"; continue; fi
+            start_mps
+            NCCL_MULTI_RANK_GPU_ENABLE=1 LD_LIBRARY_PATH=$NCCL_HOME/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+                DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llncclgin2 $MPIRUN -x NCCL_HOME -x NCCL_MULTI_RANK_GPU_ENABLE \
+                -x LD_LIBRARY_PATH -n 2 $PY -m pytest -q -rs -p no:cacheprovider --with-mpi \
+                tests/mpi/test_transport_selftest_gpu_mpi.py tests/mpi/test_low_latency_gpu_mpi.py
+            stop_mps ;;
     llginmock) start_mps   # the low-latency GPU tests over nccl_gin's device code on the tests' mock of NCCL (GIN paths)
             DEEPEP_TEST_NCCL_GIN_MOCK=1 DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llginmock $MPIRUN -x DEEPEP_TEST_NCCL_GIN_MOCK \
                 -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py
