@@ -189,6 +189,10 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
         t_layout = slowest(timer(device, lambda: buf.get_dispatch_layout(topk_idx, experts), cfg.warmup, cfg.iters,
                                  group), group)
         layout_bytes = topk_idx.numel() * topk_idx.element_size()
+        # The same op replayed from a CUDA graph: the kernel without the host path (eager row - this = host share)
+        t_layout_graph = None
+        if device.type == "cuda":
+            t_layout_graph = graph_seconds(lambda: buf.get_dispatch_layout(topk_idx, experts), device, cfg, group)
         matrix = [[int(v) for v in t.tolist()] for t in all_per_rank]
         node_counts, c_dispatch, c_combine = None, None, None
         if per_node:   # the op's traffic through its own paths (internode_ceiling.py), where the engine runs
@@ -210,6 +214,8 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
         measured = [("layout", t_layout, c_layout, layout_bytes, "int64"),
                     ("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                     ("combine", t_combine, c_combine, combine_bytes, "bf16")]
+        if t_layout_graph is not None:
+            measured.insert(1, ("layout_graph", t_layout_graph, c_layout, layout_bytes, "int64"))
         if t_combine_zc is not None:
             measured.append(("combine_zc", t_combine_zc, c_combine, combine_bytes, "bf16"))
         if per_node:   # DeepEP's two bandwidths: rows that cross the network once per node, and NVLink rows,

@@ -134,6 +134,35 @@ def test_layout_returns_fresh_outputs_on_side_stream():
     assert torch.equal(per_rank.cpu(), ref[0]) and torch.equal(per_expert.cpu(), ref[1])
 
 
+def test_layout_eager_path_in_a_cuda_graph(one_rank_group):
+    """The eager hot path (dispatch_layout_current_stream, and Buffer.get_dispatch_layout around it: the bench's
+    layout_graph row) captured once and replayed with new topk_idx contents; each replay matches the oracle."""
+    import deepep_portable as deep_ep
+
+    gen = torch.Generator().manual_seed(17)
+    idx = make_topk(1000, 8, 256, 0.05, gen=gen)
+    buf = deep_ep.Buffer(one_rank_group, 1 << 20, 0, transport="nvlink")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up outside the capture (kernel load, the range check's cache)
+        _kernels.dispatch_layout_current_stream(idx, 256, 8)
+        buf.get_dispatch_layout(idx, 256)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = _kernels.dispatch_layout_current_stream(idx, 256, 8)
+        per_rank1, _, per_expert1, in_rank1, _ = buf.get_dispatch_layout(idx, 256)
+    for _ in range(3):
+        idx.copy_(make_topk(1000, 8, 256, 0.05, gen=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = oracle(idx, 256, 8)
+        assert all(torch.equal(got.cpu(), want) for got, want in zip(outs, ref))
+        ref1 = oracle(idx, 256, 1)
+        assert torch.equal(per_rank1.cpu(), ref1[0]) and torch.equal(per_expert1.cpu(), ref1[1])
+        assert torch.equal(in_rank1.cpu(), ref1[2])
+
+
 def test_layout_non_contiguous_input():
     gen = torch.Generator().manual_seed(11)
     wide = make_topk(300, 16, 64, 0.1, gen=gen)
