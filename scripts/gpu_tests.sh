@@ -70,12 +70,13 @@ for s in $STEPS; do
     llncclgin) DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llncclgin $MPIRUN -n 1 $PY -m pytest -q -rs -p no:cacheprovider \
                 --with-mpi tests/mpi/test_low_latency_gpu_mpi.py ;;   # one rank: NCCL refuses ranks sharing a GPU
     llncclgin2) # issue 18's one try: 2 ranks sharing the GPU over a real NCCL >= 2.30 (NCCL_HOME: its lib/ and include/),
-            # NCCL_MULTI_RANK_GPU_ENABLE=1; LD_LIBRARY_PATH makes torch load that libnccl too (one library per process)
+            # NCCL_MULTI_RANK_GPU_ENABLE=1; the ranks preload that libnccl, so torch binds to it too (a dependency
+            # named libnccl.so.2 binds to the first library of that soname in the process: ours and torch's must be one)
             if [ -z "${NCCL_HOME:-}" ]; then echo "llncclgin2: set NCCL_HOME to an NCCL >= 2.30"; continue; fi
             start_mps
-            NCCL_MULTI_RANK_GPU_ENABLE=1 LD_LIBRARY_PATH=$NCCL_HOME/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
-                DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llncclgin2 $MPIRUN -x NCCL_HOME -x NCCL_MULTI_RANK_GPU_ENABLE \
-                -x LD_LIBRARY_PATH -n 2 $PY -m pytest -q -rs -p no:cacheprovider --with-mpi \
+            NCCL_MULTI_RANK_GPU_ENABLE=1 DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llncclgin2 $MPIRUN -x NCCL_HOME \
+                -x NCCL_MULTI_RANK_GPU_ENABLE -x LD_PRELOAD="$NCCL_HOME/lib/libnccl.so.2" -n 2 \
+                $PY -m pytest -q -rs -p no:cacheprovider --with-mpi \
                 tests/mpi/test_transport_selftest_gpu_mpi.py tests/mpi/test_low_latency_gpu_mpi.py
             stop_mps ;;
     llginmock) start_mps   # the low-latency GPU tests over nccl_gin's device code on the tests' mock of NCCL (GIN paths)
