@@ -292,6 +292,34 @@ def test_engine_refuses_a_node_that_is_not_load_store(monkeypatch):
     assert made == {"closed": True}
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_round_variants_are_what_a_round_builds(monkeypatch, fp8):
+    """round_variants (the fuzz's compile-ahead over nvshmem) names exactly the kernels a round of dispatch, cached
+    dispatch and combine with weights asks its window for."""
+    import torch
+
+    from deepep_portable.contract import CachedDispatchArgs, CombineArgs, DispatchArgs
+
+    engine, w = _engine(monkeypatch)
+    asked, kernel = set(), w.kernel
+    monkeypatch.setattr(w, "kernel", lambda src, name, d: (asked.add((src, tuple(sorted(d.items())))),
+                                                          kernel(src, name, d))[1])
+    R, P, T, H, K = 8, 4, 50, 1024, 4
+    x = torch.zeros(T, H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    scales = torch.ones(T, H // 128) if fp8 else None
+    in_rank = torch.rand(T, R) < 0.3
+    res = engine.dispatch(DispatchArgs(
+        x=x, x_scales=scales, topk_idx=torch.zeros(T, K, dtype=torch.int64), topk_weights=torch.zeros(T, K),
+        num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32), is_token_in_rank=in_rank,
+        num_tokens_per_expert=torch.zeros(16, dtype=torch.int32), num_experts=16, expert_alignment=1,
+        num_worst_tokens=0, num_sms=16, config=None))
+    engine.cached_dispatch(CachedDispatchArgs(x=x, x_scales=scales, handle=res.handle, num_sms=8))
+    engine.combine(CombineArgs(x=torch.zeros(37, H, dtype=torch.bfloat16), handle=res.handle,
+                               topk_weights=torch.zeros(37, K), bias_0=None, bias_1=None, num_sms=8))
+    want = internode.round_variants(R, P, H, 1 if fp8 else 2, H // 128 if fp8 else 0, K)
+    assert asked == {(src, tuple(sorted(d.items()))) for src, d in want}
+
+
 def test_precompile_covers_the_gpu_suites_shapes():
     """Every internode kernel shape the GPU suites and bench use is in `precompile --nvshmem`'s list."""
     variants = {(src, tuple(sorted(d.items()))) for src, d in internode.precompile_variants()}
