@@ -302,8 +302,11 @@ def test_round_variants_are_what_a_round_builds(monkeypatch, fp8):
 
     engine, w = _engine(monkeypatch)
     asked, kernel = set(), w.kernel
-    monkeypatch.setattr(w, "kernel", lambda src, name, d: (asked.add((src, tuple(sorted(d.items())))),
-                                                          kernel(src, name, d))[1])
+
+    def recording_kernel(src, name, defines):
+        asked.add((src, tuple(sorted(defines.items()))))
+        return kernel(src, name, defines)
+    monkeypatch.setattr(w, "kernel", recording_kernel)
     R, P, T, H, K = 8, 4, 50, 1024, 4
     x = torch.zeros(T, H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
     scales = torch.ones(T, H // 128) if fp8 else None
