@@ -103,6 +103,16 @@ def hidden(h: int, fp8: bool) -> None:
         raise ValueError(f"BF16 hidden must be a multiple of 8 elements (16 bytes), got {h}")
 
 
+def layout_args(topk_idx: torch.Tensor, dtype: torch.dtype, num_experts_: int, num_ranks: int,
+                device: torch.device) -> None:
+    """get_dispatch_layout's arguments: topk_idx a [N, K] tensor of `dtype` on `device`, K in range, its entries
+    -1 or experts, num_experts_ a multiple of the rank count."""
+    tensor("topk_idx", topk_idx, dtype, (None, None), device)
+    num_experts(num_experts_, num_ranks)
+    topk_width(topk_idx)
+    expert_indices("topk_idx", topk_idx, num_experts_)
+
+
 def topk_width(t: torch.Tensor) -> int:
     k = t.size(1)
     if not 1 <= k <= MAX_TOPK:

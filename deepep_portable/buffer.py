@@ -286,10 +286,7 @@ class Buffer(LowLatencyOps):
         expert on a rank of that node; None with one node), num_tokens_per_expert [E] int32,
         is_token_in_rank [N, R] bool, event)."""
         self._live()
-        check.tensor("topk_idx", topk_idx, topk_idx_t, (None, None), self.device)
-        check.num_experts(num_experts, self.group_size)
-        check.topk_width(topk_idx)
-        check.expert_indices("topk_idx", topk_idx, num_experts)
+        check.layout_args(topk_idx, topk_idx_t, num_experts, self.group_size, self.device)
         if previous_event is None and not async_finish and not allocate_on_comm_stream:
             # Nothing to overlap: one kernel on the caller's stream orders exactly as the comm stream
             # round trip would, without its two stream waits (the call is bound by its host path).

@@ -83,10 +83,7 @@ def _steps(side: torch.cuda.Stream):
     topk_idx = torch.randint(0, 256, (4096, 8), device=dev)
 
     def layout_checks():
-        check.tensor("topk_idx", topk_idx, torch.int64, (None, None), dev)
-        check.num_experts(256, 8)
-        check.topk_width(topk_idx)
-        check.expert_indices("topk_idx", topk_idx, 256)
+        check.layout_args(topk_idx, torch.int64, 256, 8, dev)
 
     def layout_body():
         keep.append(dispatch_layout_current_stream(topk_idx, 256, 8))

@@ -121,24 +121,23 @@ def dispatch_layout_cuda(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
         if stream is not None and h != torch.cuda.current_stream(dev).cuda_stream:
             topk_idx.record_stream(stream if isinstance(stream, torch.cuda.Stream)
                                    else torch.cuda.ExternalStream(h, device=topk_idx.device))
-    num_tokens, head = topk_idx.size(0), 4 * (num_ranks + num_experts)
-    raw = torch.empty(head + num_tokens * num_ranks, dtype=torch.uint8, device=topk_idx.device)
-    counts, in_rank = raw[:head].view(torch.int32), raw[head:].view(torch.bool).view(num_tokens, num_ranks)
-    ptr = raw.data_ptr()
-    _launch_layout(topk_idx, num_experts, num_ranks, dev, h, ptr, ptr + 4 * num_ranks, ptr + head)
-    return counts[:num_ranks], counts[num_ranks:], in_rank
+    return _layout_into_new_outputs(topk_idx, num_experts, num_ranks, dev, h)
 
 
 def dispatch_layout_current_stream(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     """dispatch_layout_cuda on the current stream, for arguments already validated (Buffer's checks):
     the eager hot path, an allocation and a launch (the host path is most of such a call's time)."""
-    num_tokens = topk_idx.size(0)
     dev = topk_idx.device.index
-    head = 4 * (num_ranks + num_experts)
+    return _layout_into_new_outputs(topk_idx, num_experts, num_ranks, dev, torch.cuda.current_stream(dev).cuda_stream)
+
+
+def _layout_into_new_outputs(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, dev: int, stream: int):
+    """The three outputs as views of one allocation on the current stream (the counts, then the bool rows), and
+    the kernel writing them on `stream`."""
+    num_tokens, head = topk_idx.size(0), 4 * (num_ranks + num_experts)
     raw = torch.empty(head + num_tokens * num_ranks, dtype=torch.bool, device=topk_idx.device)
     ptr = raw.data_ptr()
-    _launch_layout(topk_idx, num_experts, num_ranks, dev, torch.cuda.current_stream(dev).cuda_stream,
-                   ptr, ptr + 4 * num_ranks, ptr + head)
+    _launch_layout(topk_idx, num_experts, num_ranks, dev, stream, ptr, ptr + 4 * num_ranks, ptr + head)
     # The fewest tensor ops (each costs ~1 us of host time here): Tensor.split is a Python wrapper, as_strided one op
     per_rank, per_expert = torch.split_with_sizes(raw[:head].view(torch.int32), (num_ranks, num_experts))
     return per_rank, per_expert, raw.as_strided((num_tokens, num_ranks), (num_ranks, 1), head)

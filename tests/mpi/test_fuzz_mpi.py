@@ -114,15 +114,17 @@ def _nvshmem_heap(nbytes: int) -> None:
         os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(want)
 
 
-def _compile_ahead(rank: int, variants) -> None:
+def _compile_ahead(rank: int, seeds, variants_of) -> None:
     """Over nvshmem every kernel shape is a device-linked build of about 10 s (the intranode ones over nvlink take
-    about 1 s): build the drawn cases' shapes up front, in parallel (one nvcc per core; the JIT's lock files let
-    one rank build each while the others wait for it), instead of one at a time inside the cases."""
+    about 1 s): build the shapes of the cases `seeds` draw (variants_of(seed): (source, defines) pairs) up front,
+    in parallel (one nvcc per core; the JIT's lock files let one rank build each while the others wait for it),
+    instead of one at a time inside the cases."""
     if TRANSPORT != "nvshmem" or not torch.cuda.is_available():
         return
     from deepep_portable import jit
     from deepep_portable.transports.nvshmem.transport import precompile
-    unique = sorted({(source, tuple(sorted(defines.items()))) for source, defines in variants})
+    unique = sorted({(source, tuple(sorted(defines.items())))
+                     for seed in seeds for source, defines in variants_of(seed)})
     t0 = time.perf_counter()
     built = precompile((jit.device_arch(torch.cuda.current_device()),),
                        variants=[(source, dict(defines)) for source, defines in unique])
@@ -207,11 +209,15 @@ def test_fuzz_normal(pg, device, base_seed):
     largest_hidden = max(max(h) for h in NORMAL_HIDDEN.values())
     # shared Buffers (one per node shape: at most 4 divisors of the rank count in use) and a case's own
     _nvshmem_heap(5 * sum(sizes(largest_hidden, LARGEST_TOKENS, max(1, num_ranks // 2))))
-    _compile_ahead(rank, [v for c in map(lambda s: normal_case(s, num_ranks), range(first, first + CASES))
-                          if c["ranks_per_node"] and c["ranks_per_node"] < num_ranks
-                          for v in internode.round_variants(num_ranks, c["ranks_per_node"], c["hidden"],
-                                                            1 if c["fp8"] else 2, c["hidden"] // 128 if c["fp8"] else 0,
-                                                            c["topk"] if c["use_topk"] else 0)])
+
+    def internode_kernels(seed: int):   # over logical nodes (ranks_per_node below the rank count) only
+        c = normal_case(seed, num_ranks)
+        if not 0 < c["ranks_per_node"] < num_ranks:
+            return []
+        fp8 = c["fp8"] is not None
+        return internode.round_variants(num_ranks, c["ranks_per_node"], c["hidden"], 1 if fp8 else 2,
+                                        c["hidden"] // 128 if fp8 else 0, c["topk"] if c["use_topk"] else 0)
+    _compile_ahead(rank, range(first, first + CASES), internode_kernels)
     try:
         for seed in range(first, first + CASES):
             p = normal_case(seed, num_ranks)
@@ -244,9 +250,11 @@ def test_fuzz_low_latency(pg, device, base_seed):
     largest_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
         LARGEST_TOKENS, max(LL_HIDDEN + LL_HIDDEN_UE8M0), num_ranks, num_ranks * 64)
     _nvshmem_heap(2 * largest_bytes)   # the shared Buffer and a case's own of the same size at once
-    _compile_ahead(rank, [v for c in map(lambda s: ll_case(s, num_ranks), range(first, first + CASES))
-                          for v in low_latency.round_variants(c["hidden"], c["topk"])]
-                   + [(low_latency.CLEAN_SOURCE, {})])   # a shared Buffer is cleaned when the expert count changes
+
+    def ll_kernels(seed: int):   # and the clean kernel: a shared Buffer is cleaned when the expert count changes
+        c = ll_case(seed, num_ranks)
+        return low_latency.round_variants(c["hidden"], c["topk"]) + [(low_latency.CLEAN_SOURCE, {})]
+    _compile_ahead(rank, range(first, first + CASES), ll_kernels)
     largest = make(LARGEST_TOKENS, max(LL_HIDDEN + LL_HIDDEN_UE8M0), num_ranks * 64)
     shared_experts = None   # the num_experts the shared Buffer's signals were last cleaned for
     try:

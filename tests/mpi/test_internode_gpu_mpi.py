@@ -111,12 +111,10 @@ def test_dispatch_combine(pg, device, request, base_seed, per_node, fp8):
     rank, _ = world(pg)
     gen = generator(request, base_seed, rank)
     buf = _buffer(pg, per_node)
-    column_major = fp8 == "float-column-major"
     for round_ in range(2):   # stale data of the first round must not leak into the second
         tokens = int(torch.randint(1, MAX_TOKENS + 1, (1,), generator=gen))
-        run_normal(buf, pg, gen, device, **BIG, num_tokens=tokens, fp8="float" if column_major else fp8,
-                   expert_alignment=4 if round_ else 1, num_bias=round_ + 1, column_major_scales=column_major,
-                   ranks_per_node=per_node)
+        run_normal(buf, pg, gen, device, **BIG, num_tokens=tokens, fp8=fp8,   # run_normal maps "float-column-major"
+                   expert_alignment=4 if round_ else 1, num_bias=round_ + 1, ranks_per_node=per_node)
 
 
 @pytest.mark.mpi(min_size=2)

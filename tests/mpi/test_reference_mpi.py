@@ -313,9 +313,8 @@ def test_dispatch_combine_big(buffer, pg, device, request, base_seed, fp8):
     rank, _ = world(pg)
     gen = generator(request, base_seed, rank)
     tokens = int(torch.randint(128, 257, (1,), generator=gen))
-    column_major = fp8 == "float-column-major"
-    run_normal(buffer, pg, gen, device, **BIG, num_tokens=tokens, fp8="float" if column_major else fp8,
-               expert_alignment=1 if fp8 is None else 4, num_bias=1 if fp8 else 0, column_major_scales=column_major)
+    run_normal(buffer, pg, gen, device, **BIG, num_tokens=tokens, fp8=fp8,   # run_normal maps "float-column-major"
+               expert_alignment=1 if fp8 is None else 4, num_bias=1 if fp8 else 0)
 
 
 @pytest.mark.parametrize("case", ["bf16-align4", "fp8-int32-scales", "no-topk", "dense", "zero-copy"])
