@@ -585,3 +585,29 @@ def test_runtime_capabilities_follow_the_window():
     t.ll_engine.window.network_peers = [3]
     caps = t.runtime_capabilities()
     assert caps.peer_load_store is False and caps.remote_atomics is True and caps.graph_safe is True
+
+
+def test_windows_share_one_loaded_module_per_image(monkeypatch):
+    """load_module loads and registers an image once per runtime (issue 20: 1000 Buffers over nvshmem lost
+    4.4 GiB at 4 ranks, each window loading its own copies); another image is another module."""
+    _C = pytest.importorskip("deepep_portable._C")
+    loads, inits = [], []
+
+    class FakeModule:
+        def __init__(self, image, device):
+            loads.append(image)
+            self.handle = len(loads)
+
+    monkeypatch.setattr(_C, "Module", FakeModule)
+    monkeypatch.setattr(nr, "check_linked_against_loaded", lambda paths: None)
+    rt = object.__new__(nr.NvshmemRuntime)
+    rt.device, rt._modules, rt._loaded = 0, {}, {}
+    monkeypatch.setattr(rt, "cumodule_init", lambda m: inits.append(m), raising=False)
+    paths = jit_link.NvshmemBuildPaths("/i", "/l", "/l/libnvshmem_device.a", "3.4.5")
+
+    def compiled(image):
+        return jit_link.LinkedCompileResult(image, "x", True, 0.0, "sm_90", False, paths)
+
+    a1, a2, b = rt.load_module(compiled(b"A" * 64)), rt.load_module(compiled(b"A" * 64)), rt.load_module(compiled(b"B"))
+    assert a1 is a2 and b is not a1
+    assert loads == [b"A" * 64, b"B"] and inits == [a1, b]

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import threading
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -323,6 +324,7 @@ class NvshmemRuntime:
         self.env = apply_environment(options)  # before any NVSHMEM call that may read it
         self.version = version()
         self._modules: Dict[int, Any] = {}
+        self._loaded: Dict[bytes, Any] = {}   # load_module's modules by image digest
         self._allocs: Dict[int, int] = {}
         self._own_context = False
         self._extra_retains = 0
@@ -407,10 +409,17 @@ class NvshmemRuntime:
             raise TypeError("load_module takes a link.LinkedCompileResult (the cubin and the NVSHMEM "
                             f"installation it was linked against), got {type(compiled).__name__}")
         check_linked_against_loaded(paths)
-        from ... import _C
+        # One loaded module per image for the runtime's life: every window (Buffer) asking for the same kernel
+        # shares it (its device state is the runtime's, not a window's; windows pass their addresses as
+        # parameters). Loading per window kept each Buffer's modules, about 1 MB each, until finalize.
+        digest = hashlib.sha256(compiled.image).digest()
+        module = self._loaded.get(digest)
+        if module is None:
+            from ... import _C
 
-        module = _C.Module(compiled.image, self.device)
-        self.cumodule_init(module)
+            module = _C.Module(compiled.image, self.device)
+            self.cumodule_init(module)
+            self._loaded[digest] = module
         return module
 
     def cumodule_init(self, module: Any) -> None:
@@ -430,6 +439,7 @@ class NvshmemRuntime:
         if handle in self._modules:
             self.lib.nvshmemx_cumodule_finalize(ctypes.c_void_p(handle))
             del self._modules[handle]  # drops our reference after NVSHMEM let go of it
+            self._loaded = {d: m for d, m in self._loaded.items() if m is not module}
 
     def finalize(self) -> None:
         """Collective: frees what is left, finalizes registered modules, then NVSHMEM itself."""
