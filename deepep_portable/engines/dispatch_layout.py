@@ -16,7 +16,7 @@ from .launch import StreamLike, stream_handle
 
 LAYOUT_SOURCE = "common/kernels/layout.cu"
 LAYOUT_KERNEL = jit.kernel_symbol("deepep_portable::layout::routing_layout", "LayoutParams")
-LAYOUT_THREADS = 256           # kThreads in layout.cu
+LAYOUT_THREADS = 1024          # kThreads in layout.cu
 LAYOUT_PER_BLOCK = 8           # kPerBlock in layout.cu: experts or ranks per block
 
 

@@ -24,8 +24,8 @@ from . import compare
 from .ceilings import ceiling, copy_ceiling, nccl_all_to_all
 from .internode_ceiling import internode_ceiling
 from .spawn import run_local
-from .timing import (LL_LOOP, graph_seconds, print_graph_trace, print_host_profile, print_profile, slowest,
-                     start_line, timer)
+from .timing import (LL_LOOP, graph_seconds, host_seconds, print_graph_trace, print_host_profile, print_profile,
+                     slowest, start_line, timer)
 
 
 @dataclass
@@ -190,9 +190,10 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
                                  group), group)
         layout_bytes = topk_idx.numel() * topk_idx.element_size()
         # The same op replayed from a CUDA graph: the kernel without the host path (eager row - this = host share)
-        t_layout_graph = None
+        t_layout_graph = t_layout_host = None
         if device.type == "cuda":
             t_layout_graph = graph_seconds(lambda: buf.get_dispatch_layout(topk_idx, experts), device, cfg, group)
+            t_layout_host = host_seconds(lambda: buf.get_dispatch_layout(topk_idx, experts), device, group)
         matrix = [[int(v) for v in t.tolist()] for t in all_per_rank]
         node_counts, c_dispatch, c_combine = None, None, None
         if per_node:   # the op's traffic through its own paths (internode_ceiling.py), where the engine runs
@@ -215,7 +216,8 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
                     ("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                     ("combine", t_combine, c_combine, combine_bytes, "bf16")]
         if t_layout_graph is not None:
-            measured.insert(1, ("layout_graph", t_layout_graph, c_layout, layout_bytes, "int64"))
+            measured[1:1] = [("layout_graph", t_layout_graph, c_layout, layout_bytes, "int64"),
+                             ("layout_host", t_layout_host, c_layout, layout_bytes, "int64")]
         if t_combine_zc is not None:
             measured.append(("combine_zc", t_combine_zc, c_combine, combine_bytes, "bf16"))
         if per_node:   # DeepEP's two bandwidths: rows that cross the network once per node, and NVLink rows,

@@ -18,7 +18,7 @@ import torch
 from ..config import Config
 from ..transports.reference import _fp8_cast as _reference_fp8_cast
 from ..buffer import Buffer
-from .timing import slowest, start_line, timer
+from .timing import graph_seconds, host_seconds, slowest, start_line, timer
 
 
 def _peer_buffer(mod, group, world: int, hidden: int, tokens: int):
@@ -67,9 +67,23 @@ def bench_peer_normal(module: str, rank: int, world: int, group, cfg: argparse.N
         t_dispatch = slowest(timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
         t_combine = slowest(timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group),
                             group)
+        # The layout's two parts, as our rows split it: the op replayed from a CUDA graph (its kernels), and the
+        # host's time per call (a peer whose layout cannot be captured gets no graph row)
+        timed = [("layout", t_layout), ("dispatch", t_dispatch), ("combine", t_combine)]
+        if device.type == "cuda":
+            layout = lambda: buf.get_dispatch_layout(topk_idx, experts)  # noqa: E731
+            try:
+                timed.append(("layout_graph", graph_seconds(layout, device, cfg, group)))
+            except Exception as e:   # noqa: BLE001 - every rank fails alike (same library, same call)
+                torch.cuda.synchronize()
+                if rank == 0:
+                    print(f"{module}'s get_dispatch_layout could not be replayed from a CUDA graph: {e}")
+            timed.append(("layout_host", host_seconds(layout, device, group)))
     ours = {r.op: r for r in rows if r.tokens == tokens and r.transport != module}
-    for op, t in (("layout", t_layout), ("dispatch", t_dispatch), ("combine", t_combine)):
-        mine = ours[op]
+    for op, t in timed:
+        mine = ours.get(op)
+        if mine is None:
+            continue
         nbytes = mine.gbps * mine.time_us * 1e3   # the same payload as our row
         rows.append(row_cls(op, tokens, hidden, topk, experts, mine.precision, t * 1e6, nbytes / t / 1e9,
                             mine.ceiling_us, mine.ceiling_gbps, module, mine.sms))

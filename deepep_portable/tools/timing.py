@@ -122,6 +122,22 @@ def slowest(seconds: float, group) -> float:
     return float(t.item())
 
 
+def host_seconds(fn: Callable[[], None], device: torch.device, group, calls: int = 50, samples: int = 5) -> float:
+    """Host seconds per call of fn, alone: `calls` back-to-back calls timed with perf_counter (the GPU work
+    they enqueue is not waited for), median of `samples`, slowest rank. An eager row minus this is the
+    GPU's share of it."""
+    times = []
+    for _ in range(samples):
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls)
+    torch.cuda.synchronize(device)
+    return slowest(statistics.median(times), group)
+
+
 def graph_of(fn: Callable[[], None], calls: int) -> Callable[[], None]:
     """A CUDA graph of `calls` back-to-back calls of fn (captured after one eager warm-up call);
     returns its replay. Timing the replay leaves the host out, as a captured decode step does."""

@@ -14,21 +14,40 @@
 // Launch contract (see deepep_portable/engines/dispatch_layout.py): block = kThreads threads, grid =
 // ceil(E/8) + ceil(R/8) blocks (layout_grid() on the host). Every output element is written (no zeroing).
 //
-// Scheme (no atomics anywhere, no memset): many small blocks, each owning a few counters it keeps in
-// registers. Block b < ceil(E/8) owns experts [8b, 8b + 8), block ceil(E/8) + j ranks [8j, 8j + 8).
-// Every block reads all top-k rows (threads stride over tokens; the rows stay in L2 across blocks); a thread
-// adds each selection it owns to one of its 8 register counters (compares, not an indexed array, so they
-// stay in registers); rank blocks also write their 8 bytes of each token's is_token_in_rank row. At the end a
-// warp sum per counter, then a sum over the block's warps in shared memory. (The first kernel: 5 blocks of
-// 1024 threads and shared atomics on 64 counters, 17 us at 4096 tokens on the H200; a grid this size spreads
-// the same reads over E/8 + R/8 SMs.)
+// Scheme (no atomics anywhere, no memset): small blocks, each owning a few counters it keeps in registers.
+// Block b < ceil(E/8) owns experts [8b, 8b + 8), block ceil(E/8) + j ranks [8j, 8j + 8). Every block reads all
+// of topk_idx (it stays in L2 across blocks). The op is latency-bound (256 KB at 4096 tokens, top-8), so each
+// thread keeps several 16-byte loads in flight and a block has 1024 threads: a thread waits on memory a few times,
+// not once per token. Expert blocks ignore token boundaries (they count entries equal to their experts over
+// the flat array); rank blocks take a token per thread, OR the ranks of its entries into a mask, write their 8
+// bytes of its is_token_in_rank row and count the mask's bits. A thread adds to one of its 8 register counters
+// by compares (not an indexed array, so they stay in registers); at the end a warp sum per counter, then a
+// sum over the block's warps in shared memory. (Earlier kernels: shared atomics on 64 counters in 5 blocks,
+// 17 us at 4096 tokens; 256 threads with one 8-byte load per entry, a dependent round per token.)
 #include "common/kernels/common.cuh"
 
 namespace {
 
-constexpr int kThreads = 256;          // must match LAYOUT_THREADS in engines/dispatch_layout.py
+constexpr int kThreads = 1024;         // must match LAYOUT_THREADS in engines/dispatch_layout.py
 constexpr int kWarps = kThreads / 32;
 constexpr int kPerBlock = 8;           // experts or ranks a block owns (LAYOUT_PER_BLOCK on the host)
+constexpr int kLoads = 4;              // 16-byte loads a thread of an expert block has in flight
+
+// Adds entry e's selection to the counter of expert lo + j it equals (compared, never subtracted: no overflow
+// for any int64 entry; -1 and out-of-range entries match nothing).
+__device__ __forceinline__ void count_entry(int (&count)[kPerBlock], int64_t e, int lo) {
+#pragma unroll
+    for (int j = 0; j < kPerBlock; ++j)
+        count[j] += e == lo + j;
+}
+
+// The ranks in [lo, lo + 8) that entry e selects, as mask bits.
+__device__ __forceinline__ uint32_t rank_bit(int64_t e, int num_experts, int experts_per_rank, int lo) {
+    if (e < 0 || e >= num_experts)
+        return 0;
+    const int r = static_cast<int>(e) / experts_per_rank - lo;
+    return r >= 0 && r < kPerBlock ? 1u << r : 0u;
+}
 
 }  // namespace
 
@@ -60,26 +79,45 @@ __global__ void __launch_bounds__(kThreads) routing_layout(const __grid_constant
 #pragma unroll
     for (int j = 0; j < kPerBlock; ++j)
         count[j] = 0;
-    for (int64_t t = threadIdx.x; t < p.num_tokens; t += kThreads) {
-        const int64_t* row = p.topk_idx + t * num_topk;
-        if (expert_block) {
-#pragma unroll 8
-            for (int k = 0; k < num_topk; ++k) {
-                const int64_t e = __ldg(row + k);   // -1 and out-of-range entries select nothing
+    if (expert_block) {
+        const int64_t entries = p.num_tokens * num_topk;
+        if ((reinterpret_cast<uintptr_t>(p.topk_idx) & 15) == 0) {   // pairs of entries, kLoads in flight
+            const auto* pairs = reinterpret_cast<const longlong2*>(p.topk_idx);
+            const int64_t num_pairs = entries / 2;
+            for (int64_t i = threadIdx.x; i < num_pairs; i += kThreads * kLoads) {
+                longlong2 v[kLoads];
 #pragma unroll
-                for (int j = 0; j < kPerBlock; ++j)
-                    count[j] += e == lo + j;   // compared, never subtracted: no overflow for any int64 entry
+                for (int u = 0; u < kLoads; ++u)
+                    v[u] = i + u * kThreads < num_pairs ? __ldg(pairs + i + u * kThreads) : make_longlong2(-1, -1);
+#pragma unroll
+                for (int u = 0; u < kLoads; ++u) {
+                    count_entry(count, v[u].x, lo);
+                    count_entry(count, v[u].y, lo);
+                }
             }
+            if ((entries & 1) && threadIdx.x == 0)
+                count_entry(count, __ldg(p.topk_idx + entries - 1), lo);
         } else {
+            for (int64_t i = threadIdx.x; i < entries; i += kThreads)
+                count_entry(count, __ldg(p.topk_idx + i), lo);
+        }
+    } else {
+        const bool vector_rows = num_topk % 2 == 0 && (reinterpret_cast<uintptr_t>(p.topk_idx) & 15) == 0;
+        for (int64_t t = threadIdx.x; t < p.num_tokens; t += kThreads) {
+            const int64_t* row = p.topk_idx + t * num_topk;
             uint32_t mask = 0;   // bit j: the token has an expert on rank lo + j
+            if (vector_rows) {   // the row in 16-byte loads (16-byte aligned: the base is, and the row is even)
+                const auto* row2 = reinterpret_cast<const longlong2*>(row);
 #pragma unroll 8
-            for (int k = 0; k < num_topk; ++k) {
-                const int64_t e = __ldg(row + k);
-                if (e < 0 || e >= num_experts)
-                    continue;
-                const int r = static_cast<int>(e) / experts_per_rank - lo;
-                if (r >= 0 && r < kPerBlock)
-                    mask |= 1u << r;
+                for (int k = 0; k < num_topk / 2; ++k) {
+                    const longlong2 v = __ldg(row2 + k);
+                    mask |= rank_bit(v.x, num_experts, experts_per_rank, lo) |
+                            rank_bit(v.y, num_experts, experts_per_rank, lo);
+                }
+            } else {
+#pragma unroll 8
+                for (int k = 0; k < num_topk; ++k)
+                    mask |= rank_bit(__ldg(row + k), num_experts, experts_per_rank, lo);
             }
             bool* out = p.is_token_in_rank + t * num_ranks + lo;
             if (aligned) {   // one 8-byte store: lo and the row stride are multiples of 8, the base 8-aligned
