@@ -72,6 +72,13 @@ def _range_check_enabled(t: torch.Tensor) -> bool:
 _last_checked: list = [None, None]   # (weakref to the tensor object, key)
 
 
+def range_checked(topk_idx: torch.Tensor, num_experts: int) -> bool:
+    """Whether expert_indices already checked this unmodified tensor object for num_experts (its cache)."""
+    ref = _last_checked[0]
+    return (ref is not None and ref() is topk_idx and not topk_idx.is_inference()
+            and _last_checked[1] == (topk_idx._version, topk_idx.data_ptr(), topk_idx.shape, num_experts))
+
+
 def expert_indices(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
     """Every entry must be -1 (no expert) or a valid expert id. Costs one host sync on CUDA tensors,
     once per tensor: the usual get_dispatch_layout -> dispatch sequence checks the same unmodified

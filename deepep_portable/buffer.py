@@ -22,7 +22,7 @@ from .event import EventOverlap
 from .handles import DispatchHandle, InternodeHandle
 from .contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, Transport
 from .engines.dispatch_layout import dispatch_layout, dispatch_layout_current_stream
-from .layout import NormalLayout, low_latency_rdma_size_hint
+from .layout import MAX_TOPK, NormalLayout, low_latency_rdma_size_hint
 from .topology import NodeLayout, node_layout
 from .transports import backend_class, internode_normal_transports, resolve
 
@@ -123,6 +123,7 @@ class Buffer(LowLatencyOps):
                          allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
                          allow_mnnvl=allow_mnnvl, enable_shrink=self.enable_shrink,
                          nvshmem=dict(nvshmem_options or {}), ibgda=ibgda, nccl=dict(nccl_options or {})))
+        self._layout_eager_dev = None   # get_dispatch_layout's hot path: this GPU's index while it is open
         self._backend = backend_class(self.transport)(self._ctx)
         if self.enable_shrink and self._backend.shrink_mask() is None:
             # Same arguments on every rank: all raise here together.
@@ -130,6 +131,8 @@ class Buffer(LowLatencyOps):
             self._backend = None
             raise ValueError(f"enable_shrink=True needs the low-latency kernels (num_rdma_bytes > 0 and a transport "
                              f"that runs them: nvlink, nvshmem); transport {self.transport!r} has none here")
+        if device.type == "cuda" and self.nodes.num_nodes == 1:
+            self._layout_eager_dev = device.index
 
     def _agree(self, **settings) -> None:
         """Collective: every rank passed the same `settings`; if not, every rank raises the same ValueError."""
@@ -155,7 +158,7 @@ class Buffer(LowLatencyOps):
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() needs the Buffer to be created with explicitly_destroy=True")
         self._live().destroy()
-        self._backend = None
+        self._backend = self._layout_eager_dev = None
 
     @property
     def capabilities(self) -> dict:
@@ -285,13 +288,26 @@ class Buffer(LowLatencyOps):
         """Returns (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank ([num_nodes] int32: tokens with an
         expert on a rank of that node; None with one node), num_tokens_per_expert [E] int32,
         is_token_in_rank [N, R] bool, event)."""
+        # The eager hot path: nothing to overlap, and arguments that pass every cheap check (a plain contiguous
+        # int64 tensor on this Buffer's GPU, top-k in range, a whole number of experts per rank, the range check
+        # already done on this unmodified tensor). Its host path is most of the op's time (docs/PERFORMANCE.md);
+        # every other call takes the full path below, which checks properly and raises.
+        if (self._layout_eager_dev is not None and previous_event is None and not async_finish
+                and not allocate_on_comm_stream and type(topk_idx) is torch.Tensor and topk_idx.dtype is topk_idx_t
+                and topk_idx.device == self.device and topk_idx.dim() == 2 and 0 < topk_idx.size(1) <= MAX_TOPK
+                and topk_idx.is_contiguous() and type(num_experts) is int and 0 < num_experts < 1 << 31
+                and num_experts % self.group_size == 0 and check.range_checked(topk_idx, num_experts)):
+            per_rank, per_expert, in_rank = dispatch_layout_current_stream(topk_idx, num_experts, self.group_size,
+                                                                           self._layout_eager_dev)
+            return per_rank, None, per_expert, in_rank, EventOverlap(None)
         self._live()
         check.layout_args(topk_idx, topk_idx_t, num_experts, self.group_size, self.device)
         if previous_event is None and not async_finish and not allocate_on_comm_stream:
             # Nothing to overlap: one kernel on the caller's stream orders exactly as the comm stream
             # round trip would, without its two stream waits (the call is bound by its host path).
             if topk_idx.is_cuda:
-                per_rank, per_expert, in_rank = dispatch_layout_current_stream(topk_idx, num_experts, self.group_size)
+                per_rank, per_expert, in_rank = dispatch_layout_current_stream(topk_idx, num_experts, self.group_size,
+                                                                               topk_idx.device.index)
             else:
                 per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size, None)
             return per_rank, self._per_node(in_rank), per_expert, in_rank, EventOverlap(None)

@@ -86,7 +86,7 @@ def _steps(side: torch.cuda.Stream):
         check.layout_args(topk_idx, torch.int64, 256, 8, dev)
 
     def layout_body():
-        keep.append(dispatch_layout_current_stream(topk_idx, 256, 8))
+        keep.append(dispatch_layout_current_stream(topk_idx, 256, 8, dev.index))
         keep.clear()
 
     return [("torch.empty (current stream)", alloc_current), ("torch.empty under stream(side)", alloc_side),

@@ -12,7 +12,7 @@ import torch
 
 from .. import jit
 from ..device import device_index
-from .launch import StreamLike, stream_handle
+from .launch import StreamLike, current_stream_handle, stream_handle
 
 LAYOUT_SOURCE = "common/kernels/layout.cu"
 LAYOUT_KERNEL = jit.kernel_symbol("deepep_portable::layout::routing_layout", "LayoutParams")
@@ -124,11 +124,11 @@ def dispatch_layout_cuda(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
     return _layout_into_new_outputs(topk_idx, num_experts, num_ranks, dev, h)
 
 
-def dispatch_layout_current_stream(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
-    """dispatch_layout_cuda on the current stream, for arguments already validated (Buffer's checks):
-    the eager hot path, an allocation and a launch (the host path is most of such a call's time)."""
-    dev = topk_idx.device.index
-    return _layout_into_new_outputs(topk_idx, num_experts, num_ranks, dev, torch.cuda.current_stream(dev).cuda_stream)
+def dispatch_layout_current_stream(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, dev: int):
+    """dispatch_layout_cuda on the current stream of device index `dev` (topk_idx's), for arguments already
+    validated (Buffer's checks): the eager hot path, an allocation and a launch (the host path is most of such a
+    call's time)."""
+    return _layout_into_new_outputs(topk_idx, num_experts, num_ranks, dev, current_stream_handle(dev))
 
 
 def _layout_into_new_outputs(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, dev: int, stream: int):

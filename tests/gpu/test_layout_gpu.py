@@ -145,12 +145,12 @@ def test_layout_eager_path_in_a_cuda_graph(one_rank_group):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):   # warm-up outside the capture (kernel load, the range check's cache)
-        _kernels.dispatch_layout_current_stream(idx, 256, 8)
+        _kernels.dispatch_layout_current_stream(idx, 256, 8, idx.device.index)
         buf.get_dispatch_layout(idx, 256)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = _kernels.dispatch_layout_current_stream(idx, 256, 8)
+        outs = _kernels.dispatch_layout_current_stream(idx, 256, 8, idx.device.index)
         per_rank1, _, per_expert1, in_rank1, _ = buf.get_dispatch_layout(idx, 256)
     for _ in range(3):
         idx.copy_(make_topk(1000, 8, 256, 0.05, gen=gen))
@@ -161,6 +161,43 @@ def test_layout_eager_path_in_a_cuda_graph(one_rank_group):
         ref1 = oracle(idx, 256, 1)
         assert torch.equal(per_rank1.cpu(), ref1[0]) and torch.equal(per_expert1.cpu(), ref1[1])
         assert torch.equal(in_rank1.cpu(), ref1[2])
+
+
+def test_buffer_layout_hot_path_and_its_checks(one_rank_group, monkeypatch):
+    """Buffer.get_dispatch_layout's eager hot path: taken for a plain, range-checked tensor (the full checks are not
+    run again), and every argument it does not accept goes to the full checks, which raise; the Buffer stays usable
+    and, once destroyed, refuses."""
+    import deepep_portable as deep_ep
+    from deepep_portable import _validate as check
+
+    gen = torch.Generator().manual_seed(23)
+    idx = make_topk(500, 8, 64, 0.05, gen=gen)
+    buf = deep_ep.Buffer(one_rank_group, 1 << 20, 0, transport="nvlink", explicitly_destroy=True)
+    buf.get_dispatch_layout(idx, 64)   # the full path: checks and remembers idx
+    with monkeypatch.context() as m:
+        m.setattr(check, "layout_args", lambda *a: pytest.fail("the hot path ran the full checks"))
+        per_rank, per_node, per_expert, in_rank, event = buf.get_dispatch_layout(idx, 64)
+    torch.cuda.synchronize()
+    ref = oracle(idx, 64, 1)
+    assert per_node is None and event.event is None
+    assert torch.equal(per_rank.cpu(), ref[0]) and torch.equal(per_expert.cpu(), ref[1])
+    assert torch.equal(in_rank.cpu(), ref[2])
+    bad = idx.clone()
+    bad[0, 0] = 64
+    for call, error in ((lambda: buf.get_dispatch_layout(idx.int(), 64), TypeError),
+                        (lambda: buf.get_dispatch_layout(idx.cpu(), 64), ValueError),
+                        (lambda: buf.get_dispatch_layout(idx[:, ::2], 64), ValueError),
+                        (lambda: buf.get_dispatch_layout(idx[:, :0], 64), ValueError),
+                        (lambda: buf.get_dispatch_layout(idx, 64.0), TypeError),
+                        (lambda: buf.get_dispatch_layout(idx, 0), ValueError),
+                        (lambda: buf.get_dispatch_layout(idx, 32), ValueError),   # entries >= 32: out of range
+                        (lambda: buf.get_dispatch_layout(bad, 64), ValueError)):
+        with pytest.raises(error):
+            call()
+    assert torch.equal(buf.get_dispatch_layout(idx, 64)[3].cpu(), ref[2])
+    buf.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        buf.get_dispatch_layout(idx, 64)
 
 
 def test_layout_non_contiguous_input():
