@@ -287,15 +287,16 @@ class IntranodeEngine(Engine):
         """[num_recv_rows, hidden] bf16 view of my send area for a zero-copy combine (Buffer.get_next_combine_buffer).
         First, on the comm stream and ordered before the caller's later work, the combine round's prologue
         (open_expert_output_round): once it has run no peer reads my send area, so the caller may write there.
-        The rows must fit at any top-k the combine may bring (checked at the widest, so that combine never
-        refuses after this prologue has run on some ranks and not others)."""
+        The rows must fit beside the weights of a top-k up to the size hints' (HINT_TOPK): a Buffer sized by a
+        hint for the dispatch takes its zero-copy combine too. A combine whose wider top-k leaves no room is refused
+        before its launch (combine), as any refused combine: the area is closed, open it again to retry."""
         self.check()
         rows = handle.num_recv_rows
-        lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, L.MAX_TOPK)
+        lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, L.HINT_TOPK)
         most = lay.combine_rows(self._capacity(lay))
         if rows > most:
             raise ValueError(f"get_next_combine_buffer: {rows} rows x hidden {hidden} need more than this Buffer's "
-                             f"num_nvl_bytes={self.ctx.num_nvl_bytes} holds at top-k up to {L.MAX_TOPK} ({most} rows)")
+                             f"num_nvl_bytes={self.ctx.num_nvl_bytes} holds at top-k up to {L.HINT_TOPK} ({most} rows)")
         (_, _, opener), template = self._plan(("combine", hidden, 0), lambda: self._combine_plan(hidden, 0))
         comm, current = self.ctx.comm_stream, torch.cuda.current_stream(self.dev)
         comm.wait_stream(current)
@@ -322,6 +323,13 @@ class IntranodeEngine(Engine):
         area_hi = self.base + p.weights_area_offset + handle.num_recv_rows * topk * 4
         x_lo, x_hi = x.data_ptr(), x.data_ptr() + x.numel() * 2
         in_place = x.numel() > 0 and opened == (x_lo, handle.num_recv_rows, hidden)
+        if in_place:   # the rows the caller wrote must end before this top-k's weights start
+            lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, topk)
+            most = lay.combine_rows(self._capacity(lay))
+            if handle.num_recv_rows > most:
+                raise ValueError(f"a zero-copy combine of {handle.num_recv_rows} rows with top-k {topk} needs more "
+                                 f"than this Buffer's num_nvl_bytes={self.ctx.num_nvl_bytes} (it holds {most} rows at "
+                                 "that top-k): combine a tensor outside the Buffer, or size it for this top-k")
         if not in_place and x.numel() > 0 and x_lo < area_hi and area_lo < x_hi:
             raise ValueError("x overlaps this Buffer's combine area: pass the tensor get_next_combine_buffer() "
                              "returned for this combine (call it again before each combine that reads it), or a "

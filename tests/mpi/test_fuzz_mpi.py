@@ -45,6 +45,7 @@ PALETTE = os.environ.get("DEEPEP_FUZZ_PALETTE", "0" if TRANSPORT == "reference" 
 REUSE = os.environ.get("DEEPEP_FUZZ_SHARED", "1" if PALETTE and TRANSPORT != "reference" else "0") == "1"
 FRESH_EVERY = 8
 LARGEST_TOKENS = 64   # the largest max_tokens of either mode's cases
+MAX_WORST_EXTRA = 3   # the most num_worst_tokens rows a normal case pads beyond what any rank receives
 NORMAL_HIDDEN = {False: [264, 7168], True: [384, 7168]}   # by fp8
 LL_HIDDEN, LL_HIDDEN_UE8M0 = [2944, 7168], [1536, 7168]
 PALETTE_TOPK = [1, 5, 8]
@@ -73,7 +74,7 @@ def normal_case(seed: int, num_ranks: int) -> dict:
     experts = num_ranks * r.randint(1, 64)
     return dict(hidden=hidden, topk=_topk(r, experts), experts=experts, fp8=fp8,
                 use_topk=r.random() < 0.8, expert_alignment=r.choice([1, 1, 2, 4, 8]),
-                num_worst_extra=r.choice([None, None, 0, 3]), num_bias=r.randint(0, 2),
+                num_worst_extra=r.choice([None, None, 0, MAX_WORST_EXTRA]), num_bias=r.randint(0, 2),
                 p_none=r.choice([0.0, 0.1, 0.5, 1.0]), skew=r.random() < 0.15,
                 ranks_per_node=r.choice(divisors) if TRANSPORT in INTERNODE and r.random() < 0.4 else 0,
                 max_tokens=r.choice([1, 2, 17, 64]),
@@ -155,6 +156,14 @@ def _run(name: str, seed: int, params: dict, fn) -> None:
     except AssertionError as e:
         raise AssertionError(f"fuzz {name} case seed={seed} {params} failed; reproduce with DEEPEP_FUZZ_SEED={seed} "
                              f"DEEPEP_FUZZ_CASES=1 DEEPEP_FUZZ_PALETTE={int(PALETTE)}:\n{e}") from None
+    except Exception as e:   # a valid call that raised: name the case too (the error's own type kept)
+        note = (f"fuzz {name} case seed={seed} {params} raised; reproduce with DEEPEP_FUZZ_SEED={seed} "
+                f"DEEPEP_FUZZ_CASES=1 DEEPEP_FUZZ_PALETTE={int(PALETTE)}")
+        if hasattr(e, "add_note"):   # Python 3.11+: shown with the traceback
+            e.add_note(note)
+        else:
+            print(note, flush=True)
+        raise
 
 
 class _Buffers:
@@ -208,7 +217,7 @@ def test_fuzz_normal(pg, device, base_seed):
     buffers, t0 = _Buffers(), time.perf_counter()
     largest_hidden = max(max(h) for h in NORMAL_HIDDEN.values())
     # shared Buffers (one per node shape: at most 4 divisors of the rank count in use) and a case's own
-    _nvshmem_heap(5 * sum(sizes(largest_hidden, LARGEST_TOKENS, max(1, num_ranks // 2))))
+    _nvshmem_heap(5 * sum(sizes(largest_hidden, LARGEST_TOKENS + MAX_WORST_EXTRA, max(1, num_ranks // 2))))
 
     def internode_kernels(seed: int):   # over logical nodes (ranks_per_node below the rank count) only
         c = normal_case(seed, num_ranks)
@@ -223,8 +232,11 @@ def test_fuzz_normal(pg, device, base_seed):
             p = normal_case(seed, num_ranks)
             gen = torch.Generator().manual_seed(seed * 131 + rank)
             most, per_node = p.pop("max_tokens"), p.pop("ranks_per_node")
-            buf, owned = buffers.get(seed, per_node, make(p["hidden"], most, per_node),
-                                     make(largest_hidden, LARGEST_TOKENS, per_node))
+            # A zero-copy combine's area holds the handle's rows, num_worst_tokens of them when padded (up to
+            # num_worst_extra beyond the most any rank receives): a Buffer sized for that many more tokens holds them
+            room = (p["num_worst_extra"] or 0) if p["zero_copy"] else 0
+            buf, owned = buffers.get(seed, per_node, make(p["hidden"], most + room, per_node),
+                                     make(largest_hidden, LARGEST_TOKENS + MAX_WORST_EXTRA, per_node))
             try:
                 _run("normal", seed, dict(p, ranks_per_node=per_node), lambda: run_normal(
                     buf, pg, gen, device, num_tokens=_tokens(seed, rank, most), ranks_per_node=per_node, **p))
