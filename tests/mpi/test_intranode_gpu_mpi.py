@@ -786,3 +786,43 @@ def check_timeout(ck: GpuChecker, caught: Optional[BaseException], elapsed: floa
         ck.true(re.search(rf"\b{peer}\b", msg) is not None, f"message does not name peer {peer}: {msg!r}")
     ck.true(TIMEOUT_S * 0.5 <= elapsed < TIMEOUT_S + 30,
             f"raised after {elapsed:.2f} s with timeout_s={TIMEOUT_S} (expected about the timeout)")
+
+
+def test_zero_copy_combine_in_a_buffer_sized_by_the_hint(pg, device, request, base_seed):
+    """A Buffer sized by get_nvl_buffer_size_hint for n tokens per rank takes the zero-copy combine of a full
+    dispatch (every rank sends all n tokens to every rank: R x n rows received) at top-k up to the hints' 32, bit
+    for bit the staged combine (the 2-rank nvshmem fuzz found get_next_combine_buffer refusing such rows: it
+    checked them at top-k 128)."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    n, hidden, topk = 3, 7168, 8
+    experts = num_ranks * topk
+    buf = deep_ep.Buffer(pg, deep_ep.Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks, n), 0,
+                         transport="nvlink", explicitly_destroy=True)
+    try:
+        x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16).to(device)
+        # token t selects experts k * R + (t mod R), k < topk: distinct, and on every rank (rank of e: e // topk)
+        idx = torch.stack([torch.arange(topk) * num_ranks + (t % num_ranks) for t in range(n)]) % experts
+        idx, w = idx.to(device), torch.rand(n, topk, generator=gen).to(device)
+        ck = GpuChecker(pg)
+
+        def both():
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                           num_tokens_per_expert=per_expert, topk_idx=idx,
+                                                           topk_weights=w)
+            staged = buf.combine(recv_x, handle, topk_weights=recv_w)[0]
+            area = buf.get_next_combine_buffer(handle)
+            area.copy_(recv_x)
+            in_place = buf.combine(area, handle, topk_weights=recv_w)[0]
+            torch.cuda.synchronize()
+            return recv_x.size(0), staged, in_place
+
+        out = ck.run("zero-copy combine, hint-sized Buffer", both)
+        if out is not None:
+            rows, staged, in_place = out
+            ck.true(rows == num_ranks * n, f"received {rows} rows, expected {num_ranks * n}")
+            ck.bits(in_place, staged, "zero-copy combine vs the staged combine")
+        ck.done()
+    finally:
+        buf.destroy()
