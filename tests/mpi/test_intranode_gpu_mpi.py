@@ -808,9 +808,9 @@ def test_zero_copy_combine_in_a_buffer_sized_by_the_hint(pg, device, request, ba
 
         def both():
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
-            recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                           num_tokens_per_expert=per_expert, topk_idx=idx,
-                                                           topk_weights=w)
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx, topk_weights=w)
             staged = buf.combine(recv_x, handle, topk_weights=recv_w)[0]
             area = buf.get_next_combine_buffer(handle)
             area.copy_(recv_x)
