@@ -110,8 +110,8 @@ def dispatch_layout_cuda(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
 
     Outputs are allocated on the current stream, the work (one kernel) runs on `stream` (current if
     None). Rank r holds experts [r*E/R, (r+1)*E/R); entries of -1 select nothing; a token counts once
-    per rank however many of its experts live there. The three outputs are views of one allocation
-    (the counts first, then the bool rows): an eager call is bound by its host path.
+    per rank however many of its experts live there. The two counts are views of one allocation: an eager
+    call is bound by its host path.
     """
     _check_layout_args(topk_idx, num_experts, num_ranks)
     dev = device_index(topk_idx)
@@ -132,15 +132,17 @@ def dispatch_layout_current_stream(topk_idx: torch.Tensor, num_experts: int, num
 
 
 def _layout_into_new_outputs(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, dev: int, stream: int):
-    """The three outputs as views of one allocation on the current stream (the counts, then the bool rows), and
-    the kernel writing them on `stream`."""
-    num_tokens, head = topk_idx.size(0), 4 * (num_ranks + num_experts)
-    raw = torch.empty(head + num_tokens * num_ranks, dtype=torch.bool, device=topk_idx.device)
-    ptr = raw.data_ptr()
-    _launch_layout(topk_idx, num_experts, num_ranks, dev, stream, ptr, ptr + 4 * num_ranks, ptr + head)
-    # The fewest tensor ops (each costs ~1 us of host time here): Tensor.split is a Python wrapper, as_strided one op
-    per_rank, per_expert = torch.split_with_sizes(raw[:head].view(torch.int32), (num_ranks, num_experts))
-    return per_rank, per_expert, raw.as_strided((num_tokens, num_ranks), (num_ranks, 1), head)
+    """The three outputs, allocated on the current stream (the two counts as halves of one allocation), and the
+    kernel writing them on `stream`. The fewest tensor operations (each costs microseconds of host time, which is
+    most of an eager call): two allocations and one split (on this machine's CPU 3.7 us against 5.7 us for one
+    allocation and four views; as_strided alone costs 2.3 us)."""
+    device = topk_idx.device
+    counts = torch.empty(num_ranks + num_experts, dtype=torch.int32, device=device)
+    in_rank = torch.empty((topk_idx.size(0), num_ranks), dtype=torch.bool, device=device)
+    ptr = counts.data_ptr()
+    _launch_layout(topk_idx, num_experts, num_ranks, dev, stream, ptr, ptr + 4 * num_ranks, in_rank.data_ptr())
+    per_rank, per_expert = torch.split_with_sizes(counts, (num_ranks, num_experts))
+    return per_rank, per_expert, in_rank
 
 
 def dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
