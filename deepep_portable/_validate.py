@@ -57,6 +57,8 @@ def positive_int(name: str, v: object, minimum: int = 1) -> int:
 
 def num_experts(v: object, num_ranks: int) -> int:
     positive_int("num_experts", v)
+    if v >= 1 << 31:   # the kernels take it as int32
+        raise ValueError(f"num_experts must be below 2^31, got {v}")
     if v % num_ranks != 0:
         raise ValueError(f"num_experts ({v}) must be divisible by the number of ranks ({num_ranks})")
     return v

@@ -611,3 +611,12 @@ def test_windows_share_one_loaded_module_per_image(monkeypatch):
     a1, a2, b = rt.load_module(compiled(b"A" * 64)), rt.load_module(compiled(b"A" * 64)), rt.load_module(compiled(b"B"))
     assert a1 is a2 and b is not a1
     assert loads == [b"A" * 64, b"B"] and inits == [a1, b]
+    # a finalized module (by handle, as finalize() passes them) is never handed out again
+    finalized = []
+    rt.lib = type("Lib", (), {"nvshmemx_cumodule_finalize": staticmethod(lambda h: finalized.append(h.value))})()
+    rt._modules = {a1.handle: a1, b.handle: b}
+    rt.cumodule_finalize(a1.handle)
+    assert finalized == [a1.handle] and rt.load_module(compiled(b"A" * 64)) is not a1 and len(loads) == 3
+    rt.finalized = True
+    with pytest.raises(RuntimeError, match="finalized"):
+        rt.load_module(compiled(b"B"))

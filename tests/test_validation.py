@@ -128,6 +128,8 @@ def test_layout_rejects_bad_experts(buffer, device):
         buffer.get_dispatch_layout(idx, float(EXPERTS))
     with pytest.raises(ValueError, match="top-k"):
         buffer.get_dispatch_layout(idx[:, :0].contiguous(), EXPERTS)
+    with pytest.raises(ValueError, match="2\\^31"):
+        buffer.get_dispatch_layout(idx, 1 << 31)
     round_trip(buffer, device)
 
 

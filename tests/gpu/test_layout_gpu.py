@@ -115,6 +115,21 @@ def test_layout_rows_at_an_unaligned_address():
     assert edges == [0xAB, 0xAB], f"bytes around the view were written: {edges}"
 
 
+@pytest.mark.parametrize("num_topk", [8, 5])
+def test_layout_topk_at_an_8_byte_aligned_address(num_topk):
+    """topk_idx starting 8 bytes into an allocation (8- but not 16-byte aligned): the kernel must take its
+    entry-by-entry paths (its 16-byte loads need a 16-aligned base), for an even and an odd top-k."""
+    gen = torch.Generator().manual_seed(29)
+    src = make_topk(1001, num_topk, 128, 0.1, gen=gen)
+    backing = torch.empty(src.numel() + 1, dtype=torch.int64, device="cuda")
+    idx = backing[1:].view(1001, num_topk)
+    idx.copy_(src)
+    assert idx.data_ptr() % 16 == 8
+    got = _kernels.dispatch_layout_cuda(idx, 128, 8)
+    torch.cuda.synchronize()
+    assert all(torch.equal(g.cpu(), want) for g, want in zip(got, oracle(idx, 128, 8)))
+
+
 def test_layout_returns_fresh_outputs_on_side_stream():
     gen = torch.Generator().manual_seed(3)
     idx = make_topk(2048, 8, 256, 0.05, gen=gen)
@@ -184,6 +199,15 @@ def test_buffer_layout_hot_path_and_its_checks(one_rank_group, monkeypatch):
     assert torch.equal(in_rank.cpu(), ref[2])
     bad = idx.clone()
     bad[0, 0] = 64
+    kept = int(idx[0, 0])
+    idx[0, 0] = 64   # the same (range-checked) tensor object modified in place: checked again, refused
+    with pytest.raises(ValueError, match="outside"):
+        buf.get_dispatch_layout(idx, 64)
+    idx[0, 0] = kept
+    with torch.inference_mode():
+        frozen = idx.clone()   # no version counter: never taken as checked
+    torch.cuda.synchronize()
+    assert torch.equal(buf.get_dispatch_layout(frozen, 64)[3].cpu(), ref[2])
     for call, error in ((lambda: buf.get_dispatch_layout(idx.int(), 64), TypeError),
                         (lambda: buf.get_dispatch_layout(idx.cpu(), 64), ValueError),
                         (lambda: buf.get_dispatch_layout(idx[:, ::2], 64), ValueError),

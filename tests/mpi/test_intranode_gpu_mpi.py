@@ -792,10 +792,11 @@ def test_zero_copy_combine_in_a_buffer_sized_by_the_hint(pg, device, request, ba
     """A Buffer sized by get_nvl_buffer_size_hint for n tokens per rank takes the zero-copy combine of a full
     dispatch (every rank sends all n tokens to every rank: R x n rows received) at top-k up to the hints' 32, bit
     for bit the staged combine (the 2-rank nvshmem fuzz found get_next_combine_buffer refusing such rows: it
-    checked them at top-k 128)."""
+    checked them at top-k 128); a combine of the opened area at top-k 128, where the rows leave its weights no
+    room, is refused before anything runs, and the Buffer still works."""
     rank, num_ranks = world(pg)
     gen = generator(request, base_seed, rank)
-    n, hidden, topk = 3, 7168, 8
+    n, hidden, topk = 3, 7168, max(8, num_ranks)   # top-k >= R: every token reaches every rank
     experts = num_ranks * topk
     buf = deep_ep.Buffer(pg, deep_ep.Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks, n), 0,
                          transport="nvlink", explicitly_destroy=True)
@@ -813,15 +814,23 @@ def test_zero_copy_combine_in_a_buffer_sized_by_the_hint(pg, device, request, ba
                 topk_idx=idx, topk_weights=w)
             staged = buf.combine(recv_x, handle, topk_weights=recv_w)[0]
             area = buf.get_next_combine_buffer(handle)
+            wide = torch.ones(recv_x.size(0), L.MAX_TOPK, dtype=torch.float32, device=device)
+            try:   # the rows fill the area: no room for 128 weights each
+                buf.combine(area, handle, topk_weights=wide)
+                refused = False
+            except ValueError:
+                refused = True
+            area = buf.get_next_combine_buffer(handle)   # the refused call closed it: open it again
             area.copy_(recv_x)
             in_place = buf.combine(area, handle, topk_weights=recv_w)[0]
             torch.cuda.synchronize()
-            return recv_x.size(0), staged, in_place
+            return recv_x.size(0), staged, in_place, refused
 
         out = ck.run("zero-copy combine, hint-sized Buffer", both)
         if out is not None:
-            rows, staged, in_place = out
+            rows, staged, in_place, refused = out
             ck.true(rows == num_ranks * n, f"received {rows} rows, expected {num_ranks * n}")
+            ck.true(refused, "a combine of the area at top-k 128 with no room for its weights must raise ValueError")
             ck.bits(in_place, staged, "zero-copy combine vs the staged combine")
         ck.done()
     finally:

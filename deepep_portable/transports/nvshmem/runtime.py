@@ -409,6 +409,8 @@ class NvshmemRuntime:
             raise TypeError("load_module takes a link.LinkedCompileResult (the cubin and the NVSHMEM "
                             f"installation it was linked against), got {type(compiled).__name__}")
         check_linked_against_loaded(paths)
+        if getattr(self, "finalized", False):
+            raise RuntimeError("load_module after the NVSHMEM runtime was finalized")
         # One loaded module per image for the runtime's life: every window (Buffer) asking for the same kernel
         # shares it (its device state is the runtime's, not a window's; windows pass their addresses as
         # parameters). Loading per window kept each Buffer's modules, about 1 MB each, until finalize.
@@ -439,7 +441,7 @@ class NvshmemRuntime:
         if handle in self._modules:
             self.lib.nvshmemx_cumodule_finalize(ctypes.c_void_p(handle))
             del self._modules[handle]  # drops our reference after NVSHMEM let go of it
-            self._loaded = {d: m for d, m in self._loaded.items() if m is not module}
+            self._loaded = {d: m for d, m in self._loaded.items() if int(getattr(m, "handle", m)) != handle}
 
     def finalize(self) -> None:
         """Collective: frees what is left, finalizes registered modules, then NVSHMEM itself."""
