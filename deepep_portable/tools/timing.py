@@ -7,7 +7,7 @@ import argparse
 import contextlib
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,7 @@ def start_line(buf, cfg: argparse.Namespace):
 
 
 def timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int, group=None,
-          loop: int = 1) -> float:
+          loop: int = 1, host_times: Optional[list] = None) -> float:
     """Median seconds of fn (events on CUDA; perf_counter on the CPU).
 
     With `group`, every timed sample starts after a barrier, and on the GPU (with --start-line gpu, the
@@ -85,7 +85,8 @@ def timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int,
     exit skew, tens of microseconds with 8 ranks, in every sample). The ceiling is timed the same way.
     With `loop` > 1 a sample is `loop` back-to-back calls, divided by `loop` (low-latency ops: the
     steady-state time of a call, as consecutive layers issue them; the barrier's exit skew is then
-    paid once per sample instead of once per call)."""
+    paid once per sample instead of once per call). `host_times` (a list) collects each sample's host
+    seconds per call, from entering fn to its return (CUDA only)."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -98,8 +99,11 @@ def timer(device: torch.device, fn: Callable[[], None], warmup: int, iters: int,
             if _START_LINE is not None:
                 _START_LINE.cross(torch.cuda.current_stream())
             start.record()
+            t0 = time.perf_counter()
             for _ in range(loop):
                 fn()
+            if host_times is not None:
+                host_times.append((time.perf_counter() - t0) / loop)
             end.record()
             end.synchronize()
             if _START_LINE is not None:
