@@ -290,6 +290,38 @@ def test_driver_helpers_roundtrip():
     assert torch.cuda.current_device() == dev
 
 
+def test_stream_wait_stream_orders_eager_and_captured_work():
+    """_C.stream_wait_stream (Buffer's ordering of its comm stream against the caller's): work on the waiter
+    starts after the waited stream's earlier work, eagerly (behind a 20 ms sleep) and inside a CUDA graph."""
+    dev = torch.cuda.current_device()
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    x, y = torch.zeros(1, device="cuda"), torch.full((1,), -1.0, device="cuda")
+    torch.cuda.synchronize()
+    for value in (1.0, 2.0):   # twice: the reused event orders the second pair as the first
+        with torch.cuda.stream(a):
+            torch.cuda._sleep(40_000_000)
+            x.fill_(value)
+        _C.stream_wait_stream(dev, b.cuda_stream, a.cuda_stream)
+        with torch.cuda.stream(b):
+            y.copy_(x)
+        torch.cuda.synchronize()
+        assert y.item() == value
+    # captured: a fork to a side stream and the join back, as a captured op's comm stream does
+    src, dst = torch.arange(1 << 20, device="cuda", dtype=torch.float32), torch.zeros(1 << 20, device="cuda")
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    capture = torch.cuda.Stream()
+    with torch.cuda.stream(capture):
+        with torch.cuda.graph(graph, stream=capture):
+            src.add_(1)
+            _C.stream_wait_stream(dev, side.cuda_stream, capture.cuda_stream)
+            with torch.cuda.stream(side):
+                dst.copy_(src)
+            _C.stream_wait_stream(dev, capture.cuda_stream, side.cuda_stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src) and float(src[0]) == 1.0
+
+
 def test_forced_arch_newer_than_device_is_refused(monkeypatch):
     dev = torch.cuda.current_device()
     monkeypatch.setenv("DEEPEP_PORTABLE_FORCE_ARCH", "sm_999")

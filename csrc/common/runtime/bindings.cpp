@@ -169,6 +169,8 @@ PYBIND11_MODULE(_C, m) {
           "True when all work on the stream has completed.");
     m.def("stream_synchronize", &stream_synchronize, py::arg("device"), py::arg("stream"),
           py::call_guard<py::gil_scoped_release>());
+    m.def("stream_wait_stream", &stream_wait_stream, py::arg("device"), py::arg("waiter"), py::arg("waited"),
+          "Make stream `waiter` wait for the work enqueued on `waited` so far (an event recorded on `waited`).");
 
     // ---- CUDA IPC ----------------------------------------------------------------------------
     // Usage: the owner calls ipc_get_mem_handle(dev, base) on a cuMemAlloc'd (or torch caching

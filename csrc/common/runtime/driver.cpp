@@ -6,6 +6,7 @@
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
+#include <unordered_map>
 #include <vector>
 
 namespace deepep_portable {
@@ -209,6 +210,19 @@ bool stream_query(int device, std::uintptr_t stream) {
 void stream_synchronize(int device, std::uintptr_t stream) {
     ContextGuard guard(device);
     DEEPEP_CU_CHECK(cuStreamSynchronize, reinterpret_cast<CUstream>(stream));
+}
+
+void stream_wait_stream(int device, std::uintptr_t waiter, std::uintptr_t waited) {
+    if (waiter == waited) return;
+    ContextGuard guard(device);
+    // One event per (thread, device), reused: a wait binds to the event's latest record at the time of the wait
+    // call, so a later record does not move it; per thread, so two threads cannot interleave record / wait pairs.
+    // (Never destroyed: one small event per thread that ever ordered streams.)
+    thread_local std::unordered_map<int, CUevent> events;
+    CUevent& event = events[device];
+    if (event == nullptr) DEEPEP_CU_CHECK(cuEventCreate, &event, CU_EVENT_DISABLE_TIMING);
+    DEEPEP_CU_CHECK(cuEventRecord, event, reinterpret_cast<CUstream>(waited));
+    DEEPEP_CU_CHECK(cuStreamWaitEvent, reinterpret_cast<CUstream>(waiter), event, 0);
 }
 
 std::string ipc_get_mem_handle(int device, std::uintptr_t ptr) {

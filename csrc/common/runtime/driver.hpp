@@ -62,7 +62,10 @@ namespace deepep_portable {
     X(cuMemExportToShareableHandle)                    \
     X(cuMemImportFromShareableHandle)                  \
     X(cuStreamQuery)                                   \
-    X(cuStreamSynchronize)
+    X(cuStreamSynchronize)                             \
+    X(cuEventCreate)                                   \
+    X(cuEventRecord)                                   \
+    X(cuStreamWaitEvent)
 
 #if CUDA_VERSION >= 12040
 #define DEEPEP_DRIVER_OPTIONAL(X) X(cuFuncGetParamInfo)
@@ -129,6 +132,9 @@ void memset_d8_async(int device, std::uintptr_t ptr, unsigned char value, std::s
                      std::uintptr_t stream);
 bool stream_query(int device, std::uintptr_t stream);  // true when all work is done
 void stream_synchronize(int device, std::uintptr_t stream);
+// Makes `waiter` wait for the work enqueued on `waited` so far (torch's Stream.wait_stream without its Python
+// objects, which cost microseconds of host time per op); works during CUDA graph capture too.
+void stream_wait_stream(int device, std::uintptr_t waiter, std::uintptr_t waited);
 
 // ---- CUDA IPC -------------------------------------------------------------------------------
 constexpr std::size_t kIpcHandleBytes = sizeof(CUipcMemHandle);
