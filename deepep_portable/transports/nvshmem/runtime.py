@@ -411,9 +411,8 @@ class NvshmemRuntime:
         check_linked_against_loaded(paths)
         if getattr(self, "finalized", False):
             raise RuntimeError("load_module after the NVSHMEM runtime was finalized")
-        # One loaded module per image for the runtime's life: every window (Buffer) asking for the same kernel
-        # shares it (its device state is the runtime's, not a window's; windows pass their addresses as
-        # parameters). Loading per window kept each Buffer's modules, about 1 MB each, until finalize.
+        # One loaded module per image for the runtime's life, shared by every window (its device state is the runtime's;
+        # windows pass their addresses as parameters): per window, each Buffer's ~1 MB modules stayed until finalize.
         digest = hashlib.sha256(compiled.image).digest()
         module = self._loaded.get(digest)
         if module is None:
