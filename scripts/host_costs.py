@@ -66,6 +66,12 @@ def _steps(side: torch.cuda.Stream):
     def wait_stream():
         side.wait_stream(torch.cuda.current_stream())
 
+    def wait_stream_by_handle():   # what Buffer._op does instead (an event record and a wait by stream handle)
+        from deepep_portable import _C
+        from deepep_portable.engines.launch import current_stream_handle
+
+        _C.stream_wait_stream(dev.index, handle, current_stream_handle(dev.index))
+
     def event_record():
         torch.cuda.Event().record(side)
 
@@ -91,7 +97,8 @@ def _steps(side: torch.cuda.Stream):
 
     return [("torch.empty (current stream)", alloc_current), ("torch.empty under stream(side)", alloc_side),
             ("stream(side) context alone", stream_context), ("empty + record_stream(side)", alloc_record_stream),
-            ("side.wait_stream(current)", wait_stream), ("Event().record(side)", event_record),
+            ("side.wait_stream(current)", wait_stream), ("_C.stream_wait_stream (by handle)", wait_stream_by_handle),
+            ("Event().record(side)", event_record),
             ("params from_buffer_copy", params_copy), ("empty kernel launch", launch_empty),
             ("current_stream().cuda_stream", lambda: torch.cuda.current_stream(dev.index).cuda_stream),
             ("layout: Buffer's argument checks", layout_checks), ("layout: op body (alloc, launch)", layout_body),
