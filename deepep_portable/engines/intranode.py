@@ -21,7 +21,7 @@ from ..profiling import PhaseProfile
 from ..windows.base import MappedWords
 from ..windows.ipc import IpcWindow
 from .base import Engine
-from .launch import launch, params_struct, ptr, stream_handle
+from .launch import current_stream_handle, launch, params_struct, ptr, stream_handle
 
 DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
@@ -298,10 +298,12 @@ class IntranodeEngine(Engine):
             raise ValueError(f"get_next_combine_buffer: {rows} rows x hidden {hidden} need more than this Buffer's "
                              f"num_nvl_bytes={self.ctx.num_nvl_bytes} holds at top-k up to {L.HINT_TOPK} ({most} rows)")
         (_, _, opener), template = self._plan(("combine", hidden, 0), lambda: self._combine_plan(hidden, 0))
-        comm, current = self.ctx.comm_stream, torch.cuda.current_stream(self.dev)
-        comm.wait_stream(current)
-        launch(opener, 1, THREADS, CombineParams.from_buffer_copy(template), stream_handle(comm))
-        current.wait_stream(comm)
+        from .. import _C
+
+        comm, current = stream_handle(self.ctx.comm_stream), current_stream_handle(self.dev)
+        _C.stream_wait_stream(self.dev, comm, current)   # by handle, as Buffer._op (torch's costs ~10 us a wait)
+        launch(opener, 1, THREADS, CombineParams.from_buffer_copy(template), comm)
+        _C.stream_wait_stream(self.dev, current, comm)
         offset = L.NormalLayout.combine_rows_offset()
         self._opened = (self.base + offset, rows, hidden)
         area = self.window.view(offset, rows * hidden * 2, self.ctx.device)
