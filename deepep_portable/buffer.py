@@ -22,7 +22,7 @@ from .event import EventOverlap
 from .handles import DispatchHandle, InternodeHandle
 from .contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, Transport
 from .engines.dispatch_layout import dispatch_layout, dispatch_layout_current_stream
-from .engines.launch import current_stream_handle
+from .engines.launch import current_stream_handle, stream_wait_stream
 from .layout import MAX_TOPK, NormalLayout, low_latency_rdma_size_hint
 from .topology import NodeLayout, node_layout
 from .transports import backend_class, internode_normal_transports, resolve
@@ -263,16 +263,13 @@ class Buffer(LowLatencyOps):
             yield
             result.insert(0, EventOverlap(None))
             return
-        # Stream ordering by handle (_C.stream_wait_stream: an event record and a wait, no Python stream or event
-        # objects, which cost ~10-20 us of host time per op under MPS); the Buffer's GPU's current stream.
-        from . import _C
-
+        # Stream ordering by handle (stream_wait_stream), against the Buffer's GPU's current stream.
         dev, comm = self._device_index, self._comm_stream
         compute = current_stream_handle(dev)
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
         else:
-            _C.stream_wait_stream(dev, self._comm_handle, compute)
+            stream_wait_stream(dev, self._comm_handle, compute)
         if allocate_on_comm_stream:
             with torch.cuda.stream(comm):
                 yield
@@ -289,7 +286,7 @@ class Buffer(LowLatencyOps):
                     t.record_stream(compute_stream)
             result.insert(0, EventOverlap(event, tuple(tensors)))
         else:
-            _C.stream_wait_stream(dev, compute, self._comm_handle)
+            stream_wait_stream(dev, compute, self._comm_handle)
             result.insert(0, EventOverlap(None))
 
     # ---- normal mode --------------------------------------------------------------------------

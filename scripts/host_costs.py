@@ -67,10 +67,9 @@ def _steps(side: torch.cuda.Stream):
         side.wait_stream(torch.cuda.current_stream())
 
     def wait_stream_by_handle():   # what Buffer._op does instead (an event record and a wait by stream handle)
-        from deepep_portable import _C
-        from deepep_portable.engines.launch import current_stream_handle
+        from deepep_portable.engines.launch import current_stream_handle, stream_wait_stream
 
-        _C.stream_wait_stream(dev.index, handle, current_stream_handle(dev.index))
+        stream_wait_stream(dev.index, handle, current_stream_handle(dev.index))
 
     def event_record():
         torch.cuda.Event().record(side)

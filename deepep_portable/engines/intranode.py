@@ -21,7 +21,7 @@ from ..profiling import PhaseProfile
 from ..windows.base import MappedWords
 from ..windows.ipc import IpcWindow
 from .base import Engine
-from .launch import current_stream_handle, launch, params_struct, ptr, stream_handle
+from .launch import current_stream_handle, launch, params_struct, ptr, stream_handle, stream_wait_stream
 
 DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
@@ -109,6 +109,11 @@ class IntranodeEngine(Engine):
 
     def _capacity(self, lay: L.NormalLayout) -> int:
         return lay.max_tokens_per_rank(self.ctx.num_nvl_bytes)
+
+    def _combine_rows_room(self, hidden: int, topk: int) -> int:
+        """Rows the combine area holds before the weights of a top-k `topk` start."""
+        lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, topk)
+        return lay.combine_rows(self._capacity(lay))
 
     def _dispatch_plan(self, hidden: int, elem_bytes: int, num_scales: int, topk: int, num_experts: int,
                        expert_alignment: int):
@@ -292,18 +297,15 @@ class IntranodeEngine(Engine):
         before its launch (combine), as any refused combine: the area is closed, open it again to retry."""
         self.check()
         rows = handle.num_recv_rows
-        lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, L.HINT_TOPK)
-        most = lay.combine_rows(self._capacity(lay))
+        most = self._combine_rows_room(hidden, L.HINT_TOPK)
         if rows > most:
             raise ValueError(f"get_next_combine_buffer: {rows} rows x hidden {hidden} need more than this Buffer's "
                              f"num_nvl_bytes={self.ctx.num_nvl_bytes} holds at top-k up to {L.HINT_TOPK} ({most} rows)")
         (_, _, opener), template = self._plan(("combine", hidden, 0), lambda: self._combine_plan(hidden, 0))
-        from .. import _C
-
         comm, current = stream_handle(self.ctx.comm_stream), current_stream_handle(self.dev)
-        _C.stream_wait_stream(self.dev, comm, current)   # by handle, as Buffer._op (torch's costs ~10 us a wait)
+        stream_wait_stream(self.dev, comm, current)
         launch(opener, 1, THREADS, CombineParams.from_buffer_copy(template), comm)
-        _C.stream_wait_stream(self.dev, current, comm)
+        stream_wait_stream(self.dev, current, comm)
         offset = L.NormalLayout.combine_rows_offset()
         self._opened = (self.base + offset, rows, hidden)
         area = self.window.view(offset, rows * hidden * 2, self.ctx.device)
@@ -326,8 +328,7 @@ class IntranodeEngine(Engine):
         x_lo, x_hi = x.data_ptr(), x.data_ptr() + x.numel() * 2
         in_place = x.numel() > 0 and opened == (x_lo, handle.num_recv_rows, hidden)
         if in_place:   # the rows the caller wrote must end before this top-k's weights start
-            lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, topk)
-            most = lay.combine_rows(self._capacity(lay))
+            most = self._combine_rows_room(hidden, topk)
             if handle.num_recv_rows > most:
                 raise ValueError(f"a zero-copy combine of {handle.num_recv_rows} rows with top-k {topk} needs more "
                                  f"than this Buffer's num_nvl_bytes={self.ctx.num_nvl_bytes} (it holds {most} rows at "
