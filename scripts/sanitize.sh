@@ -12,17 +12,25 @@ SAN=${COMPUTE_SANITIZER:-$CUDA_HOME/bin/compute-sanitizer}
 export DEEPEP_PORTABLE_TIMEOUT_S=${DEEPEP_PORTABLE_TIMEOUT_S:-60}   # everything runs much slower under the tool
 export DEEPEP_TEST_LL_TRANSPORT=${DEEPEP_TEST_LL_TRANSPORT:-nvlink}
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x PYTHONPATH -x CUDA_HOME -x DEEPEP_PORTABLE_CACHE_DIR
-        -x DEEPEP_PORTABLE_TIMEOUT_S -x PYTHONUNBUFFERED -x DEEPEP_TEST_DEVICE=cuda -x DEEPEP_TEST_LL_TRANSPORT -n 2)
-# name | ranks | test file | -k expression: the layout and copy kernels (not the killed-rank tests: their
+        -x DEEPEP_PORTABLE_TIMEOUT_S -x PYTHONUNBUFFERED -x DEEPEP_TEST_DEVICE=cuda -x DEEPEP_TEST_LL_TRANSPORT)
+# name | ranks | test file | -k expression | environment: the layout and copy kernels (not the killed-rank tests: their
 # SIGKILL under the tool tests the tool); the layout kernel alone (a quick subset of the first); intranode dispatch/combine (small
 # cases: top-3); low-latency dispatch/combine/clean (small, LogFMT, shrink); the transport conformance kernel;
-# the internode kernels (2 logical nodes of 1 rank, nvshmem; not run under the tool yet).
-SUITES=("gpu|1|tests/gpu|not killed"
-        "layout|1|tests/gpu/test_layout_gpu.py|not sm80 and not forced"
-        "intranode|2|tests/mpi/test_intranode_gpu_mpi.py|top3"
-        "low_latency|2|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink"
-        "selftest|2|tests/mpi/test_transport_selftest_gpu_mpi.py|"
-        "internode|2|tests/mpi/test_internode_gpu_mpi.py|odd_shapes and (dense or no-topk)")
+# the internode kernels (2 logical nodes of 1 rank, nvshmem). Then the other backends' device code: ibgda against the
+# tests' NIC model (LL and internode), nccl_gin over the real NCCL at one rank (LSA on itself: NCCL refuses two ranks
+# on one GPU before 2.30) and its GIN paths on the tests' mock of NCCL's device API at 2 ranks.
+LL_SMALL="small or logfmt or shrink"
+INTER_SMALL="odd_shapes and (dense or no-topk)"
+SUITES=("gpu|1|tests/gpu|not killed|"
+        "layout|1|tests/gpu/test_layout_gpu.py|not sm80 and not forced|"
+        "intranode|2|tests/mpi/test_intranode_gpu_mpi.py|top3|"
+        "low_latency|2|tests/mpi/test_low_latency_gpu_mpi.py|$LL_SMALL|"
+        "selftest|2|tests/mpi/test_transport_selftest_gpu_mpi.py||"
+        "internode|2|tests/mpi/test_internode_gpu_mpi.py|$INTER_SMALL|"
+        "ll_ibgda|2|tests/mpi/test_low_latency_gpu_mpi.py|$LL_SMALL|DEEPEP_TEST_IBGDA_MODEL=1 DEEPEP_TEST_LL_TRANSPORT=ibgda"
+        "internode_ibgda|2|tests/mpi/test_internode_gpu_mpi.py|$INTER_SMALL|DEEPEP_TEST_IBGDA_MODEL=1 DEEPEP_TEST_INTERNODE_TRANSPORT=ibgda"
+        "ll_ncclgin|1|tests/mpi/test_low_latency_gpu_mpi.py|$LL_SMALL|DEEPEP_TEST_LL_TRANSPORT=nccl_gin"
+        "ll_ginmock|2|tests/mpi/test_low_latency_gpu_mpi.py|$LL_SMALL|DEEPEP_TEST_NCCL_GIN_MOCK=1 DEEPEP_TEST_LL_TRANSPORT=nccl_gin")
 declare -a SUMMARY
 ONLY=${SANITIZE_SUITES:-}   # a subset of the suites by name, e.g. "gpu low_latency"
 for tool in $TOOLS; do
@@ -32,18 +40,21 @@ for tool in $TOOLS; do
     flags+=(--report-api-errors no)
     [ "$tool" = memcheck ] && flags+=(--leak-check no)
     for entry in "${SUITES[@]}"; do
-        IFS='|' read -r name ranks file expr <<<"$entry"
+        IFS='|' read -r name ranks file expr envs <<<"$entry"
         [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && continue
         log="$OUT/sanitize_${name}_$tool.log"
-        cmd=("$SAN" "${flags[@]}" $PY -m pytest -q -p no:cacheprovider "$file")
+        cmd=("$SAN" "${flags[@]}" $PY -m pytest -q -rs -p no:cacheprovider "$file")
         [ -n "$expr" ] && cmd+=(-k "$expr")
-        if [ "$ranks" = 1 ]; then
-            timeout -k 10 "${STEP_TIMEOUT:-900}" "${cmd[@]}" >"$log" 2>&1
-        else
-            timeout -k 10 "${STEP_TIMEOUT:-900}" "${MPIRUN[@]}" "${cmd[@]}" --with-mpi >"$log" 2>&1
+        exports=()   # the suite's environment, for this command and (by name) for every rank mpirun starts
+        for kv in $envs; do exports+=(-x "${kv%%=*}"); done
+        if [[ $file != tests/mpi/* ]]; then
+            env $envs timeout -k 10 "${STEP_TIMEOUT:-900}" "${cmd[@]}" >"$log" 2>&1
+        else   # the MPI suites, also at one rank (their tests need --with-mpi)
+            env $envs timeout -k 10 "${STEP_TIMEOUT:-900}" "${MPIRUN[@]}" "${exports[@]}" -n "$ranks" "${cmd[@]}" \
+                --with-mpi >"$log" 2>&1
         fi
         rc=$?
-        SUMMARY+=("$(printf '%-12s %-10s rc=%-3s %s' "$name" "$tool" "$rc" \
+        SUMMARY+=("$(printf '%-16s %-10s rc=%-3s %s' "$name" "$tool" "$rc" \
             "$(grep -a 'ERROR SUMMARY' "$log" | sort | uniq -c | tr -s ' ' | head -3 | tr '\n' ';')")")
     done
 done
