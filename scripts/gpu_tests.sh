@@ -7,9 +7,9 @@
 #   other steps: precompile (every kernel family for sm_90, all cores), mpi2 (the MPI suite at 2 ranks), ll (the low-latency GPU tests at N ranks),
 #   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs), lllegacy (the same over
 #   nvlink with a legacy CUDA IPC window: DEEPEP_PORTABLE_LL_VMM=0, the pack-on-receive dispatch),
-#   llncclgin2 (the conformance kernel and the low-latency GPU tests over nccl_gin at 2 ranks sharing the GPU: NCCL_HOME
+#   llncclgin2 (the conformance kernel, the low-latency and the normal-mode GPU tests over nccl_gin at 2 ranks sharing the GPU: NCCL_HOME
 #   = an NCCL >= 2.30, brought in parts with scripts/carry_in_parts.sh), selftest (the transport contract's conformance kernel over every backend, ibgda over the tests' NIC model
-#   too, N ranks), llibgda / internodeibgda (those suites over ibgda and the NIC model), llncclgin (the low-latency GPU tests over nccl_gin at one rank), llginmock (the same over
+#   too, N ranks), llibgda / internodeibgda (those suites over ibgda and the NIC model), llncclgin (the same at one rank; NCCLGIN_TESTS picks files), llginmock (the low-latency GPU tests over
 #   nccl_gin's GIN paths on the tests' mock of NCCL's device API, N ranks sharing the GPU), internodeginmock (the
 #   internode suite the same way), internode (the
 #   internode kernels over logical nodes of N ranks, nvshmem), benchinternode (bench
@@ -47,6 +47,10 @@ MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x PYTHONPATH 
         -x NCCL_NVLS_ENABLE -x NVSHMEM_DISABLE_NVLS -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x PYTHONUNBUFFERED
         -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x DEEPEP_TEST_DEVICE=cuda -x DEEPEP_TEST_LL_TRANSPORT"
 
+# What the nccl_gin steps run (NCCLGIN_TESTS: a subset): the conformance kernel, the low-latency suite, and the
+# normal-mode suite through a nccl_gin Buffer (its ops are the intranode kernels over CUDA IPC whatever the backend)
+NCCLGIN_ALL="tests/mpi/test_transport_selftest_gpu_mpi.py tests/mpi/test_low_latency_gpu_mpi.py tests/mpi/test_intranode_gpu_mpi.py"
+
 for s in $STEPS; do
     case $s in
     build)  step build $PY setup.py build_ext --inplace ;;
@@ -67,17 +71,18 @@ for s in $STEPS; do
     soak)   start_mps   # issue 20: SOAK_ROUNDS (100000) rounds per case, checked every 1000, memory / fds / time flat
             step soak $PY -m deepep_portable soak --ranks "$RANKS" --transport "${SOAK_TRANSPORT:-nvlink}" --rounds "${SOAK_ROUNDS:-100000}" ${SOAK_ARGS:-}
             stop_mps ;;
-    llncclgin) DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llncclgin $MPIRUN -n 1 $PY -m pytest -q -rs -p no:cacheprovider \
-                --with-mpi tests/mpi/test_low_latency_gpu_mpi.py ;;   # one rank: NCCL refuses ranks sharing a GPU
+    llncclgin) DEEPEP_TEST_LL_TRANSPORT=nccl_gin DEEPEP_TEST_NORMAL_TRANSPORT=nccl_gin step llncclgin $MPIRUN \
+                -x DEEPEP_TEST_NORMAL_TRANSPORT -n 1 $PY -m pytest -q -rs -p no:cacheprovider --with-mpi \
+                ${NCCLGIN_TESTS:-$NCCLGIN_ALL} ;;   # one rank: NCCL refuses ranks sharing a GPU before 2.30
     llncclgin2) # issue 18's one try: 2 ranks sharing the GPU over a real NCCL >= 2.30 (NCCL_HOME: its lib/ and include/),
             # NCCL_MULTI_RANK_GPU_ENABLE=1; the ranks preload that libnccl, so torch binds to it too (a dependency
             # named libnccl.so.2 binds to the first library of that soname in the process: ours and torch's must be one)
             if [ -z "${NCCL_HOME:-}" ]; then echo "llncclgin2: set NCCL_HOME to an NCCL >= 2.30"; continue; fi
             start_mps
-            NCCL_MULTI_RANK_GPU_ENABLE=1 DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llncclgin2 $MPIRUN -x NCCL_HOME \
-                -x NCCL_MULTI_RANK_GPU_ENABLE -x LD_PRELOAD="$NCCL_HOME/lib/libnccl.so.2" -n 2 \
-                $PY -m pytest -q -rs -p no:cacheprovider --with-mpi \
-                tests/mpi/test_transport_selftest_gpu_mpi.py tests/mpi/test_low_latency_gpu_mpi.py
+            NCCL_MULTI_RANK_GPU_ENABLE=1 DEEPEP_TEST_LL_TRANSPORT=nccl_gin DEEPEP_TEST_NORMAL_TRANSPORT=nccl_gin \
+                step llncclgin2 $MPIRUN -x NCCL_HOME -x NCCL_MULTI_RANK_GPU_ENABLE -x DEEPEP_TEST_NORMAL_TRANSPORT \
+                -x LD_PRELOAD="$NCCL_HOME/lib/libnccl.so.2" -n 2 \
+                $PY -m pytest -q -rs -p no:cacheprovider --with-mpi ${NCCLGIN_TESTS:-$NCCLGIN_ALL}
             stop_mps ;;
     llginmock) start_mps   # the low-latency GPU tests over nccl_gin's device code on the tests' mock of NCCL (GIN paths)
             DEEPEP_TEST_NCCL_GIN_MOCK=1 DEEPEP_TEST_LL_TRANSPORT=nccl_gin step llginmock $MPIRUN -x DEEPEP_TEST_NCCL_GIN_MOCK \

@@ -57,7 +57,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the nvlink transport tests need a CUDA GPU"),
 ]
 
-TRANSPORT = "nvlink"
+# The normal-mode ops run the intranode kernels over CUDA IPC whatever the backend; DEEPEP_TEST_NORMAL_TRANSPORT
+# (default nvlink) runs the suite through another backend's Buffer (e.g. nccl_gin over a real NCCL).
+TRANSPORT = os.environ.get("DEEPEP_TEST_NORMAL_TRANSPORT", "nvlink")
 MAX_HIDDEN = 7680                 # the shared Buffer is sized for the largest hidden and token count below
 MAX_TOKENS = 512
 DEFAULT_SMS = 8                   # Buffer.set_num_sms while this module runs (default configs)
@@ -799,7 +801,7 @@ def test_zero_copy_combine_in_a_buffer_sized_by_the_hint(pg, device, request, ba
     n, hidden, topk = 3, 7168, max(8, num_ranks)   # top-k >= R: every token reaches every rank
     experts = num_ranks * topk
     buf = deep_ep.Buffer(pg, deep_ep.Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks, n), 0,
-                         transport="nvlink", explicitly_destroy=True)
+                         transport=TRANSPORT, explicitly_destroy=True)
     try:
         x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16).to(device)
         # token t selects experts k * R + (t mod R), k < topk: distinct, and on every rank (rank of e: e // topk)
