@@ -55,7 +55,7 @@ for tool in $TOOLS; do
         fi
         rc=$?
         SUMMARY+=("$(printf '%-16s %-10s rc=%-3s %s' "$name" "$tool" "$rc" \
-            "$(grep -a 'ERROR SUMMARY' "$log" | sort | uniq -c | tr -s ' ' | head -3 | tr '\n' ';')")")
+            "$(grep -a -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sort | uniq -c | tr -s ' ' | head -3 | tr '\n' ';')")")
     done
 done
 echo; echo "=== compute-sanitizer (logs in $OUT)"
