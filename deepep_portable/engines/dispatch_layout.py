@@ -124,62 +124,25 @@ def dispatch_layout_cuda(topk_idx: torch.Tensor, num_experts: int, num_ranks: in
     return _layout_into_new_outputs(topk_idx, num_experts, num_ranks, dev, h)
 
 
-# The eager path's outputs for its next call of the same shape on the same stream, allocated right after a launch
-# (while its kernel runs) instead of before the next launch: in a loop of repeated shapes (a model's steps) a call
-# launches as soon as its arguments pass the checks, and the allocations' host time overlaps the kernel. Key:
-# (device, stream, tokens, ranks, experts). A spare is used only on the stream it was allocated on (the caching
-# allocator's stream-ordered reuse), never by a stream capturing a graph (a captured kernel must write the graph's
-# own pool, not memory the process may hand out again), and none is made while capturing. Spares start only when a
-# key repeats (changing shapes cost no second allocation); a few are kept (their bytes: N x R + 4 (R + E)).
-_spares: dict = {}
-_last_key: list = [None]
-_MAX_SPARES = 4
-_is_capturing: list = []   # [_C.stream_is_capturing], imported on first use (this module imports without _C)
-
-
 def dispatch_layout_current_stream(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, dev: int):
     """dispatch_layout_cuda on the current stream of device index `dev` (topk_idx's), for arguments already
-    validated (Buffer's checks): the eager hot path, a launch into outputs allocated after the previous call of
-    the same shape (_spares) or now."""
-    if not _is_capturing:
-        from .. import _C
-        _is_capturing.append(_C.stream_is_capturing)
-    stream = current_stream_handle(dev)
-    num_tokens = topk_idx.size(0)
-    key = (dev, stream, num_tokens, num_ranks, num_experts)
-    spare = _spares.pop(key, None)   # atomic under the GIL: two threads never take the same outputs
-    repeat = spare is not None or _last_key[0] == key
-    _last_key[0] = key
-    if repeat and _is_capturing[0](dev, stream):
-        if spare is not None:
-            _spares[key] = spare   # for the eager calls after the capture
-        spare, repeat = None, False
-    outputs, ptrs = spare if spare is not None else _new_outputs(num_tokens, num_ranks, num_experts, topk_idx.device)
-    _launch_layout(topk_idx, num_experts, num_ranks, dev, stream, *ptrs)
-    if repeat:
-        if len(_spares) >= _MAX_SPARES:
-            _spares.clear()
-        _spares[key] = _new_outputs(num_tokens, num_ranks, num_experts, topk_idx.device)
-    return outputs
-
-
-def _new_outputs(num_tokens: int, num_ranks: int, num_experts: int, device: torch.device):
-    """((num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank), their three pointers), allocated on the
-    current stream. The fewest tensor operations (each costs microseconds of host time, which is most of an eager
-    call): two allocations and one split (on this machine's CPU 3.7 us against 5.7 us for one allocation and four
-    views; as_strided alone costs 2.3 us)."""
-    counts = torch.empty(num_ranks + num_experts, dtype=torch.int32, device=device)
-    in_rank = torch.empty((num_tokens, num_ranks), dtype=torch.bool, device=device)
-    ptr = counts.data_ptr()
-    per_rank, per_expert = torch.split_with_sizes(counts, (num_ranks, num_experts))
-    return (per_rank, per_expert, in_rank), (ptr, ptr + 4 * num_ranks, in_rank.data_ptr())
+    validated (Buffer's checks): the eager hot path, an allocation and a launch (the host path is most of such a
+    call's time)."""
+    return _layout_into_new_outputs(topk_idx, num_experts, num_ranks, dev, current_stream_handle(dev))
 
 
 def _layout_into_new_outputs(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, dev: int, stream: int):
-    """The three outputs, allocated on the current stream, and the kernel writing them on `stream`."""
-    outputs, ptrs = _new_outputs(topk_idx.size(0), num_ranks, num_experts, topk_idx.device)
-    _launch_layout(topk_idx, num_experts, num_ranks, dev, stream, *ptrs)
-    return outputs
+    """The three outputs, allocated on the current stream (the two counts as halves of one allocation), and the
+    kernel writing them on `stream`. The fewest tensor operations (each costs microseconds of host time, which is
+    most of an eager call): two allocations and one split (on this machine's CPU 3.7 us against 5.7 us for one
+    allocation and four views; as_strided alone costs 2.3 us)."""
+    device = topk_idx.device
+    counts = torch.empty(num_ranks + num_experts, dtype=torch.int32, device=device)
+    in_rank = torch.empty((topk_idx.size(0), num_ranks), dtype=torch.bool, device=device)
+    ptr = counts.data_ptr()
+    _launch_layout(topk_idx, num_experts, num_ranks, dev, stream, ptr, ptr + 4 * num_ranks, in_rank.data_ptr())
+    per_rank, per_expert = torch.split_with_sizes(counts, (num_ranks, num_experts))
+    return per_rank, per_expert, in_rank
 
 
 def dispatch_layout_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):

@@ -178,47 +178,6 @@ def test_layout_eager_path_in_a_cuda_graph(one_rank_group):
         assert torch.equal(in_rank1.cpu(), ref1[2])
 
 
-def test_layout_spare_outputs_fresh_per_call_and_kept_out_of_graphs():
-    """The eager path allocates the next call's outputs right after each launch of a repeated shape
-    (dispatch_layout._spares): every call still returns outputs of its own (earlier results stay intact), and a
-    capture on the same stream neither takes the eagerly allocated spare (a captured kernel writes only the
-    graph's own pool) nor makes one; the eager call after the capture takes it."""
-    gen = torch.Generator().manual_seed(29)
-    dev = torch.cuda.current_device()
-    idxs = [make_topk(777, 8, 256, 0.05, gen=gen) for _ in range(4)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    key = (dev, side.cuda_stream, 777, 8, 256)
-    with torch.cuda.stream(side):
-        outs = [_kernels.dispatch_layout_current_stream(i, 256, 8, dev) for i in idxs]
-    spare_ptrs = _kernels._spares[key][1]   # the shape repeated: the next call's outputs wait
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    ptrs = [t.data_ptr() for out in outs for t in out]
-    assert len(set(ptrs)) == len(ptrs) and not set(spare_ptrs) & set(ptrs)
-
-    def matches(out, idx):
-        return all(torch.equal(got.cpu(), want) for got, want in zip(out, oracle(idx, 256, 8)))
-
-    assert all(matches(out, idx) for out, idx in zip(outs, idxs))
-    static = idxs[0].clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        captured = _kernels.dispatch_layout_current_stream(static, 256, 8, dev)
-        captured_again = _kernels.dispatch_layout_current_stream(static, 256, 8, dev)   # a repeat inside
-    assert _kernels._spares[key][1] == spare_ptrs   # put back, untouched, and no spare made in the capture
-    assert not {t.data_ptr() for t in captured + captured_again} & set(spare_ptrs)
-    with torch.cuda.stream(side):
-        after = _kernels.dispatch_layout_current_stream(idxs[3], 256, 8, dev)
-    assert tuple(t.data_ptr() for t in after) == spare_ptrs
-    for idx in idxs[1:3]:
-        static.copy_(idx)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert matches(captured, idx) and matches(captured_again, idx)
-    assert matches(after, idxs[3]) and all(matches(out, idx) for out, idx in zip(outs, idxs))
-
-
 def test_buffer_layout_hot_path_and_its_checks(one_rank_group, monkeypatch):
     """Buffer.get_dispatch_layout's eager hot path: taken for a plain, range-checked tensor (the full checks are not
     run again), and every argument it does not accept goes to the full checks, which raise; the Buffer stays usable

@@ -167,8 +167,6 @@ PYBIND11_MODULE(_C, m) {
           py::arg("bytes"), py::arg("stream") = 0);
     m.def("stream_query", &stream_query, py::arg("device"), py::arg("stream"),
           "True when all work on the stream has completed.");
-    m.def("stream_is_capturing", &stream_is_capturing, py::arg("device"), py::arg("stream"),
-          "True while the stream captures a CUDA graph (cuStreamIsCapturing: active or invalidated).");
     m.def("stream_synchronize", &stream_synchronize, py::arg("device"), py::arg("stream"),
           py::call_guard<py::gil_scoped_release>());
     m.def("stream_wait_stream", &stream_wait_stream, py::arg("device"), py::arg("waiter"), py::arg("waited"),

@@ -207,13 +207,6 @@ bool stream_query(int device, std::uintptr_t stream) {
     return true;
 }
 
-bool stream_is_capturing(int device, std::uintptr_t stream) {
-    ContextGuard guard(device);
-    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
-    DEEPEP_CU_CHECK(cuStreamIsCapturing, reinterpret_cast<CUstream>(stream), &status);
-    return status != CU_STREAM_CAPTURE_STATUS_NONE;
-}
-
 void stream_synchronize(int device, std::uintptr_t stream) {
     ContextGuard guard(device);
     DEEPEP_CU_CHECK(cuStreamSynchronize, reinterpret_cast<CUstream>(stream));

@@ -63,7 +63,6 @@ namespace deepep_portable {
     X(cuMemImportFromShareableHandle)                  \
     X(cuStreamQuery)                                   \
     X(cuStreamSynchronize)                             \
-    X(cuStreamIsCapturing)                             \
     X(cuEventCreate)                                   \
     X(cuEventRecord)                                   \
     X(cuStreamWaitEvent)
@@ -133,9 +132,6 @@ void memset_d8_async(int device, std::uintptr_t ptr, unsigned char value, std::s
                      std::uintptr_t stream);
 bool stream_query(int device, std::uintptr_t stream);  // true when all work is done
 void stream_synchronize(int device, std::uintptr_t stream);
-// Whether the stream is capturing a CUDA graph (active or invalidated capture): work enqueued there becomes part
-// of a graph, so memory allocated outside the capture must not be handed to it.
-bool stream_is_capturing(int device, std::uintptr_t stream);
 // Makes `waiter` wait for the work enqueued on `waited` so far (torch's Stream.wait_stream without its Python
 // objects, which cost microseconds of host time per op); works during CUDA graph capture too.
 void stream_wait_stream(int device, std::uintptr_t waiter, std::uintptr_t waited);
