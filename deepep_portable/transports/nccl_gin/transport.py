@@ -1,7 +1,8 @@
 """`nccl_gin` transport: the kernels over the transport contract on NCCL's device API (LSA peers by load/store,
 GIN for the network; csrc/backends/nccl_gin/device.cuh), on a window from NCCL (window.py). Channels = GIN
-contexts = `num_qps_per_rank`. On a GPU only at one rank so far (the
-H200 machine: NCCL refuses ranks sharing a GPU): the contract self-test over LSA and the low-latency suite."""
+contexts = `num_qps_per_rank`. Run on one H200: at one rank over NCCL 2.28 (which refuses ranks sharing a
+GPU) and at two ranks sharing it over NCCL 2.30 (NCCL_MULTI_RANK_GPU_ENABLE=1): the contract self-test over LSA
+and the low-latency and normal suites. GIN only over the tests' mock (no NIC here)."""
 from __future__ import annotations
 
 from ...contract import BufferContext, Capabilities
