@@ -192,10 +192,14 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
                                  group, host_times=layout_host_times), group)
         layout_bytes = topk_idx.numel() * topk_idx.element_size()
         # The same op replayed from a CUDA graph: the kernel without the host path (eager row - this = host share)
-        t_layout_graph = t_layout_host = None
+        t_layout_graph = t_layout_host = t_layout_loop = None
         if device.type == "cuda":
             t_layout_graph = graph_seconds(lambda: buf.get_dispatch_layout(topk_idx, experts), device, cfg, group)
             t_layout_host = host_seconds(lambda: buf.get_dispatch_layout(topk_idx, experts), device, group)
+            # Eager calls back to back (LL_LOOP per sample, time per call): bound by the host call or by the GPU
+            # work, whichever is longer, never by one exposed cold call as the eager row can be (PERFORMANCE.md)
+            t_layout_loop = slowest(timer(device, lambda: buf.get_dispatch_layout(topk_idx, experts), cfg.warmup,
+                                          cfg.iters, group, loop=LL_LOOP), group)
         matrix = [[int(v) for v in t.tolist()] for t in all_per_rank]
         node_counts, c_dispatch, c_combine = None, None, None
         if per_node:   # the op's traffic through its own paths (internode_ceiling.py), where the engine runs
@@ -221,7 +225,8 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
             t_layout_host1 = slowest(statistics.median(layout_host_times), group)
             measured[1:1] = [("layout_graph", t_layout_graph, c_layout, layout_bytes, "int64"),
                              ("layout_host", t_layout_host, c_layout, layout_bytes, "int64"),
-                             ("layout_host1", t_layout_host1, c_layout, layout_bytes, "int64")]
+                             ("layout_host1", t_layout_host1, c_layout, layout_bytes, "int64"),
+                             ("layout_loop", t_layout_loop, c_layout, layout_bytes, "int64")]
         if t_combine_zc is not None:
             measured.append(("combine_zc", t_combine_zc, c_combine, combine_bytes, "bf16"))
         if per_node:   # DeepEP's two bandwidths: rows that cross the network once per node, and NVLink rows,

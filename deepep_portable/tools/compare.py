@@ -19,7 +19,7 @@ import torch
 from ..config import Config
 from ..transports.reference import _fp8_cast as _reference_fp8_cast
 from ..buffer import Buffer
-from .timing import graph_seconds, host_seconds, slowest, start_line, timer
+from .timing import LL_LOOP, graph_seconds, host_seconds, slowest, start_line, timer
 
 
 def _peer_buffer(mod, group, world: int, hidden: int, tokens: int):
@@ -82,6 +82,8 @@ def bench_peer_normal(module: str, rank: int, world: int, group, cfg: argparse.N
                     print(f"{module}'s get_dispatch_layout could not be replayed from a CUDA graph: {e}")
             timed.append(("layout_host", host_seconds(layout, device, group)))
             timed.append(("layout_host1", slowest(statistics.median(layout_host_times), group)))
+            timed.append(("layout_loop", slowest(timer(device, layout, cfg.warmup, cfg.iters, group, loop=LL_LOOP),
+                                                 group)))
     ours = {r.op: r for r in rows if r.tokens == tokens and r.transport != module}
     for op, t in timed:
         mine = ours.get(op)
