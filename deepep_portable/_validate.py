@@ -74,11 +74,18 @@ def _range_check_enabled(t: torch.Tensor) -> bool:
 _last_checked: list = [None, None]   # (weakref to the tensor object, key)
 
 
+def _checked_key(topk_idx: torch.Tensor, num_experts: int) -> tuple:
+    """What the range check's cache compares: an in-place write bumps the version, a new storage or shape changes
+    the rest."""
+    return topk_idx._version, topk_idx.data_ptr(), topk_idx.shape, num_experts
+
+
 def range_checked(topk_idx: torch.Tensor, num_experts: int) -> bool:
-    """Whether expert_indices already checked this unmodified tensor object for num_experts (its cache)."""
+    """Whether expert_indices already checked this unmodified tensor object for num_experts (its cache). An
+    inference-mode tensor has no version counter: never taken as checked."""
     ref = _last_checked[0]
     return (ref is not None and ref() is topk_idx and not topk_idx.is_inference()
-            and _last_checked[1] == (topk_idx._version, topk_idx.data_ptr(), topk_idx.shape, num_experts))
+            and _last_checked[1] == _checked_key(topk_idx, num_experts))
 
 
 def expert_indices(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
@@ -86,10 +93,7 @@ def expert_indices(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
     once per tensor: the usual get_dispatch_layout -> dispatch sequence checks the same unmodified
     tensor object (same object, same version counter) only once. Skipped during graph capture and when
     DEEPEP_PORTABLE_SKIP_RANGE_CHECK=1."""
-    # An inference-mode tensor has no version counter: it is checked every time.
-    key = None if topk_idx.is_inference() else (topk_idx._version, topk_idx.data_ptr(), topk_idx.shape, num_experts)
-    ref = _last_checked[0]
-    if key is not None and ref is not None and ref() is topk_idx and _last_checked[1] == key:   # checked, unmodified
+    if range_checked(topk_idx, num_experts):   # checked, unmodified (an inference tensor: every time)
         return
     if topk_idx.numel() == 0 or not _range_check_enabled(topk_idx):
         return
@@ -98,8 +102,8 @@ def expert_indices(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
     if lo < -1 or hi >= num_experts:
         bad = lo if lo < -1 else hi
         raise ValueError(f"{name} holds expert index {bad}, outside [-1, {num_experts}) (num_experts={num_experts})")
-    if key is not None:
-        _last_checked[0], _last_checked[1] = weakref.ref(topk_idx), key
+    if not topk_idx.is_inference():
+        _last_checked[0], _last_checked[1] = weakref.ref(topk_idx), _checked_key(topk_idx, num_experts)
 
 
 # ---- the Buffer's argument checks (ctx: the Buffer's contract.BufferContext) -------------------------

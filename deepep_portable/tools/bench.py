@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from dataclasses import dataclass
 from typing import List
@@ -25,7 +24,7 @@ from . import compare
 from .ceilings import ceiling, copy_ceiling, nccl_all_to_all
 from .internode_ceiling import internode_ceiling
 from .spawn import run_local
-from .timing import (LL_LOOP, graph_seconds, host_seconds, print_graph_trace, print_host_profile, print_profile,
+from .timing import (LL_LOOP, graph_seconds, layout_parts, print_graph_trace, print_host_profile, print_profile,
                      slowest, start_line, timer)
 
 
@@ -143,6 +142,9 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
             return buf.dispatch(x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                 num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
 
+        def layout():
+            return buf.get_dispatch_layout(topk_idx, experts)
+
         recv_x, recv_idx, recv_w, counts, handle, _ = dispatch()
         # Check: the rows received are what every source sent here; the round trip sums each token
         # once per destination rank (identity experts), exactly.
@@ -168,8 +170,7 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
         t_dispatch = slowest(timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
         if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (a collective op)
             print_host_profile(f"dispatch, {tokens} tokens", dispatch, device, rank == 0)
-            print_host_profile(f"get_dispatch_layout, {tokens} tokens",
-                               lambda: buf.get_dispatch_layout(topk_idx, experts), device, rank == 0)
+            print_host_profile(f"get_dispatch_layout, {tokens} tokens", layout, device, rank == 0)
         t_combine = slowest(timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group),
                             group)
         # The zero-copy combine (not a DeepEP V1 API): the same rows written into the Buffer's own combine area
@@ -188,18 +189,10 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
             t_combine_zc = slowest(timer(device, zero_copy_combine, cfg.warmup, cfg.iters, group), group)
         # The layout reads topk_idx once: its ceiling is one copy of those bytes (same timing method).
         layout_host_times: list = []   # the same samples' host time per call: the eager row's host share
-        t_layout = slowest(timer(device, lambda: buf.get_dispatch_layout(topk_idx, experts), cfg.warmup, cfg.iters,
-                                 group, host_times=layout_host_times), group)
+        t_layout = slowest(timer(device, layout, cfg.warmup, cfg.iters, group, host_times=layout_host_times), group)
         layout_bytes = topk_idx.numel() * topk_idx.element_size()
-        # The same op replayed from a CUDA graph: the kernel without the host path (eager row - this = host share)
-        t_layout_graph = t_layout_host = t_layout_loop = None
-        if device.type == "cuda":
-            t_layout_graph = graph_seconds(lambda: buf.get_dispatch_layout(topk_idx, experts), device, cfg, group)
-            t_layout_host = host_seconds(lambda: buf.get_dispatch_layout(topk_idx, experts), device, group)
-            # Eager calls back to back (LL_LOOP per sample, time per call): bound by the host call or by the GPU
-            # work, whichever is longer, never by one exposed cold call as the eager row can be (PERFORMANCE.md)
-            t_layout_loop = slowest(timer(device, lambda: buf.get_dispatch_layout(topk_idx, experts), cfg.warmup,
-                                          cfg.iters, group, loop=LL_LOOP), group)
+        # Its parts (graph replay, host time, back-to-back calls): timing.layout_parts
+        layout_rows = layout_parts(layout, device, cfg, group, layout_host_times) if device.type == "cuda" else []
         matrix = [[int(v) for v in t.tolist()] for t in all_per_rank]
         node_counts, c_dispatch, c_combine = None, None, None
         if per_node:   # the op's traffic through its own paths (internode_ceiling.py), where the engine runs
@@ -221,12 +214,7 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
         measured = [("layout", t_layout, c_layout, layout_bytes, "int64"),
                     ("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                     ("combine", t_combine, c_combine, combine_bytes, "bf16")]
-        if t_layout_graph is not None:
-            t_layout_host1 = slowest(statistics.median(layout_host_times), group)
-            measured[1:1] = [("layout_graph", t_layout_graph, c_layout, layout_bytes, "int64"),
-                             ("layout_host", t_layout_host, c_layout, layout_bytes, "int64"),
-                             ("layout_host1", t_layout_host1, c_layout, layout_bytes, "int64"),
-                             ("layout_loop", t_layout_loop, c_layout, layout_bytes, "int64")]
+        measured[1:1] = [(op, t, c_layout, layout_bytes, "int64") for op, t in layout_rows]
         if t_combine_zc is not None:
             measured.append(("combine_zc", t_combine_zc, c_combine, combine_bytes, "bf16"))
         if per_node:   # DeepEP's two bandwidths: rows that cross the network once per node, and NVLink rows,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
 from typing import List
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from ..config import Config
 from ..transports.reference import _fp8_cast as _reference_fp8_cast
 from ..buffer import Buffer
-from .timing import LL_LOOP, graph_seconds, host_seconds, slowest, start_line, timer
+from .timing import layout_parts, slowest, start_line, timer
 
 
 def _peer_buffer(mod, group, world: int, hidden: int, tokens: int):
@@ -63,27 +62,16 @@ def bench_peer_normal(module: str, rank: int, world: int, group, cfg: argparse.N
     # The same timing as our rows: every sample starts at the GPU start line (hosted by a Buffer of ours
     # that moves nothing), after a barrier.
     with start_line(Buffer(group, 0, 0, transport="reference"), cfg):
+        layout = lambda: buf.get_dispatch_layout(topk_idx, experts)  # noqa: E731
         layout_host_times: list = []
-        t_layout = slowest(timer(device, lambda: buf.get_dispatch_layout(topk_idx, experts), cfg.warmup,
-                                 cfg.iters, group, host_times=layout_host_times), group)
+        t_layout = slowest(timer(device, layout, cfg.warmup, cfg.iters, group, host_times=layout_host_times), group)
         t_dispatch = slowest(timer(device, dispatch, cfg.warmup, cfg.iters, group), group)
         t_combine = slowest(timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group),
                             group)
-        # The layout's two parts, as our rows split it: the op replayed from a CUDA graph (its kernels), and the
-        # host's time per call (a peer whose layout cannot be captured gets no graph row)
+        # The layout's parts, as our rows split it (timing.layout_parts)
         timed = [("layout", t_layout), ("dispatch", t_dispatch), ("combine", t_combine)]
         if device.type == "cuda":
-            layout = lambda: buf.get_dispatch_layout(topk_idx, experts)  # noqa: E731
-            try:
-                timed.append(("layout_graph", graph_seconds(layout, device, cfg, group)))
-            except Exception as e:   # noqa: BLE001 - every rank fails alike (same library, same call)
-                torch.cuda.synchronize()
-                if rank == 0:
-                    print(f"{module}'s get_dispatch_layout could not be replayed from a CUDA graph: {e}")
-            timed.append(("layout_host", host_seconds(layout, device, group)))
-            timed.append(("layout_host1", slowest(statistics.median(layout_host_times), group)))
-            timed.append(("layout_loop", slowest(timer(device, layout, cfg.warmup, cfg.iters, group, loop=LL_LOOP),
-                                                 group)))
+            timed += layout_parts(layout, device, cfg, group, layout_host_times, peer=module)
     ours = {r.op: r for r in rows if r.tokens == tokens and r.transport != module}
     for op, t in timed:
         mine = ours.get(op)

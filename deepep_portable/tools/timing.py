@@ -7,7 +7,7 @@ import argparse
 import contextlib
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -163,6 +163,29 @@ def graph_seconds(fn: Callable[[], None], device: torch.device, cfg: argparse.Na
     replay = graph_of(fn, LL_LOOP)
     dist.barrier(group=group)
     return slowest(timer(device, replay, cfg.warmup, cfg.iters, group), group) / LL_LOOP
+
+
+def layout_parts(layout: Callable[[], None], device: torch.device, cfg: argparse.Namespace, group,
+                 host_times: list, peer: Optional[str] = None) -> List[Tuple[str, float]]:
+    """The layout's rows beside its eager one (CUDA), measured alike for us and a peer library: layout_graph (the
+    op replayed from a CUDA graph: its kernels), layout_host (host time per call, calls back to back),
+    layout_host1 (the host time of each timed eager call: `host_times`, filled by the eager row's timer) and
+    layout_loop (LL_LOOP eager calls back to back per sample: bound by the longer of the host call and the GPU
+    work, never by one exposed cold call as the eager row can be). A peer (`peer`: its name) whose layout cannot
+    be captured gets no graph row; ours must capture."""
+    rows = []
+    try:
+        rows.append(("layout_graph", graph_seconds(layout, device, cfg, group)))
+    except Exception as e:   # noqa: BLE001 - every rank fails alike (same library, same call)
+        if peer is None:
+            raise
+        torch.cuda.synchronize()
+        if dist.get_rank(group) == 0:
+            print(f"{peer}'s get_dispatch_layout could not be replayed from a CUDA graph: {e}")
+    rows.append(("layout_host", host_seconds(layout, device, group)))
+    rows.append(("layout_host1", slowest(statistics.median(host_times), group)))
+    rows.append(("layout_loop", slowest(timer(device, layout, cfg.warmup, cfg.iters, group, loop=LL_LOOP), group)))
+    return rows
 
 
 def print_graph_trace(engine, fn: Callable[[], None], what: str, group, rank: int, tokens: int) -> None:

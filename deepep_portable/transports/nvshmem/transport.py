@@ -51,8 +51,7 @@ def precompile(archs=("sm_90",), jobs: Optional[int] = None, variants: Optional[
     internode suites'. Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc is missing."""
     if variants is None:
         ll = low_latency
-        variants = [(ll.DISPATCH_SOURCE, ll.kernel_defines(h, 8)) for h in ll.HIDDENS] + \
-            [(ll.COMBINE_SOURCE, ll.kernel_defines(h, 8, False)) for h in ll.HIDDENS] + \
+        variants = [v for h in ll.HIDDENS for v in ll.round_variants(h, 8)] + \
             [(ll.COMBINE_SOURCE, ll.kernel_defines(7168, 8, True)), (ll.CLEAN_SOURCE, {})]
         variants += internode.precompile_variants()
     tasks = [(source, defines, arch) for source, defines in variants for arch in archs]
