@@ -9,13 +9,15 @@
 # BENCHES: ';'-separated bench argument lists (default: FP8 and BF16 normal mode at 4096 tokens, LL
 # at 128 tokens over nvlink and nvshmem). Logs in $OUT (or .gpu_out). AB_PYTHONPATH: extra import paths for
 # both trees' runs (e.g. a DeepEP build, with BENCHES="--mode normal --tokens 4096 --compare deep_ep").
+# AB_ENV_A / AB_ENV_B: space-separated VAR=value for A's / B's runs only: one tree against itself with a switch,
+#   e.g. AB_ENV_B=DEEPEP_PORTABLE_BULK_COPY=0 bash scripts/ab_bench.sh . . 8 2
 set -uo pipefail
 A=$(cd "$1" && pwd); B=$(cd "$2" && pwd)
 RANKS=${3:-8}; ROUNDS=${4:-2}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 BENCHES=${BENCHES:-"--mode normal --num-sms 16 --tokens 4096;--mode normal --num-sms 16 --tokens 4096 --no-fp8;--mode low_latency --transport nvlink --tokens 128;--mode low_latency --transport nvshmem --tokens 128"}
 
-for t in "$A" "$B"; do
+for t in $(printf '%s\n' "$A" "$B" | sort -u); do
     (cd "$t" && $PY setup.py build_ext --inplace >"$OUT/build_$(basename "$t").log" 2>&1) \
         || { echo "build failed in $t"; tail -20 "$OUT/build_$(basename "$t").log"; exit 1; }
 done
@@ -25,10 +27,11 @@ IFS=';' read -ra LIST <<<"$BENCHES"
 for round in $(seq 1 "$ROUNDS"); do
     for i in "${!LIST[@]}"; do
         for side in A B; do
-            tree=$A; [ $side = B ] && tree=$B
+            tree=$A; envs=${AB_ENV_A:-}; [ $side = B ] && tree=$B envs=${AB_ENV_B:-}
             log="$OUT/ab_${side}_${i}_${round}.log"
-            echo "=== round $round, bench $i (${LIST[$i]}), tree $side"
-            (cd "$tree" && PYTHONPATH="$tree${AB_PYTHONPATH:+:$AB_PYTHONPATH}" DEEPEP_PORTABLE_CACHE_DIR="$tree/.jit_cache" \
+            echo "=== round $round, bench $i (${LIST[$i]}), tree $side${envs:+ ($envs)}"
+            # shellcheck disable=SC2086
+            (cd "$tree" && env $envs PYTHONPATH="$tree${AB_PYTHONPATH:+:$AB_PYTHONPATH}" DEEPEP_PORTABLE_CACHE_DIR="$tree/.jit_cache" \
                 timeout -k 10 "${STEP_TIMEOUT:-300}" $PY -m deepep_portable bench --no-progress --ranks "$RANKS" \
                 ${LIST[$i]}) >"$log" 2>&1
             grep -a -A12 "ranks on" "$log" | grep -a -v "^$" || tail -5 "$log"
