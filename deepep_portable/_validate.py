@@ -6,6 +6,7 @@ usable and every peer untouched (peers only block inside a collective that was a
 """
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from typing import Callable, Optional, Sequence, Tuple
@@ -23,19 +24,28 @@ FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is n
 def tensor(name: str, t: object, dtype: Optional[torch.dtype] = None, shape: Optional[Sequence[Optional[int]]] = None,
            device: Optional[torch.device] = None, contiguous: bool = True,
            dtypes: Optional[Sequence[torch.dtype]] = None) -> torch.Tensor:
-    """Check one tensor argument. `None` entries in `shape` match any size."""
+    """Check one tensor argument. `None` entries in `shape` match any size. Every op checks several tensors before its
+    first kernel, so the passing path is plain comparisons (no generators, no tuples built per call)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    allowed = tuple(dtypes) if dtypes is not None else ((dtype,) if dtype is not None else ())
-    if allowed and t.dtype not in allowed:
-        want = " or ".join(str(d) for d in allowed)
-        raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+    if (t.dtype not in dtypes) if dtypes is not None else (dtype is not None and t.dtype != dtype):
+        allowed = tuple(dtypes) if dtypes is not None else (dtype,)
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in allowed)}, got {t.dtype}")
     if shape is not None:
-        if t.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, t.shape)):
+        actual = t.shape
+        ok = len(actual) == len(shape)
+        if ok:
+            for want, got in zip(shape, actual):
+                if want is not None and want != got:
+                    ok = False
+                    break
+        if not ok:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
-    if device is not None and not _same_device(t.device, device):
-        raise ValueError(f"{name} is on {t.device}, but this Buffer works on {device}")
+    if device is not None:
+        where = t.device
+        if where != device and not _same_device(where, device):
+            raise ValueError(f"{name} is on {where}, but this Buffer works on {device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
     return t
@@ -174,7 +184,7 @@ def capacity(ctx, op: str, num_tokens: int, layout: NormalLayout) -> None:
     nodes the internode engine checks its own window (num_rdma_bytes) before launching; the reference needs none."""
     if ctx.num_nodes > 1:
         return
-    room = layout.max_tokens_per_rank(ctx.num_nvl_bytes)
+    room = _room(layout, ctx.num_nvl_bytes)
     if room < num_tokens:
         need = layout.buffer_bytes(num_tokens)
         raise ValueError(f"{op} of {num_tokens} tokens needs a larger buffer: this Buffer has num_nvl_bytes="
@@ -183,10 +193,23 @@ def capacity(ctx, op: str, num_tokens: int, layout: NormalLayout) -> None:
                          f"(Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, num_tokens))")
 
 
+@functools.lru_cache(maxsize=256)
+def _room(layout: NormalLayout, num_nvl_bytes: int) -> int:
+    return layout.max_tokens_per_rank(num_nvl_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(num_ranks: int, hidden_: int, elem_bytes: int, num_scales: int, num_topk: int) -> NormalLayout:
+    return NormalLayout(num_ranks, hidden_, elem_bytes, num_scales, num_topk)
+
+
 def dispatch_capacity(ctx, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_topk: int) -> None:
-    layout = NormalLayout(ctx.num_ranks, x.size(1), x.element_size(), 0 if x_scales is None else x_scales.size(1),
-                          num_topk)
-    capacity(ctx, "dispatch", x.size(0), layout)
+    capacity(ctx, "dispatch", x.size(0), _layout(ctx.num_ranks, x.size(1), x.element_size(),
+                                                 0 if x_scales is None else x_scales.size(1), num_topk))
+
+
+def combine_capacity(ctx, num_tokens: int, hidden_: int, num_topk: int) -> None:
+    capacity(ctx, "combine", num_tokens, _layout(ctx.num_ranks, hidden_, 2, 0, num_topk))
 
 
 def dispatch_handle(handle, buffer_uid: int, num_tokens: Optional[int] = None) -> None:

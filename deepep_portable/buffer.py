@@ -23,7 +23,7 @@ from .handles import DispatchHandle, InternodeHandle
 from .contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, Transport
 from .engines.dispatch_layout import dispatch_layout, dispatch_layout_current_stream
 from .engines.launch import current_stream_handle, stream_wait_stream
-from .layout import MAX_TOPK, NormalLayout, low_latency_rdma_size_hint
+from .layout import MAX_TOPK, low_latency_rdma_size_hint
 from .topology import NodeLayout, node_layout
 from .transports import backend_class, internode_normal_transports, resolve
 
@@ -459,8 +459,8 @@ class Buffer(LowLatencyOps):
             if b is not None:
                 check.tensor(name, b, torch.bfloat16, (handle.num_tokens, hidden), self.device)
         config = check.config(config, lambda: self.get_combine_config(self.group_size))
-        layout = NormalLayout(self.group_size, hidden, 2, 0, 0 if topk_weights is None else topk_weights.size(1))
-        check.capacity(self._ctx, "combine", handle.num_tokens, layout)
+        num_topk = 0 if topk_weights is None else topk_weights.size(1)
+        check.combine_capacity(self._ctx, handle.num_tokens, hidden, num_topk)
         args = CombineArgs(x=x, handle=handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,
                            num_sms=config.num_sms)
         result: list = [x, topk_weights, bias_0, bias_1]
