@@ -6,8 +6,10 @@
 # 16384 tokens; low-latency: 128 tokens) with, in the same run, the op's ceiling (its traffic pattern
 # copied straight into the peers' memory, see tools/ceilings.py) and all_to_all_single over NCCL as the
 # baseline. MIXED=1 then runs the suite with two ranks per GPU under MPS (peers on the same GPU and
-# across the link in one group). Every step is killed after STEP_TIMEOUT seconds (default 400).
-# Logs under $OUT.
+# across the link in one group). DEEPEP=DIR (a DeepEP V1 checkout, built in place first if it holds no
+# build, as scripts/compare_deepep.sh does) adds issue 19's side by side at each EP size: `bench --compare
+# deep_ep --baseline` (ours, DeepEP and all_to_all_single in the same processes) at COMPARE_SMS SMs per rank
+# (default "8 16 24"). Every step is killed after STEP_TIMEOUT seconds (default 400). Logs under $OUT.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
@@ -27,6 +29,14 @@ step() {   # step NAME CMD... : run with a timeout, log to $OUT/NAME.log, keep t
 }
 
 step build $PY setup.py build_ext --inplace || { tail -20 "$OUT/build.log"; exit 1; }
+if [ -n "${DEEPEP:-}" ]; then
+    DEEPEP=$(cd "$DEEPEP" && pwd)
+    if ! ls "$DEEPEP"/deep_ep_cpp*.so >/dev/null 2>&1; then
+        (cd "$DEEPEP" && CPLUS_INCLUDE_PATH=$CUDA_HOME/include/cccl${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH} \
+            MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0 $PY setup.py build_ext --inplace) >"$OUT/deepep_build.log" 2>&1 \
+            || { echo "DeepEP build failed (log: $OUT/deepep_build.log): no side by side"; DEEPEP=; }
+    fi
+fi
 step precompile $PY -m deepep_portable precompile --arch sm_90 --nvshmem
 step p2p $PY scripts/p2p_bandwidth.py
 cat "$OUT/p2p.log"
@@ -41,6 +51,11 @@ for n in $SIZES; do
         --with-mpi tests/mpi/test_low_latency_gpu_mpi.py
     step "bench_normal_ep$n" $PY -m deepep_portable bench --no-progress --ranks "$n" --baseline --mode normal \
         --tokens 4096 16384
+    for sms in ${COMPARE_SMS:-8 16 24}; do
+        [ -n "${DEEPEP:-}" ] || break
+        PYTHONPATH=$PYTHONPATH:$DEEPEP step "bench_compare_ep${n}_${sms}sms" $PY -m deepep_portable bench --no-progress \
+            --ranks "$n" --num-sms "$sms" --baseline --mode normal --tokens 4096 --compare deep_ep
+    done
     for t in nvlink nvshmem; do
         step "bench_ll_${t}_ep$n" $PY -m deepep_portable bench --no-progress --ranks "$n" --baseline \
             --transport $t --mode low_latency --tokens 128
@@ -61,5 +76,11 @@ echo; echo "=== benchmark tables"
 for f in "$OUT"/bench_*.log; do
     [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -a -A12 "ranks on" "$f" | grep -a -v "^$"; }
 done
+if [ -n "${DEEPEP:-}" ]; then
+    echo; echo "=== DeepEP time / ours (> 1: deepep_portable is faster), one rank per GPU"
+    for f in "$OUT"/bench_compare_*.log; do
+        [ -f "$f" ] && grep -aE ' us = [0-9.]+$' "$f" | sed "s/^/$(basename "$f" .log): /"
+    done
+fi
 echo; echo "=== summary ($GPUS GPUs; one rank per GPU unless the step says mixed; logs in $OUT)"
 printf '%s\n' "${SUMMARY[@]}"
