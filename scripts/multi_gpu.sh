@@ -9,7 +9,8 @@
 # across the link in one group). DEEPEP=DIR (a DeepEP V1 checkout, built in place first if it holds no
 # build, as scripts/compare_deepep.sh does) adds issue 19's side by side at each EP size: `bench --compare
 # deep_ep --baseline` (ours, DeepEP and all_to_all_single in the same processes) at COMPARE_SMS SMs per rank
-# (default "8 16 24"). Every step is killed after STEP_TIMEOUT seconds (default 400). Logs under $OUT.
+# (default "8 16 24"), and the low-latency ops beside DeepEP's (nvlink, 128 tokens). Every step is killed
+# after STEP_TIMEOUT seconds (default 400). Logs under $OUT.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
@@ -60,6 +61,9 @@ for n in $SIZES; do
         step "bench_ll_${t}_ep$n" $PY -m deepep_portable bench --no-progress --ranks "$n" --baseline \
             --transport $t --mode low_latency --tokens 128
     done
+    # DeepEP's LL beside ours over nvlink (not nvshmem: two NVSHMEM users in one process)
+    [ -n "${DEEPEP:-}" ] && PYTHONPATH=$PYTHONPATH:$DEEPEP step "bench_compare_ll_ep$n" $PY -m deepep_portable bench \
+        --no-progress --ranks "$n" --transport nvlink --mode low_latency --tokens 128 --compare deep_ep
 done
 if [ "${MIXED:-0}" = 1 ] && [ "$GPUS" -ge 2 ]; then
     # Two ranks per GPU under MPS: peers on the same GPU and peers across the link in one group.

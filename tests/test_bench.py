@@ -106,6 +106,19 @@ def test_bench_compare_drives_a_peer_module():
     assert len(ratios) == 3
 
 
+def test_bench_compare_drives_a_peer_module_in_low_latency_mode():
+    """--compare in LL mode (run where every rank has a GPU of its own, and on the CPU): the peer's
+    low_latency_dispatch / low_latency_combine on the same inputs, rows beside ours and a ratio per op."""
+    r = run("bench", "--mode", "low_latency", "--ranks", "2", "--tokens", "8", "--hidden", "256", "--topk", "2",
+            "--experts", "8", "--warmup", "0", "--iters", "1", "--no-progress", "--compare", "deepep_portable")
+    assert r.returncode == 0, r.stdout + r.stderr
+    peer_rows = [line.split() for line in r.stdout.splitlines() if line.split()[-1:] == ["deepep_portable"]]
+    assert sorted(row[0] for row in peer_rows) == ["ll_combine", "ll_dispatch"]
+    ratios = [line for line in r.stdout.splitlines() if " us = " in line]
+    assert [line.split()[0] for line in ratios] == ["ll_dispatch", "ll_combine"]
+    assert "not run here" not in r.stdout
+
+
 def test_comparison_puts_the_zero_copy_combine_beside_the_peers_combine(capsys):
     from collections import namedtuple
     from deepep_portable.tools.compare import print_comparison

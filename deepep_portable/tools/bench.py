@@ -321,6 +321,8 @@ def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
     cfg.peer_ceiling = torch.cuda.is_available() and (
         cfg.ceiling == "pattern" or (cfg.ceiling == "auto" and _ranks_span_gpus(group)))
     rows: List[Row] = []
+    # A peer's LL kernels run only where every rank has a GPU of its own (or on the CPU): compare.py says why.
+    peer_ll = not torch.cuda.is_available() or _ranks_span_gpus(group)
     sweep = cfg.tokens
     progress = sweep
     if rank == 0 and not cfg.no_progress:
@@ -334,12 +336,14 @@ def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
         (bench_low_latency if cfg.mode == "low_latency" else bench_normal)(rank, world, group, cfg, tokens, rows)
         if cfg.compare and cfg.mode == "normal":
             compare.bench_peer_normal(cfg.compare, rank, world, group, cfg, tokens, rows, Row, _random_topk)
+        elif cfg.compare and cfg.mode == "low_latency" and peer_ll:
+            compare.bench_peer_low_latency(cfg.compare, rank, world, group, cfg, tokens, rows, Row, _random_topk)
     if rank == 0:
         print_table(rows, world, cfg.peer_ceiling, getattr(cfg, "internode_ceiling", False))
         if cfg.compare:
             compare.print_comparison(rows, cfg.compare)
-            if cfg.mode != "normal":
-                print(f"(low-latency mode: {cfg.compare} not run; see deepep_portable/tools/compare.py)")
+            if cfg.mode == "internode" or (cfg.mode == "low_latency" and not peer_ll):
+                print(f"({cfg.mode} mode: {cfg.compare} not run here; see deepep_portable/tools/compare.py)")
         if cfg.plot:
             plot(rows, cfg.plot, world)
 

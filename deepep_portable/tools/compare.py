@@ -3,9 +3,10 @@ processes, on the same inputs (same seeds), with the same timing method, right a
 each token count (normal mode: layout, dispatch, combine). Its rows carry the module's name in the
 transport column and our ceilings; `print_comparison` adds, per op, its time over ours.
 
-Low-latency mode is not compared: DeepEP V1's low-latency kernels size their grid by the expert count
-and cannot all be resident when ranks share a GPU (docs/PERFORMANCE.md), so LL rows stand beside the
-ceiling only.
+Low-latency mode (low_latency_dispatch / low_latency_combine, eager loops and graph replays as our LL
+rows) is compared only when every rank has a GPU of its own (or on the CPU): DeepEP V1's low-latency
+kernels size their grid by the expert count and cannot all be resident when ranks share a GPU
+(docs/PERFORMANCE.md), so there the LL rows stand beside the ceiling only.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from ..config import Config
 from ..transports.reference import _fp8_cast as _reference_fp8_cast
 from ..buffer import Buffer
-from .timing import layout_parts, slowest, start_line, timer
+from .timing import LL_LOOP, graph_seconds, layout_parts, slowest, start_line, timer
 
 
 def _peer_buffer(mod, group, world: int, hidden: int, tokens: int):
@@ -72,16 +73,63 @@ def bench_peer_normal(module: str, rank: int, world: int, group, cfg: argparse.N
         timed = [("layout", t_layout), ("dispatch", t_dispatch), ("combine", t_combine)]
         if device.type == "cuda":
             timed += layout_parts(layout, device, cfg, group, layout_host_times, peer=module)
+    _add_peer_rows(rows, row_cls, timed, module, cfg, tokens)
+    if hasattr(buf, "destroy") and getattr(buf, "explicitly_destroy", False):
+        buf.destroy()
+
+
+def bench_peer_low_latency(module: str, rank: int, world: int, group, cfg: argparse.Namespace, tokens: int,
+                           rows: List, row_cls, random_topk) -> None:
+    """Time `module`'s low_latency_dispatch and low_latency_combine on bench_low_latency's inputs for `tokens`
+    (eager: LL_LOOP calls back to back; and replayed from CUDA graphs), a `row_cls` row per op beside ours.
+    The caller runs it only where the peer's kernels can all be resident (see the module docstring)."""
+    mod = importlib.import_module(module)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    gen = torch.Generator().manual_seed(2000 * rank + tokens)   # bench_low_latency's seed: the same inputs
+    hidden, topk, experts = cfg.hidden, cfg.topk, cfg.experts
+    rdma_bytes = mod.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world, experts)
+    buf = mod.Buffer(group, 0, rdma_bytes, low_latency_mode=True, num_qps_per_rank=max(1, experts // world))
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    topk_idx = random_topk(tokens, experts, topk, device, gen)
+    topk_weights = torch.rand(tokens, topk, generator=gen).to(device)
+
+    def dispatch():
+        return buf.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=cfg.fp8)
+
+    recv_x, _, handle, _, _ = dispatch()
+    if cfg.fp8:   # identity experts: the dequantized rows go back (a copy: the next dispatches rewrite recv_x)
+        combine_in = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=2)).to(torch.bfloat16)
+    else:
+        combine_in = recv_x.clone()
+
+    def combine():
+        return buf.low_latency_combine(combine_in, topk_idx, topk_weights, handle)
+
+    combined, _, _ = combine()
+    if combined.shape != (tokens, hidden):
+        raise AssertionError(f"rank {rank}: {module}'s low_latency_combine returned {tuple(combined.shape)}")
+    with start_line(Buffer(group, 0, 0, transport="reference"), cfg):
+        loop = LL_LOOP if device.type == "cuda" else 1
+        timed = [("ll_dispatch", slowest(timer(device, dispatch, cfg.warmup, cfg.iters, group, loop), group)),
+                 ("ll_combine", slowest(timer(device, combine, cfg.warmup, cfg.iters, group, loop), group))]
+        if device.type == "cuda":
+            timed += [("ll_dispatch_graph", graph_seconds(dispatch, device, cfg, group)),
+                      ("ll_combine_graph", graph_seconds(combine, device, cfg, group))]
+    _add_peer_rows(rows, row_cls, timed, module, cfg, tokens)
+    if hasattr(buf, "destroy") and getattr(buf, "explicitly_destroy", False):
+        buf.destroy()
+
+
+def _add_peer_rows(rows: List, row_cls, timed, module: str, cfg: argparse.Namespace, tokens: int) -> None:
+    """A row per (op, seconds) of the peer, with our row's payload, precision and ceiling (same inputs)."""
     ours = {r.op: r for r in rows if r.tokens == tokens and r.transport != module}
     for op, t in timed:
         mine = ours.get(op)
         if mine is None:
             continue
         nbytes = mine.gbps * mine.time_us * 1e3   # the same payload as our row
-        rows.append(row_cls(op, tokens, hidden, topk, experts, mine.precision, t * 1e6, nbytes / t / 1e9,
-                            mine.ceiling_us, mine.ceiling_gbps, module, mine.sms))
-    if hasattr(buf, "destroy") and getattr(buf, "explicitly_destroy", False):
-        buf.destroy()
+        rows.append(row_cls(op, tokens, cfg.hidden, cfg.topk, cfg.experts, mine.precision, t * 1e6,
+                            nbytes / t / 1e9, mine.ceiling_us, mine.ceiling_gbps, module, mine.sms))
 
 
 def print_comparison(rows: List, module: str) -> None:
