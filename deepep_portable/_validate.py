@@ -28,7 +28,7 @@ def tensor(name: str, t: object, dtype: Optional[torch.dtype] = None, shape: Opt
     first kernel, so the passing path is plain comparisons (no generators, no tuples built per call)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if (t.dtype not in dtypes) if dtypes is not None else (dtype is not None and t.dtype != dtype):
+    if (bool(dtypes) and t.dtype not in dtypes) if dtypes is not None else (dtype is not None and t.dtype != dtype):
         allowed = tuple(dtypes) if dtypes is not None else (dtype,)
         raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in allowed)}, got {t.dtype}")
     if shape is not None:
