@@ -10,7 +10,7 @@
 # at 128 tokens over nvlink and nvshmem). Logs in $OUT (or .gpu_out). AB_PYTHONPATH: extra import paths for
 # both trees' runs (e.g. a DeepEP build, with BENCHES="--mode normal --tokens 4096 --compare deep_ep").
 # AB_ENV_A / AB_ENV_B: space-separated VAR=value for A's / B's runs only: one tree against itself with a switch,
-#   e.g. AB_ENV_B=DEEPEP_PORTABLE_BULK_COPY=0 bash scripts/ab_bench.sh . . 8 2
+#   e.g. AB_ENV_B=DEEPEP_PORTABLE_LL_VMM=0 BENCHES="--mode low_latency --tokens 128" bash scripts/ab_bench.sh . . 8 2
 set -uo pipefail
 A=$(cd "$1" && pwd); B=$(cd "$2" && pwd)
 RANKS=${3:-8}; ROUNDS=${4:-2}
