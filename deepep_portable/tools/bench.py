@@ -233,25 +233,20 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
 
 def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tokens: int, rows: List[Row]) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    gen = torch.Generator().manual_seed(2000 * rank + tokens)
     hidden, topk, experts = cfg.hidden, cfg.topk, cfg.experts
     rdma_bytes = Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world, experts)
     buf = Buffer(group, 0, rdma_bytes, low_latency_mode=True, num_qps_per_rank=max(1, experts // world),
                  transport=cfg.transport)
     with start_line(buf, cfg):
-        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
-        topk_idx = _random_topk(tokens, experts, topk, device, gen)
-        topk_weights = torch.rand(tokens, topk, generator=gen).to(device)
+        x, topk_idx, topk_weights = compare.ll_inputs(rank, tokens, cfg, device, _random_topk)
 
         def dispatch():
             return buf.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=cfg.fp8)
 
         recv_x, recv_count, handle, _, _ = dispatch()
         # Identity experts in BF16: combine returns sum_k w_k * x exactly as the oracle computes it.
-        recv_bf16 = recv_x.clone() if not cfg.fp8 else None   # recv_x is a view the next dispatches rewrite
-        if recv_bf16 is None:
-            data, scales = recv_x
-            recv_bf16 = (data.float() * scales.repeat_interleave(128, dim=2)).to(torch.bfloat16)
+        recv_bf16 = compare.ll_expert_outputs(recv_x)
+        if cfg.fp8:
             src = _reference_fp8_cast(x, False)   # correctly rounded on any device, as the kernels
             ref_x = (src[0].float() * src[1].repeat_interleave(128, dim=1)).to(torch.bfloat16)
         else:

@@ -78,6 +78,24 @@ def bench_peer_normal(module: str, rank: int, world: int, group, cfg: argparse.N
         buf.destroy()
 
 
+def ll_inputs(rank: int, tokens: int, cfg: argparse.Namespace, device: torch.device, random_topk):
+    """(x, topk_idx, topk_weights) of bench's low-latency rows for `tokens` on `rank`, seeded: a peer gets the same."""
+    gen = torch.Generator().manual_seed(2000 * rank + tokens)
+    x = torch.randn(tokens, cfg.hidden, generator=gen).to(torch.bfloat16).to(device)
+    topk_idx = random_topk(tokens, cfg.experts, cfg.topk, device, gen)
+    topk_weights = torch.rand(tokens, cfg.topk, generator=gen).to(device)
+    return x, topk_idx, topk_weights
+
+
+def ll_expert_outputs(recv_x):
+    """Identity experts: the received rows as BF16 (FP8 ones dequantized), a copy, since the next dispatches
+    rewrite recv_x."""
+    if isinstance(recv_x, tuple):
+        data, scales = recv_x
+        return (data.float() * scales.repeat_interleave(128, dim=2)).to(torch.bfloat16)
+    return recv_x.clone()
+
+
 def bench_peer_low_latency(module: str, rank: int, world: int, group, cfg: argparse.Namespace, tokens: int,
                            rows: List, row_cls, random_topk) -> None:
     """Time `module`'s low_latency_dispatch and low_latency_combine on bench_low_latency's inputs for `tokens`
@@ -85,22 +103,16 @@ def bench_peer_low_latency(module: str, rank: int, world: int, group, cfg: argpa
     The caller runs it only where the peer's kernels can all be resident (see the module docstring)."""
     mod = importlib.import_module(module)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    gen = torch.Generator().manual_seed(2000 * rank + tokens)   # bench_low_latency's seed: the same inputs
-    hidden, topk, experts = cfg.hidden, cfg.topk, cfg.experts
+    hidden, experts = cfg.hidden, cfg.experts
     rdma_bytes = mod.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world, experts)
     buf = mod.Buffer(group, 0, rdma_bytes, low_latency_mode=True, num_qps_per_rank=max(1, experts // world))
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
-    topk_idx = random_topk(tokens, experts, topk, device, gen)
-    topk_weights = torch.rand(tokens, topk, generator=gen).to(device)
+    x, topk_idx, topk_weights = ll_inputs(rank, tokens, cfg, device, random_topk)
 
     def dispatch():
         return buf.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=cfg.fp8)
 
     recv_x, _, handle, _, _ = dispatch()
-    if cfg.fp8:   # identity experts: the dequantized rows go back (a copy: the next dispatches rewrite recv_x)
-        combine_in = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=2)).to(torch.bfloat16)
-    else:
-        combine_in = recv_x.clone()
+    combine_in = ll_expert_outputs(recv_x)
 
     def combine():
         return buf.low_latency_combine(combine_in, topk_idx, topk_weights, handle)
