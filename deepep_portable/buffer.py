@@ -16,6 +16,7 @@ import torch
 
 from . import _validate as check
 from ._buffer_ll import LowLatencyOps
+from ._buffer_zero_copy import ZeroCopyInputs
 from .comm import Comm
 from .config import DEFAULT_NUM_SMS, Config
 from .event import EventOverlap
@@ -33,7 +34,7 @@ _uids = itertools.count(1)
 DEFAULT_TIMEOUT_S = 100.0
 
 
-class Buffer(LowLatencyOps):
+class Buffer(LowLatencyOps, ZeroCopyInputs):
     """Expert-parallel communication buffers for MoE dispatch and combine.
 
     Same constructor (DeepEP V1's positional order) and methods as `deep_ep.Buffer` (V1). Ours in
@@ -419,24 +420,6 @@ class Buffer(LowLatencyOps):
     def _inner(handle):
         """The DispatchHandle an internode handle holds (any other object is checked as it is)."""
         return handle.inner if isinstance(handle, InternodeHandle) else handle
-
-    def get_next_combine_buffer(self, handle: DispatchHandle, hidden: Optional[int] = None) -> torch.Tensor:
-        """A [num_recv_rows, hidden] bf16 tensor (hidden: the dispatch's by default) to write the expert outputs
-        of `handle`'s rows into, then pass as `combine`'s x (not a DeepEP V1 API; the normal-mode analogue of
-        `get_next_low_latency_combine_buffer`). Over the intranode kernels it is a view of this Buffer: the
-        combine reads the rows there instead of first copying them in (one pass over them instead of two).
-
-        Collective: every rank calls it after its dispatch and before its combine (it waits, on the GPU and
-        ordered before the caller's later work, until every peer has finished reading this Buffer's last op,
-        i.e. has called it too or started its combine). Write the outputs before the combine; any op on this
-        Buffer closes the area (call this again before each combine that is to read it in place, also to
-        reuse the same contents). Other engines (reference transport, several nodes) return a fresh tensor."""
-        backend = self._live()
-        handle = self._inner(handle)
-        check.dispatch_handle(handle, self._ctx.uid)
-        hidden = handle.hidden if hidden is None else check.positive_int("hidden", hidden)
-        check.hidden(hidden, fp8=False)
-        return backend.get_next_combine_buffer(handle, hidden)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,

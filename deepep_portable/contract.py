@@ -221,6 +221,12 @@ class Transport(abc.ABC):
     def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(combined_x, combined_topk_weights or None)."""
 
+    def get_next_dispatch_buffer(self, num_tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """Where the caller may write its tokens, [num_tokens, hidden] of dtype, to pass them as dispatch's x. A
+        backend that can read them there in place (the intranode kernels) gives a view of its window; this
+        default gives a fresh tensor (dispatch then copies as for any x)."""
+        return torch.empty(num_tokens, hidden, dtype=dtype, device=self.ctx.device)
+
     def get_next_combine_buffer(self, handle: DispatchHandle, hidden: int) -> torch.Tensor:
         """Where the caller may write the expert outputs of `handle`'s rows, [num_recv_rows, hidden] bf16, to
         pass them as combine's x. A backend that can read them there in place (the intranode kernels) gives

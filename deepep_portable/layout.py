@@ -5,16 +5,18 @@ offsets as launch parameters) use these objects, so the arithmetic exists once.
 
 Normal mode (intranode, pull-based): every rank owns one buffer shared with its peers by CUDA IPC:
 
-    [ control (signals, counts; CONTROL_BYTES) | send lists [R][cap] int32 | send area ]
+    [ control (signals, counts; CONTROL_BYTES) | send area ]
 
 An op first copies what it sends into its *own* send area (once per token, whatever the fan-out),
 then signals; receivers pull the rows they need from the peers' send areas straight into their
-outputs. Dispatch slots (one per source token) and the combine's rows (one per received row) reuse
-the same bytes, because a rank only restages after every peer has finished pulling the previous op.
+outputs. The dispatch's rows (one per source token) and the combine's rows (one per received row)
+reuse the same bytes, because a rank only restages after every peer has finished pulling the previous
+op. Each op's rows come first, contiguous and at the same offset whatever the call's top-k, so a
+caller may write them in place (Buffer.get_next_dispatch_buffer / get_next_combine_buffer):
 
-    dispatch slot: [ payload | scales (4 B each) | top-k ids (int32) | top-k weights (fp32) ]
-    combine:       [ control | rows [R*cap, hidden] bf16 | weights [R*cap, top-k] fp32 ]
-                   (contiguous rows: a caller may write them in place, Buffer.get_next_combine_buffer)
+    dispatch: [ control | rows [cap, hidden] | meta [cap] | send lists [R][cap] int32 ]
+              meta slot: [ scales (4 B each) | top-k ids (int32) | top-k weights (fp32) ]
+    combine:  [ control | rows [R*cap, hidden] bf16 | weights [R*cap, top-k] fp32 ]
 
 Low-latency mode: two identical halves (double buffering, so consecutive calls need no cleaning);
 each half has a dispatch receive area with one slot per (local expert, source rank, token), a
@@ -32,6 +34,7 @@ ALIGN = 16
 CONTROL_BYTES = 1 << 16          # signals / counters at the head of the normal buffer
 MAX_TOPK = 128                   # the API bound (DeepEP's kNumMaxTopK)
 HINT_TOPK = 32                   # top-k the default size hints reserve room for
+ROWS_OFFSET = CONTROL_BYTES      # each normal-mode op's rows, right after the control area (128-aligned)
 
 
 def align_up(x: int, a: int = ALIGN) -> int:
@@ -64,18 +67,39 @@ class NormalLayout:
     def combine_slot(self) -> int:
         return combine_slot_bytes(self.hidden, self.num_topk)
 
-    # byte offsets of a slot's parts (the kernels' scales_offset / topk_*_offset / weights_offset)
+    # The dispatch's send area: payload rows, then a meta slot per token, then the send lists.
     @property
-    def dispatch_scales_offset(self) -> int:
+    def dispatch_row_bytes(self) -> int:
         return align_up(self.hidden * self.elem_bytes)
 
     @property
+    def dispatch_meta_bytes(self) -> int:
+        return align_up(self.num_scales * 4) + 2 * align_up(self.num_topk * 4)
+
+    # byte offsets of a meta slot's parts (the kernels' scales_offset / topk_*_offset)
+    @property
+    def dispatch_scales_offset(self) -> int:
+        return 0
+
+    @property
     def dispatch_topk_idx_offset(self) -> int:
-        return self.dispatch_scales_offset + align_up(self.num_scales * 4)
+        return align_up(self.num_scales * 4)
 
     @property
     def dispatch_topk_weights_offset(self) -> int:
         return self.dispatch_topk_idx_offset + align_up(self.num_topk * 4)
+
+    @staticmethod
+    def dispatch_rows_offset() -> int:
+        """The dispatch's payload rows [cap, hidden], contiguous, right after the control area: the same
+        offset for every call shape, so Buffer.get_next_dispatch_buffer needs only the rows' shape."""
+        return ROWS_OFFSET
+
+    def dispatch_meta_offset(self, capacity: int) -> int:
+        return self.dispatch_rows_offset() + capacity * self.dispatch_row_bytes
+
+    def send_list_offset(self, capacity: int) -> int:
+        return align_up(self.dispatch_meta_offset(capacity) + capacity * self.dispatch_meta_bytes, 128)
 
     def combine_rows(self, capacity: int) -> int:
         """Rows the combine's send area holds: every rank may send me `capacity` tokens."""
@@ -85,9 +109,9 @@ class NormalLayout:
     def combine_rows_offset() -> int:
         """The combine's send area: [rows, hidden] bf16 expert outputs, contiguous (so a caller may write
         them there itself: Buffer.get_next_combine_buffer), right after the control area. It does not
-        depend on the call's top-k (the caller asks for it before the combine), and it may cover the
-        dispatch's send lists: a round starts only once every peer has finished reading the last one."""
-        return align_up(CONTROL_BYTES, 128)
+        depend on the call's top-k (the caller asks for it before the combine), and it covers the
+        dispatch's area: a round starts only once every peer has finished reading the last one."""
+        return ROWS_OFFSET
 
     def combine_weights_area_offset(self, capacity: int) -> int:
         """Then their top-k weights, [rows, top-k] f32. Rows and weights fit where the rows' combine slots are
@@ -109,12 +133,6 @@ class NormalLayout:
     def max_tokens_per_rank(self, buffer_bytes: int) -> int:
         """The inverse of buffer_bytes: the most tokens per rank a buffer of that size holds."""
         return max(0, (buffer_bytes - self.buffer_bytes(0)) // self.bytes_per_token)
-
-    def send_list_offset(self) -> int:
-        return CONTROL_BYTES
-
-    def send_area_offset(self, capacity: int) -> int:
-        return CONTROL_BYTES + align_up(self.num_ranks * capacity * 4, 128)
 
 
 def normal_buffer_bytes(num_max_tokens_per_rank: int, hidden_bytes: int, num_ranks: int,

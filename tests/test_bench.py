@@ -119,15 +119,17 @@ def test_bench_compare_drives_a_peer_module_in_low_latency_mode():
     assert "not run here" not in r.stdout
 
 
-def test_comparison_puts_the_zero_copy_combine_beside_the_peers_combine(capsys):
+def test_comparison_puts_the_zero_copy_ops_beside_the_peers_ops(capsys):
     from collections import namedtuple
     from deepep_portable.tools.compare import print_comparison
     Row = namedtuple("Row", "op tokens precision time_us transport")
-    rows = [Row("combine", 64, "bf16", 200.0, "nvlink"), Row("combine_zc", 64, "bf16", 100.0, "nvlink"),
-            Row("combine", 64, "bf16", 300.0, "deep_ep")]
+    rows = [Row("dispatch", 64, "fp8", 150.0, "nvlink"), Row("dispatch_zc", 64, "fp8", 120.0, "nvlink"),
+            Row("combine", 64, "bf16", 200.0, "nvlink"), Row("combine_zc", 64, "bf16", 100.0, "nvlink"),
+            Row("dispatch", 64, "fp8", 180.0, "deep_ep"), Row("combine", 64, "bf16", 300.0, "deep_ep")]
     print_comparison(rows, "deep_ep")
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if " = " in line]
-    assert [(line[0], line[-1]) for line in lines] == [("combine", "1.500"), ("combine_zc", "3.000")]
+    assert [(line[0], line[-1]) for line in lines] == [("dispatch", "1.200"), ("combine", "1.500"),
+                                                      ("dispatch_zc", "1.500"), ("combine_zc", "3.000")]
 
 
 def test_soak_runs_and_passes_on_the_cpu():

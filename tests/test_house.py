@@ -29,7 +29,7 @@ FLOORS = [
     {"windows"},
     {"engines"},
     {"transports"},
-    {"buffer", "_buffer_ll", "tools"},
+    {"buffer", "_buffer_ll", "_buffer_zero_copy", "tools"},
     {"__main__", ""},          # "" = the package's __init__ (the public face)
 ]
 

@@ -23,6 +23,7 @@ except Exception:   # pragma: no cover - CI installs a compiler
      dict(NUM_RANKS=3, HIDDEN_BYTES=256, NUM_TOPK=5, NUM_SCALES=2)),
     (intranode.COMBINE_SOURCE, intranode.COMBINE_KERNELS[1], intranode.CombineParams,
      dict(NUM_RANKS=3, HIDDEN=128, NUM_TOPK=0)),
+    (intranode.OPEN_ROUND_SOURCE, intranode.OPEN_ROUND_KERNEL, intranode.OpenRoundParams, {}),
 ])
 def test_param_struct_matches_kernel(tmp_path, source, kernel, struct, defines):
     out = tmp_path / "k.ptx"
@@ -40,12 +41,15 @@ def test_layout_capacity_is_consistent_with_hint():
             lay = L.NormalLayout(ranks, hidden, elem, scales, topk)
             cap = lay.max_tokens_per_rank(hint)
             assert cap >= tokens
-            # the send area at that capacity holds both the dispatch slots and the combine slots
-            end = lay.send_area_offset(cap) + max(cap * lay.dispatch_slot, ranks * cap * lay.combine_slot)
-            assert end <= hint
+            # the dispatch's rows, meta slots and send lists at that capacity, in that order, 16-byte aligned
+            rows, meta, lists = lay.dispatch_rows_offset(), lay.dispatch_meta_offset(cap), lay.send_list_offset(cap)
+            assert rows == L.ROWS_OFFSET >= L.CONTROL_BYTES and rows % 128 == 0 and meta % 16 == 0
+            assert meta == rows + cap * hidden * elem and lists >= meta + cap * lay.dispatch_meta_bytes
+            assert lists + ranks * cap * 4 <= hint
+            assert lay.dispatch_topk_weights_offset + topk * 4 <= lay.dispatch_meta_bytes
             # the combine's two arrays (rows, then weights) fit in the same area, the weights 16-byte aligned
             rows, weights = lay.combine_rows_offset(), lay.combine_weights_area_offset(cap)
-            assert rows >= L.CONTROL_BYTES and rows % 128 == 0
+            assert rows == L.ROWS_OFFSET
             assert weights == rows + lay.combine_rows(cap) * hidden * 2 and weights % 16 == 0
             assert weights + lay.combine_rows(cap) * topk * 4 <= hint
 
@@ -96,16 +100,16 @@ def test_dispatch_plan_fills_the_layout_fields_once():
     cap = lay.max_tokens_per_rank(1 << 30)
     assert kernels == intranode.DISPATCH_KERNELS
     assert dict(stub.kernels[0][2]) == dict(NUM_RANKS=ranks, HIDDEN_BYTES=hidden, NUM_TOPK=topk, NUM_SCALES=scales)
-    assert (t.send_list_offset, t.send_area_offset) == (lay.send_list_offset(), lay.send_area_offset(cap))
-    assert (t.slot_bytes, t.capacity) == (lay.dispatch_slot, cap)
-    # the slot: payload | scales | top-k ids | top-k weights, each 16-byte aligned, inside the slot
-    assert t.scales_offset == hidden and t.topk_idx_offset == hidden + L.align_up(scales * 4)
-    assert t.topk_weights_offset + topk * 4 <= t.slot_bytes
+    assert (t.send_list_offset, t.rows_offset) == (lay.send_list_offset(cap), L.ROWS_OFFSET)
+    assert (t.meta_offset, t.meta_bytes, t.capacity) == (L.ROWS_OFFSET + cap * hidden, lay.dispatch_meta_bytes, cap)
+    # the meta slot: scales | top-k ids | top-k weights, each 16-byte aligned, inside the slot
+    assert t.scales_offset == 0 and t.topk_idx_offset == L.align_up(scales * 4)
+    assert t.topk_weights_offset + topk * 4 <= t.meta_bytes
     assert (t.num_scales, t.num_experts, t.expert_alignment, t.rank) == (scales, 256, 4, 3)
     # a call copies the template and fills its own pointers: the template stays as built
     p = intranode.DispatchParams.from_buffer_copy(t)
     p.x, p.host_out, p.num_tokens = 1234, 5678, 99
-    assert (t.x, t.host_out, t.num_tokens) == (0, 0, 0) and p.slot_bytes == t.slot_bytes
+    assert (t.x, t.host_out, t.num_tokens) == (0, 0, 0) and p.meta_bytes == t.meta_bytes
 
 
 def test_combine_plan_fills_the_layout_fields_once():

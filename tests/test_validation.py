@@ -156,6 +156,29 @@ def test_handle_checks(buffer, group, device):
     round_trip(buffer, device)
 
 
+def test_zero_copy_input_checks(buffer, device):
+    """get_next_dispatch_buffer: its arguments are checked before anything runs; the reference transport gives
+    a fresh tensor of the asked shape, which dispatches as any x."""
+    with pytest.raises(TypeError, match="num_tokens must be an int"):
+        buffer.get_next_dispatch_buffer(2.0, HIDDEN)
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        buffer.get_next_dispatch_buffer(-1, HIDDEN)
+    with pytest.raises(TypeError, match="dtype must be torch.bfloat16"):
+        buffer.get_next_dispatch_buffer(TOKENS, HIDDEN, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        buffer.get_next_dispatch_buffer(TOKENS, HIDDEN + 8, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        buffer.get_next_dispatch_buffer(TOKENS, HIDDEN + 4)
+    x, idx, w = make_inputs(device)
+    rows = buffer.get_next_dispatch_buffer(TOKENS, HIDDEN)
+    assert rows.shape == x.shape and rows.dtype == torch.bfloat16 and rows.is_contiguous()
+    rows.copy_(x)
+    recv_x, *_ = buffer.dispatch(rows, topk_idx=idx, topk_weights=w, **layout_kwargs(buffer, idx))
+    assert torch.equal(recv_x, x)
+    assert buffer.get_next_dispatch_buffer(0, 128, torch.float8_e4m3fn).shape == (0, 128)
+    round_trip(buffer, device)
+
+
 def test_low_latency_checks(ll_buffer, buffer, device):
     x, idx, w = make_inputs(device)
     with pytest.raises(ValueError, match="low_latency_mode=True"):

@@ -12,7 +12,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .. import jit
+from .. import errors, jit
 from .. import layout as L
 from ..contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult
 from ..handles import DispatchHandle, IntranodeState
@@ -25,13 +25,15 @@ from .launch import current_stream_handle, launch, params_struct, ptr, stream_ha
 
 DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
+OPEN_ROUND_SOURCE = "common/kernels/intranode/open_round.cu"
 THREADS = 512   # __launch_bounds__ of the intranode kernels
 # (stage, pull) kernels of each op; only the pull, which moves the op's data, carries the op's name.
 DISPATCH_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_tokens", "DispatchParams"),
                     jit.kernel_symbol("deepep_portable::intranode::dispatch", "DispatchParams"))
 COMBINE_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_expert_rows", "CombineParams"),
-                   jit.kernel_symbol("deepep_portable::intranode::combine", "CombineParams"),
-                   jit.kernel_symbol("deepep_portable::intranode::open_expert_output_round", "CombineParams"))
+                   jit.kernel_symbol("deepep_portable::intranode::combine", "CombineParams"))
+# The next round's prologue alone, launched ahead of an op whose input the caller writes in place (one block).
+OPEN_ROUND_KERNEL = jit.kernel_symbol("deepep_portable::intranode::open_round", "OpenRoundParams")
 MAX_SPARES = 4   # (kind, tokens) shapes whose next dispatch finds its small outputs ready
 
 
@@ -39,7 +41,7 @@ _CONTROL = ["round", "current", "ready", "error", "num_tokens", "done", "count_t
             "stage_ticket"]
 DispatchParams = params_struct("DispatchParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
-    "send_list_offset", "send_area_offset", "slot_bytes", "capacity", "scales_offset", "topk_idx_offset",
+    "send_list_offset", "rows_offset", "meta_offset", "meta_bytes", "capacity", "scales_offset", "topk_idx_offset",
     "topk_weights_offset", "x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "send_pos",
     "num_tokens_per_rank",
     "num_tokens_per_expert", "num_tokens", "num_scales", "scale_token_stride", "scale_hidden_stride", "num_experts",
@@ -51,6 +53,9 @@ CombineParams = params_struct("CombineParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
     "send_area_offset", "weights_area_offset", "x", "topk_weights", "num_rows", "send_rows",
     "bias_0", "bias_1", "out", "out_topk_weights", "num_tokens", "error_claim", "error_host", "timeout_ns"])
+OpenRoundParams = params_struct("OpenRoundParams", [
+    "peer_bases", "rank", "num_ranks", *[f"ctrl_{f}" for f in _CONTROL], "op", "error_claim", "error_host",
+    "timeout_ns"])
 
 
 class IntranodeEngine(Engine):
@@ -69,10 +74,12 @@ class IntranodeEngine(Engine):
         self.errors = self.window.errors
         self._plans: dict = {}   # per call shape: (kernels, filled params template); see _plan
         self._spares: dict = {}   # (cached, N) -> the next such dispatch's small outputs; see _small_outputs
-        # (address, rows, hidden) of the combine area get_next_combine_buffer opened for the next combine; any op
-        # closes it (a combine reads x in place only from an area opened for it, after the round's prologue).
+        # (op, address, rows, hidden, dtype) of the rows get_next_dispatch_buffer / get_next_combine_buffer opened
+        # for the next op; any op closes them (an op reads x in place only from rows opened for it, after the
+        # round's prologue).
         self._opened: Optional[tuple] = None
-        self.in_place_combines = 0   # combines that read x in place (tests and tools look)
+        self.in_place_dispatches = 0   # dispatches / combines that read x in place (tests and tools look)
+        self.in_place_combines = 0
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
@@ -121,8 +128,8 @@ class IntranodeEngine(Engine):
         cap = self._capacity(lay)
         p = DispatchParams()
         self._common(p)
-        p.send_list_offset, p.send_area_offset = lay.send_list_offset(), lay.send_area_offset(cap)
-        p.slot_bytes, p.capacity = lay.dispatch_slot, cap
+        p.send_list_offset, p.rows_offset = lay.send_list_offset(cap), lay.dispatch_rows_offset()
+        p.meta_offset, p.meta_bytes, p.capacity = lay.dispatch_meta_offset(cap), lay.dispatch_meta_bytes, cap
         p.scales_offset, p.topk_idx_offset = lay.dispatch_scales_offset, lay.dispatch_topk_idx_offset
         p.topk_weights_offset = lay.dispatch_topk_weights_offset
         p.num_scales, p.num_experts, p.expert_alignment = num_scales, num_experts, expert_alignment
@@ -140,6 +147,12 @@ class IntranodeEngine(Engine):
         defines = dict(NUM_RANKS=self.num_ranks, HIDDEN=hidden, NUM_TOPK=topk)
         kernels = tuple(self._kernel(COMBINE_SOURCE, k, defines) for k in COMBINE_KERNELS)
         return kernels, p
+
+    def _open_round_plan(self):
+        p = OpenRoundParams()
+        self._common(p)
+        p.num_ranks = self.num_ranks
+        return self._kernel(OPEN_ROUND_SOURCE, OPEN_ROUND_KERNEL, {}), p
 
     # ---- small outputs ------------------------------------------------------------------------------
     def _allocate_small(self, cached: bool, N: int) -> tuple:
@@ -189,7 +202,7 @@ class IntranodeEngine(Engine):
         dispatch; no top-k, no expert counts)."""
         t_host = time.perf_counter()
         self.check()
-        self._opened = None
+        opened, self._opened = self._opened, None
         comm = self.ctx.comm_stream
         N, hidden = x.shape
         R = self.num_ranks
@@ -218,7 +231,12 @@ class IntranodeEngine(Engine):
         self.profile.host_time("dispatch:until_alloc", t_host)
 
         p = DispatchParams.from_buffer_copy(template)
-        p.x, p.x_scales = x.data_ptr(), ptr(x_scales)
+        # x written in place by the caller into the rows next_dispatch_buffer opened for this dispatch: the stage
+        # copies only the meta parts (scales, top-k). Refused before any launch: any other x inside my send area.
+        area = (self.base + L.ROWS_OFFSET, self.base + self.window.size)
+        in_place = self._reads_in_place("dispatch", x, opened, area)
+        self.in_place_dispatches += in_place
+        p.x, p.x_scales = (0 if in_place else x.data_ptr()), ptr(x_scales)
         if x_scales is not None:   # any strides (column-major scales are read in place)
             p.scale_token_stride, p.scale_hidden_stride = x_scales.stride()
         p.topk_idx = 0 if cached else ptr(fresh.topk_idx)
@@ -287,11 +305,24 @@ class IntranodeEngine(Engine):
             transport_state=IntranodeState(send_pos=send_pos, num_tokens_per_rank=per_rank, num_recv=num_recv_dev))
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_list, new_handle)
 
-    # ---- combine ----------------------------------------------------------------------------------
+    # ---- zero-copy inputs: an op's rows written in place by the caller ------------------------------------
+    def next_dispatch_buffer(self, num_tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """[num_tokens, hidden] view of my send area's dispatch rows for a zero-copy dispatch
+        (Buffer.get_next_dispatch_buffer). The rows must fit beside the meta slots of a top-k up to the size
+        hints' (HINT_TOPK) and, for FP8, one scale per 128 channels; a dispatch whose shape leaves no room is
+        refused before its launch (its capacity check), as any refused dispatch: the rows are closed."""
+        self.check()
+        elem = dtype.itemsize
+        lay = L.NormalLayout(self.num_ranks, hidden, elem, hidden // 128 if elem == 1 else 0, L.HINT_TOPK)
+        most = self._capacity(lay)
+        if num_tokens > most:
+            raise ValueError(f"get_next_dispatch_buffer: {num_tokens} tokens x hidden {hidden} ({dtype}) need more "
+                             f"than this Buffer's num_nvl_bytes={self.ctx.num_nvl_bytes} holds at top-k up to "
+                             f"{L.HINT_TOPK} ({most} tokens)")
+        return self._open_rows("dispatch", L.NormalLayout.dispatch_rows_offset(), num_tokens, hidden, dtype)
+
     def next_combine_buffer(self, handle: DispatchHandle, hidden: int) -> torch.Tensor:
         """[num_recv_rows, hidden] bf16 view of my send area for a zero-copy combine (Buffer.get_next_combine_buffer).
-        First, on the comm stream and ordered before the caller's later work, the combine round's prologue
-        (open_expert_output_round): once it has run no peer reads my send area, so the caller may write there.
         The rows must fit beside the weights of a top-k up to the size hints' (HINT_TOPK): a Buffer sized by a
         hint for the dispatch takes its zero-copy combine too. A combine whose wider top-k leaves no room is refused
         before its launch (combine), as any refused combine: the area is closed, open it again to retry."""
@@ -301,42 +332,58 @@ class IntranodeEngine(Engine):
         if rows > most:
             raise ValueError(f"get_next_combine_buffer: {rows} rows x hidden {hidden} need more than this Buffer's "
                              f"num_nvl_bytes={self.ctx.num_nvl_bytes} holds at top-k up to {L.HINT_TOPK} ({most} rows)")
-        (_, _, opener), template = self._plan(("combine", hidden, 0), lambda: self._combine_plan(hidden, 0))
+        return self._open_rows("combine", L.NormalLayout.combine_rows_offset(), rows, hidden, torch.bfloat16)
+
+    def _open_rows(self, op: str, offset: int, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """Opens the next round for `op` and returns the [rows, hidden] view of my window at `offset` that the op
+        will read in place. The round's prologue (open_round) goes on the comm stream, ordered after the caller's
+        work so far and before its later work: once it has run no peer reads my send area, so the caller may write
+        there. Collective, as the op's own first kernel: it waits for every peer to finish the last round."""
+        opener, template = self._plan(("open_round",), self._open_round_plan)
+        p = OpenRoundParams.from_buffer_copy(template)
+        p.op = next(i for i, name in errors.table()[1].items() if name == op)   # kOpDispatch, ... (errors.cuh)
         comm, current = stream_handle(self.ctx.comm_stream), current_stream_handle(self.dev)
         stream_wait_stream(self.dev, comm, current)
-        launch(opener, 1, THREADS, CombineParams.from_buffer_copy(template), comm)
+        launch(opener, 1, THREADS, p, comm)
         stream_wait_stream(self.dev, current, comm)
-        offset = L.NormalLayout.combine_rows_offset()
-        self._opened = (self.base + offset, rows, hidden)
-        area = self.window.view(offset, rows * hidden * 2, self.ctx.device)
-        return area.view(torch.bfloat16).view(rows, hidden)
+        self._opened = (op, self.base + offset, rows, hidden, dtype)
+        area = self.window.view(offset, rows * hidden * dtype.itemsize, self.ctx.device)
+        return area.view(dtype).view(rows, hidden)
 
+    @staticmethod
+    def _reads_in_place(op: str, x: torch.Tensor, opened: Optional[tuple], area: Tuple[int, int]) -> bool:
+        """Whether `op` reads x where it is: x is the rows last opened for this op (and no op ran since). Any other
+        x overlapping my send area `area` [lo, hi) (rows not opened since the last op: peers may still read them)
+        would be copied onto itself mid-read or race with them: refused."""
+        lo, hi = x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
+        if x.numel() > 0 and opened == (op, lo, x.size(0), x.size(1), x.dtype):
+            return True
+        if x.numel() > 0 and lo < area[1] and area[0] < hi:
+            raise ValueError(f"x overlaps this Buffer's {op} area: pass the tensor get_next_{op}_buffer() returned "
+                             f"for this {op} (call it again before each {op} that reads it), or a tensor outside "
+                             "the Buffer")
+        return False
+
+    # ---- combine ----------------------------------------------------------------------------------
     def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         x, handle, topk_weights, bias_0, bias_1 = args.x, args.handle, args.topk_weights, args.bias_0, args.bias_1
         self.check()
         comm = self.ctx.comm_stream
         hidden = x.size(1)
         topk = 0 if topk_weights is None else topk_weights.size(1)
-        (stage, pull, _), template = self._plan(("combine", hidden, topk), lambda: self._combine_plan(hidden, topk))
+        (stage, pull), template = self._plan(("combine", hidden, topk), lambda: self._combine_plan(hidden, topk))
         p = CombineParams.from_buffer_copy(template)
-        # x written in place by the caller into the area next_combine_buffer opened for this combine: the stage
-        # copies only the weights. Any other x overlapping the area (one not opened since the last op: peers may
-        # still read it) would be copied onto itself mid-read or race with them: refused before any launch.
+        # x written in place by the caller into the rows next_combine_buffer opened for this combine: the stage
+        # copies only the weights. Refused before any launch: any other x overlapping the rows or their weights.
         opened, self._opened = self._opened, None
-        area_lo = self.base + p.send_area_offset
-        area_hi = self.base + p.weights_area_offset + handle.num_recv_rows * topk * 4
-        x_lo, x_hi = x.data_ptr(), x.data_ptr() + x.numel() * 2
-        in_place = x.numel() > 0 and opened == (x_lo, handle.num_recv_rows, hidden)
+        area = (self.base + p.send_area_offset, self.base + p.weights_area_offset + handle.num_recv_rows * topk * 4)
+        in_place = self._reads_in_place("combine", x, opened, area)
         if in_place:   # the rows the caller wrote must end before this top-k's weights start
             most = self._combine_rows_room(hidden, topk)
             if handle.num_recv_rows > most:
                 raise ValueError(f"a zero-copy combine of {handle.num_recv_rows} rows with top-k {topk} needs more "
                                  f"than this Buffer's num_nvl_bytes={self.ctx.num_nvl_bytes} (it holds {most} rows at "
                                  "that top-k): combine a tensor outside the Buffer, or size it for this top-k")
-        if not in_place and x.numel() > 0 and x_lo < area_hi and area_lo < x_hi:
-            raise ValueError("x overlaps this Buffer's combine area: pass the tensor get_next_combine_buffer() "
-                             "returned for this combine (call it again before each combine that reads it), or a "
-                             "tensor outside the Buffer")
         p.x, p.topk_weights = (0 if in_place else x.data_ptr()), ptr(topk_weights)
         self.in_place_combines += in_place
         p.num_rows = handle.transport_state.num_recv.data_ptr()
@@ -366,3 +413,4 @@ jit.register_family(
     "intranode_combine", COMBINE_SOURCE, list(COMBINE_KERNELS),
     variants=[dict(NUM_RANKS=8, HIDDEN=7168, NUM_TOPK=8),
               dict(NUM_RANKS=4, HIDDEN=4096, NUM_TOPK=0)])
+jit.register_family("intranode_open_round", OPEN_ROUND_SOURCE, [OPEN_ROUND_KERNEL], variants=[{}])

@@ -119,6 +119,36 @@ def _internode_rows(in_rank: torch.Tensor, rank: int, ranks_per_node: int):
     return net, int(in_rank.sum())
 
 
+def _time_zero_copy(buf, device, cfg, group, x_in, dispatch, recv_x, combine_in, handle, combined):
+    """(dispatch, combine) times of the zero-copy ops (not DeepEP V1 APIs; the intranode engine's): the same tokens
+    and expert outputs written into the Buffer's own rows (get_next_dispatch_buffer / get_next_combine_buffer,
+    timed with the op: its prologue kernel), which the kernels read in place. The producer's write is not timed,
+    as in the op rows; the rows stay in place between calls. Each op is first checked against the staged one."""
+    fp8 = isinstance(x_in, tuple)
+    tokens = x_in[0] if fp8 else x_in
+    rows = buf.get_next_dispatch_buffer(tokens.size(0), tokens.size(1), tokens.dtype)
+    rows.copy_(tokens)
+    x_zc = (rows, x_in[1]) if fp8 else rows
+    got = dispatch(x_zc)[0]
+    if not all(torch.equal(a, b) for a, b in zip(got if fp8 else (got,), recv_x if fp8 else (recv_x,))):
+        raise AssertionError(f"rank {dist.get_rank(group)}: the zero-copy dispatch differs from the staged one")
+
+    def zero_copy_dispatch():   # its prologue included
+        buf.get_next_dispatch_buffer(tokens.size(0), tokens.size(1), tokens.dtype)
+        return dispatch(x_zc)
+    t_dispatch = slowest(timer(device, zero_copy_dispatch, cfg.warmup, cfg.iters, group), group)
+
+    area = buf.get_next_combine_buffer(handle)
+    area.copy_(combine_in)
+    if not torch.equal(buf.combine(area, handle)[0], combined):
+        raise AssertionError(f"rank {dist.get_rank(group)}: the zero-copy combine differs from the staged one")
+
+    def zero_copy_combine():
+        buf.get_next_combine_buffer(handle)
+        return buf.combine(area, handle)
+    return t_dispatch, slowest(timer(device, zero_copy_combine, cfg.warmup, cfg.iters, group), group)
+
+
 def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: int, rows: List[Row]) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     gen = torch.Generator().manual_seed(1000 * rank + tokens)
@@ -138,8 +168,8 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, experts)
         x_in = _reference_fp8_cast(x, False) if cfg.fp8 else x
 
-        def dispatch():
-            return buf.dispatch(x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        def dispatch(tokens=x_in):
+            return buf.dispatch(tokens, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                 num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
 
         def layout():
@@ -173,20 +203,10 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
             print_host_profile(f"get_dispatch_layout, {tokens} tokens", layout, device, rank == 0)
         t_combine = slowest(timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group),
                             group)
-        # The zero-copy combine (not a DeepEP V1 API): the same rows written into the Buffer's own combine area
-        # (get_next_combine_buffer, timed with the op: its prologue kernel), which the kernels read in place; where
-        # the engine has one (intranode). The expert's write is not timed, as in the combine row.
-        t_combine_zc = None
-        if getattr(buf.backend.engine("normal"), "next_combine_buffer", None) is not None:
-            area = buf.get_next_combine_buffer(handle)
-            area.copy_(combine_in)
-            if not torch.equal(buf.combine(area, handle)[0], combined):
-                raise AssertionError(f"rank {rank}: the zero-copy combine differs from the staged one")
-
-            def zero_copy_combine():   # its prologue included; the rows stay in the area between calls
-                buf.get_next_combine_buffer(handle)
-                return buf.combine(area, handle)
-            t_combine_zc = slowest(timer(device, zero_copy_combine, cfg.warmup, cfg.iters, group), group)
+        t_dispatch_zc = t_combine_zc = None
+        if getattr(buf.backend.engine("normal"), "next_dispatch_buffer", None) is not None:
+            t_dispatch_zc, t_combine_zc = _time_zero_copy(buf, device, cfg, group, x_in, dispatch, recv_x,
+                                                          combine_in, handle, combined)
         # The layout reads topk_idx once: its ceiling is one copy of those bytes (same timing method).
         layout_host_times: list = []   # the same samples' host time per call: the eager row's host share
         t_layout = slowest(timer(device, layout, cfg.warmup, cfg.iters, group, host_times=layout_host_times), group)
@@ -215,7 +235,8 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
                     ("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
                     ("combine", t_combine, c_combine, combine_bytes, "bf16")]
         measured[1:1] = [(op, t, c_layout, layout_bytes, "int64") for op, t in layout_rows]
-        if t_combine_zc is not None:
+        if t_dispatch_zc is not None:
+            measured.append(("dispatch_zc", t_dispatch_zc, c_dispatch, dispatch_bytes, prec))
             measured.append(("combine_zc", t_combine_zc, c_combine, combine_bytes, "bf16"))
         if per_node:   # DeepEP's two bandwidths: rows that cross the network once per node, and NVLink rows,
             # each beside the rate the op's ceiling moves them at (the op row's ceiling time)

@@ -151,9 +151,9 @@ def print_comparison(rows: List, module: str) -> None:
     if not pairs:
         return
     print(f"\n{module} time / ours (same processes, inputs and timing; > 1: deepep_portable is faster)")
-    # Our zero-copy combine (expert outputs written into our area; not a DeepEP V1 API) beside the peer's combine
-    pairs += [(r, peer[("combine", r.tokens)]) for r in rows
-              if r.op == "combine_zc" and r.transport != module and ("combine", r.tokens) in peer]
+    # Our zero-copy ops (inputs written into our own rows; not DeepEP V1 APIs) beside the peer's op
+    pairs += [(r, peer[(r.op[:-3], r.tokens)]) for r in rows
+              if r.op in ("dispatch_zc", "combine_zc") and r.transport != module and (r.op[:-3], r.tokens) in peer]
     for r, p in pairs:
         print(f"  {r.op:>10s} {r.tokens:>6d} tokens {r.precision:>5s}: {p.time_us:9.1f} us / {r.time_us:9.1f} us"
               f" = {p.time_us / r.time_us:.3f}")

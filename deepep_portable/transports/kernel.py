@@ -77,8 +77,15 @@ class KernelTransport(Transport):
     def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         return self.normal_engine.combine(args)
 
+    # Zero-copy inputs: the intranode engine's; any other engine gets the contract's fresh tensor.
+    def get_next_dispatch_buffer(self, num_tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        zero_copy = getattr(self.normal_engine, "next_dispatch_buffer", None)
+        if zero_copy is None:
+            return super().get_next_dispatch_buffer(num_tokens, hidden, dtype)
+        return zero_copy(num_tokens, hidden, dtype)
+
     def get_next_combine_buffer(self, handle: DispatchHandle, hidden: int) -> torch.Tensor:
-        zero_copy = getattr(self.normal_engine, "next_combine_buffer", None)   # the intranode engine's
+        zero_copy = getattr(self.normal_engine, "next_combine_buffer", None)
         return super().get_next_combine_buffer(handle, hidden) if zero_copy is None else zero_copy(handle, hidden)
 
     # ---- low-latency mode ---------------------------------------------------------------------

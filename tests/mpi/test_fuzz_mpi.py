@@ -79,7 +79,8 @@ def normal_case(seed: int, num_ranks: int) -> dict:
                 ranks_per_node=r.choice(divisors) if TRANSPORT in INTERNODE and r.random() < 0.4 else 0,
                 max_tokens=r.choice([1, 2, 17, 64]),
                 overlap=r.choice([None, None, "caller", "comm"]),   # drawn last: earlier seeds keep their shapes
-                zero_copy=r.random() < 0.3)   # expert outputs written into get_next_combine_buffer's tensor
+                zero_copy=r.random() < 0.3,   # expert outputs written into get_next_combine_buffer's tensor
+                zero_copy_dispatch=r.random() < 0.3)   # tokens written into get_next_dispatch_buffer's (drawn last)
 
 
 def ll_case(seed: int, num_ranks: int) -> dict:

@@ -300,10 +300,12 @@ def check_dispatch(ck: GpuChecker, tag: str, out, expected: oracle.DispatchExpec
 def run_round(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, topk: int, experts: int, tokens,
               num_sms: Optional[int], fp8: bool = False, use_topk: bool = True, expert_alignment: int = 1,
               worst_extra: Optional[int] = None, num_bias: int = 0, p_none: float = 0.1, all_none: bool = True,
-              async_mode: Optional[str] = None, column_major_scales: bool = False, zero_copy: bool = False,
+              async_mode: Optional[str] = None, column_major_scales: bool = False, zero_copy: str = "",
               rnd: int = 0, tag: str = "") -> None:
     """Every collective (all-gathers for the oracle, agree) runs on every rank in the same order whatever
-    fails locally; kernel calls run only while every rank is still healthy."""
+    fails locally; kernel calls run only while every rank is still healthy. zero_copy: "dispatch" (the tokens
+    written into Buffer.get_next_dispatch_buffer's tensor before the dispatch and the cached dispatch),
+    "combine" (the expert outputs into get_next_combine_buffer's), "both", or "" (neither)."""
     rank, num_ranks = world(pg)
     experts = num_experts_for(experts, num_ranks)
     num_tokens = resolve_tokens(tokens, gen, rank, hidden, rnd)
@@ -366,6 +368,10 @@ def run_round(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, topk: int, e
 
     def payload():
         d = late(device, x, scales)
+        if zero_copy in ("dispatch", "both"):   # the tokens written into the Buffer itself (collective)
+            in_buffer = buf.get_next_dispatch_buffer(num_tokens, hidden, d[0].dtype)
+            in_buffer.copy_(d[0])
+            d[0] = in_buffer
         if fp8 and column_major_scales:   # what DeepGEMM consumes and DeepEP's tests pass: read in place
             return d[0], d[1].T.contiguous().T
         return (d[0], d[1]) if fp8 else d[0]
@@ -407,7 +413,7 @@ def run_round(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, topk: int, e
     def do_combine():
         d_y, d_b0, d_b1 = late(device, y, biases[0] if num_bias else None, biases[1] if num_bias == 2 else None)
         bias = None if num_bias == 0 else (d_b0 if num_bias == 1 else (d_b0, d_b1))
-        if zero_copy:   # the expert outputs written into the Buffer itself (collective: every rank calls it)
+        if zero_copy in ("combine", "both"):   # the expert outputs written into the Buffer itself (collective)
             in_buffer = buf.get_next_combine_buffer(handle)
             in_buffer.copy_(d_y)
             d_y = in_buffer
@@ -453,12 +459,18 @@ CASES = {
     "bf16-h7168-top8-dense-default-config": dict(hidden=7168, topk=8, experts=256, tokens="small", num_sms=None,
                                                  p_none=0.0, all_none=False),
     # the expert outputs written into Buffer.get_next_combine_buffer's view (the combine reads them in place)
+    # and the tokens written into Buffer.get_next_dispatch_buffer's (the dispatch's peers read them in place)
     "bf16-h7168-top8-sm8-bias1-zero-copy": dict(hidden=7168, topk=8, experts=256, tokens="typical", num_sms=8,
-                                                num_bias=1, zero_copy=True),
+                                                num_bias=1, zero_copy="combine"),
     "fp8-h7168-top3-odd-sm4-worst-zero-copy": dict(hidden=7168, fp8=True, topk=3, experts=24, tokens="odd",
-                                                   num_sms=4, worst_extra=5, zero_copy=True),
+                                                   num_sms=4, worst_extra=5, zero_copy="both"),
     "bf16-h2048-no-topk-zero-rank-zero-copy": dict(hidden=2048, topk=3, experts=24, tokens="zero", num_sms=8,
-                                                   use_topk=False, zero_copy=True),
+                                                   use_topk=False, zero_copy="both"),
+    "fp8-h7168-top8-column-major-zero-copy-dispatch": dict(hidden=7168, fp8=True, topk=8, experts=256,
+                                                           tokens="typical", num_sms=8, column_major_scales=True,
+                                                           zero_copy="dispatch"),
+    "bf16-h4096-top8-sm4-align4-zero-copy-dispatch": dict(hidden=4096, topk=8, experts=256, tokens="odd",
+                                                          num_sms=4, expert_alignment=4, zero_copy="dispatch"),
 }
 
 
@@ -548,6 +560,60 @@ def test_zero_copy_combine_matches_the_staged_one_and_refuses_overlap(nvl, pg, d
         ck.true(refused, "combine(x overlapping the combine area) must raise ValueError naming the overlap, and "
                          "combine(get_next_combine_buffer's tensor) must read it in place")
         ck.bits(in_place, staged, "zero-copy combine vs the staged combine")
+    ck.done()
+
+
+def test_zero_copy_dispatch_matches_the_staged_one_and_refuses_stale_rows(nvl, pg, device, request, base_seed):
+    """Buffer.get_next_dispatch_buffer: FP8 tokens written into its tensor dispatch, fresh and cached, bit for bit
+    as the same tokens from outside the Buffer. The same tensor passed again without reopening it (the peers may
+    still read those rows) is refused before any launch on every rank with tokens, and the Buffer goes on: reopened,
+    the rows still hold the tokens, and a cached dispatch reads them in place."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    hidden, experts, topk = 2048, num_experts_for(64, num_ranks), 4
+    n = int(torch.randint(0, 200, (1,), generator=gen))
+    x, scales = (t.to(device) for t in oracle.fp8_cast(torch.randn(n, hidden, generator=gen).to(torch.bfloat16)))
+    idx = make_topk(n, topk, experts, gen, 0.1).to(device)
+    w = torch.rand(n, topk, generator=gen).to(device)
+    ck = GpuChecker(pg)
+
+    def staged_then_zero_copy():
+        per_rank, _, per_expert, in_rank, _ = nvl.get_dispatch_layout(idx, experts)
+
+        def dispatch(tokens):
+            return nvl.dispatch((tokens, scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+
+        staged = dispatch(x)
+        rows = nvl.get_next_dispatch_buffer(n, hidden, x.dtype)
+        rows.copy_(x)
+        engine = nvl.backend.engine("normal")
+        before = engine.in_place_dispatches
+        zero = dispatch(rows)
+        refused = True
+        if n:   # an empty x reads nothing: it would run (a round the peers do not run)
+            try:
+                dispatch(rows)
+                refused = False
+            except ValueError as e:
+                refused = "overlaps" in str(e)
+        rows = nvl.get_next_dispatch_buffer(n, hidden, x.dtype)   # the refused call closed the rows: reopen
+        cached = nvl.dispatch((rows, scales), handle=zero[4])
+        torch.cuda.synchronize()
+        return staged, zero, cached, refused, engine.in_place_dispatches - before
+
+    out = ck.run("zero-copy dispatch", staged_then_zero_copy)
+    if out is not None:
+        staged, zero, cached, refused, in_place = out
+        ck.true(refused and in_place == (2 if n else 0),
+                f"dispatch(rows not reopened) must raise ValueError naming the overlap ({refused}), and both "
+                f"dispatches of get_next_dispatch_buffer's tensor must read it in place ({in_place} did)")
+        for k, what in enumerate(("recv_x", "recv_x_scales")):
+            ck.bits(zero[0][k], staged[0][k], f"zero-copy dispatch {what} vs the staged dispatch")
+            ck.bits(cached[0][k], staged[0][k], f"zero-copy cached dispatch {what} vs the staged dispatch")
+        ck.bits(zero[1], staged[1], "zero-copy dispatch recv_topk_idx")
+        ck.bits(zero[2], staged[2], "zero-copy dispatch recv_topk_weights")
+        ck.bits(zero[4].send_rows, staged[4].send_rows, "zero-copy dispatch handle.send_rows")
     ck.done()
 
 

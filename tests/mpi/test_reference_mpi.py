@@ -174,7 +174,7 @@ def _finish(event, overlap) -> None:
 
 def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=None, use_topk=True,
                expert_alignment=1, num_worst_extra=None, num_bias=0, p_none=0.1, column_major_scales=False,
-               ranks_per_node=0, skew=False, overlap=None, zero_copy=False):
+               ranks_per_node=0, skew=False, overlap=None, zero_copy=False, zero_copy_dispatch=False):
     """dispatch, cached dispatch and combine of random inputs; everything compared to the oracle.
 
     fp8: None (bf16), "float" or "int32" scales, or "float-column-major" (float scales with DeepGEMM's
@@ -182,7 +182,9 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
     largest receive count of any rank plus this many rows. overlap: None (plain calls), "caller" or "comm":
     every op gets a previous_event and async_finish=True (allocating on the caller's or the comm stream), and
     its results are read only after the caller's stream waits on the event it returns. zero_copy: the expert
-    outputs are written into Buffer.get_next_combine_buffer's tensor, which goes to combine as x."""
+    outputs are written into Buffer.get_next_combine_buffer's tensor, which goes to combine as x.
+    zero_copy_dispatch: the tokens are written into Buffer.get_next_dispatch_buffer's tensor before the dispatch
+    and again before the cached dispatch, which take it as x."""
     if fp8 not in (None, "float", "int32", "float-column-major"):   # never a silent BF16 case
         raise ValueError(f"run_normal: unknown fp8 {fp8!r}")
     if fp8 == "float-column-major":
@@ -232,8 +234,17 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
                                idx_all if use_topk else None, weights_all if use_topk else None,
                                per_expert_all, expert_alignment, num_worst)
 
+    def tokens():   # x, or the same tokens written into the Buffer (collective: every rank calls it)
+        if not zero_copy_dispatch:
+            return (x, scales) if scales is not None else x
+        rows = buf.get_next_dispatch_buffer(num_tokens, hidden, x.dtype)
+        ck.true(rows.shape == x.shape and rows.dtype == x.dtype and rows.is_contiguous(),
+                f"get_next_dispatch_buffer gave {rows.dtype}{list(rows.shape)}, want {x.dtype}{list(x.shape)}")
+        rows.copy_(x)
+        return (rows, scales) if scales is not None else rows
+
     recv_x, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
-        (x, scales) if scales is not None else x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        tokens(), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=idx if use_topk else None,
         topk_weights=weights if use_topk else None, expert_alignment=expert_alignment,
         num_worst_tokens=num_worst, **_overlap(buf, overlap))
@@ -270,7 +281,7 @@ def run_normal(buf, pg, gen, device, *, hidden, topk, experts, num_tokens, fp8=N
     if ranks_per_node:
         handle = outer   # the caller's handle goes back in as it came out
     # cached dispatch: same movement, payload only
-    again, *rest = buf.dispatch((x, scales) if scales is not None else x, handle=handle, **_overlap(buf, overlap))
+    again, *rest = buf.dispatch(tokens(), handle=handle, **_overlap(buf, overlap))
     _finish(rest[-1], overlap)
     ck.true(all(r is None for r in rest[:4]), "cached dispatch must return None for topk/weights/list/handle")
     again_scales = None
@@ -330,8 +341,8 @@ def test_dispatch_combine_small(buffer, pg, device, request, base_seed, case):
         run_normal(buffer, pg, gen, device, **kwargs, fp8="int32", num_bias=1)
     elif case == "no-topk":
         run_normal(buffer, pg, gen, device, **kwargs, use_topk=False, expert_alignment=4)
-    elif case == "zero-copy":   # expert outputs written into get_next_combine_buffer's tensor
-        run_normal(buffer, pg, gen, device, **kwargs, zero_copy=True, num_bias=1)
+    elif case == "zero-copy":   # tokens and expert outputs written into get_next_{dispatch,combine}_buffer's tensors
+        run_normal(buffer, pg, gen, device, **kwargs, zero_copy=True, zero_copy_dispatch=True, num_bias=1)
     else:   # no -1 slots: every token reaches several ranks
         run_normal(buffer, pg, gen, device, **kwargs, p_none=0.0)
 

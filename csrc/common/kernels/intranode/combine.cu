@@ -2,19 +2,14 @@
 //
 // My send area holds, for the combine, two arrays: the expert outputs [rows, HIDDEN] bf16 (row i =
 // the i-th row I received in the dispatch) and after them their top-k weights [rows, NUM_TOPK] f32.
-//   open_expert_output_round: the stage kernel's prologue alone (begin_round), for
-//                            Buffer.get_next_combine_buffer: once it has run nobody reads my send area, so
-//                            the caller may write its expert outputs there itself (a zero-copy combine: the
-//                            stage then skips the rows). No "combine" in its name: profiler tables find
-//                            the op's kernel by that word.
-//   stage_expert_rows: copy the rows I received in the dispatch (now expert outputs) and
-//                            their top-k weights once into my send area (the rows only when x is not
-//                            already there: x == nullptr). begin_round is idempotent within a round
-//                            (same DONE values, same CURRENT), so it may follow open_expert_output_round.
-//   combine:                 for each of my tokens, read its row from every rank it was sent to
-//                            (row index from the dispatch handle) and sum in float32 in a fixed
-//                            order: 0, + bias_0, + bias_1, + rows of ranks 0..R-1. Plain adds (no
-//                            multiply, so no FMA contraction): bit-identical to the torch oracle.
+//   stage_expert_rows: copy the rows I received in the dispatch (now expert outputs) and their top-k
+//                      weights once into my send area (the rows only when x is not already there:
+//                      x == nullptr, a zero-copy combine whose round open_round.cu opened for
+//                      Buffer.get_next_combine_buffer; begin_round runs again at no cost).
+//   combine:           for each of my tokens, read its row from every rank it was sent to (row index
+//                      from the dispatch handle) and sum in float32 in a fixed order: 0, + bias_0,
+//                      + bias_1, + rows of ranks 0..R-1. Plain adds (no multiply, so no FMA
+//                      contraction): bit-identical to the torch oracle.
 //
 // Compile-time (-D): NUM_RANKS, HIDDEN (bf16 elements, multiple of 8), NUM_TOPK (0 for none).
 #include <cuda_bf16.h>
@@ -86,11 +81,6 @@ DEEPEP_DEVICE int load_send_row(const CombineParams& p, int64_t t, int lane) {
 }  // namespace
 
 namespace deepep_portable::intranode {
-
-__global__ void __launch_bounds__(kThreads) open_expert_output_round(const __grid_constant__ CombineParams p) {
-    begin_round(bufs_of(p), p.ctrl, p.timeout_ns,
-                ErrorSink{p.error_claim, p.error_host, kOpCombine, static_cast<int>(p.rank)});
-}
 
 __global__ void __launch_bounds__(kThreads) stage_expert_rows(const __grid_constant__ CombineParams p) {
     const PeerBuffers bufs = bufs_of(p);

@@ -1,7 +1,10 @@
 // Intranode dispatch, pull-based (see protocol.cuh for the round protocol).
 //
-//   stage_tokens:              copy my tokens once into my send area (payload, scales, top-k; warps
-//                              draw tokens from a counter, see draw_token),
+//   stage_tokens:              copy my tokens once into my send area (payload rows, and each token's
+//                              meta slot: scales, top-k; warps draw tokens from a counter, see
+//                              draw_ticket); the payload only when x is not already there (x == nullptr:
+//                              a zero-copy dispatch, its round opened by open_round.cu for
+//                              Buffer.get_next_dispatch_buffer),
 //                              write the per-destination send lists and my counts. The send
 //                              positions (index of token t among my tokens for rank r) are scanned
 //                              here, one block per destination rank, while the other warps copy rows.
@@ -61,14 +64,15 @@ struct DispatchParams {
     int64_t rank;
     ControlLayout ctrl;
     int64_t send_list_offset;       // int32 [R][capacity]
-    int64_t send_area_offset;
-    int64_t slot_bytes;
+    int64_t rows_offset;            // payload rows [capacity, HIDDEN_BYTES], contiguous (layout.py)
+    int64_t meta_offset;            // meta slots [capacity, meta_bytes]
+    int64_t meta_bytes;
     int64_t capacity;               // send-list stride (tokens)
-    int64_t scales_offset;          // byte offsets inside a slot
+    int64_t scales_offset;          // byte offsets inside a meta slot
     int64_t topk_idx_offset;
     int64_t topk_weights_offset;
     // stage inputs
-    const int4* x;                  // [num_tokens, HIDDEN_BYTES]
+    const int4* x;                  // [num_tokens, HIDDEN_BYTES], or null: already in my payload rows
     const int* x_scales;            // [num_tokens, num_scales] (4-byte words, any strides), or null
     const int64_t* topk_idx;        // [num_tokens, NUM_TOPK] global expert ids, or null
     const float* topk_weights;      // [num_tokens, NUM_TOPK], or null
@@ -195,21 +199,70 @@ DEEPEP_DEVICE void notify_host(const DispatchParams& p, const PeerBuffers& bufs,
     }
 }
 
-// The stage kernel hands my tokens out one at a time through my STAGE_TICKET word instead of striding
-// them over the grid: block 0 (which first waits for every peer's counts) and the blocks that scan
-// send positions start copying late, and with a fixed share they would finish last. Every warp draws
-// until it gets a ticket past the tokens, so num_tokens + warps tickets are drawn in all; the warp
-// that draws the last one re-arms the word for the next round (every other warp has drawn its last
-// ticket by then, and the next kernel on the stream starts after this one ends).
-DEEPEP_DEVICE int64_t draw_token(unsigned int* ticket, int64_t num_tokens, int lane) {
+// The stage kernel hands my tokens out in tickets (a ticket = a run of consecutive tokens) through my
+// STAGE_TICKET word instead of striding them over the grid: block 0 (which first waits for every
+// peer's counts) and the blocks that scan send positions start copying late, and with a fixed share
+// they would finish last. Every warp draws until it gets a ticket past the last one, so num_tickets +
+// warps tickets are drawn in all; the warp that draws the last one re-arms the word for the next round
+// (every other warp has drawn its last ticket by then, and the next kernel on the stream starts after
+// this one ends).
+DEEPEP_DEVICE int64_t draw_ticket(unsigned int* ticket, int64_t num_tickets, int lane) {
     unsigned int v = 0;
     if (lane == 0) {
-        const unsigned int total = static_cast<unsigned int>(num_tokens) + gridDim.x * (blockDim.x / 32);
+        const unsigned int total = static_cast<unsigned int>(num_tickets) + gridDim.x * (blockDim.x / 32);
         v = atomicAdd(ticket, 1u);
         if (v == total - 1)
             atomicExch(ticket, 0u);
     }
     return static_cast<int64_t>(__shfl_sync(0xffffffffu, v, 0));
+}
+
+// Tokens per ticket: one while a token's payload row is copied (the copy hides the draw's round trip);
+// a run when only its meta slot is (zero-copy), so a warp does not wait on the shared word per token.
+constexpr int kMetaTokensPerTicket = 16;
+
+// One warp stages token t: its payload row (unless x is null: already in place) and its meta slot.
+// The row's first chunk is loaded before the meta parts, and stored after them (RowCopy).
+DEEPEP_DEVICE void stage_token(const DispatchParams& p, int4* rows, char* meta_area, int* send_list, bool scan,
+                               int64_t t, int lane) {
+    char* meta = meta_area + t * p.meta_bytes;
+    const int4* src = p.x == nullptr ? nullptr : p.x + t * kHiddenInt4;
+    RowCopy<kHiddenInt4> row;
+    if (src != nullptr)
+        row.load(src, 0, lane);
+    int scale[kScalesPerLane > 0 ? kScalesPerLane : 1];
+#pragma unroll
+    for (int u = 0; u < kScalesPerLane; ++u)
+        if (lane + 32 * u < kNumScales)
+            scale[u] = p.x_scales[t * p.scale_token_stride + (lane + 32 * u) * p.scale_hidden_stride];
+    int id[kTopkPerLane > 0 ? kTopkPerLane : 1];
+    float weight[kTopkPerLane > 0 ? kTopkPerLane : 1];
+    const bool has_topk = kNumTopk > 0 && p.topk_idx != nullptr;
+#pragma unroll
+    for (int u = 0; u < kTopkPerLane; ++u)
+        if (has_topk && lane + 32 * u < kNumTopk) {
+            id[u] = static_cast<int>(p.topk_idx[t * kNumTopk + lane + 32 * u]);
+            weight[u] = p.topk_weights[t * kNumTopk + lane + 32 * u];
+        }
+    if (src != nullptr) {
+        row.store(rows + t * kHiddenInt4, 0, lane);
+        row.copy_rest(rows + t * kHiddenInt4, src, lane);
+    }
+#pragma unroll
+    for (int u = 0; u < kScalesPerLane; ++u)
+        if (lane + 32 * u < kNumScales)
+            reinterpret_cast<int*>(meta + p.scales_offset)[lane + 32 * u] = scale[u];
+#pragma unroll
+    for (int u = 0; u < kTopkPerLane; ++u)
+        if (has_topk && lane + 32 * u < kNumTopk) {
+            reinterpret_cast<int*>(meta + p.topk_idx_offset)[lane + 32 * u] = id[u];
+            reinterpret_cast<float*>(meta + p.topk_weights_offset)[lane + 32 * u] = weight[u];
+        }
+    for (int r = lane; r < kNumRanks && !scan; r += 32) {   // cached dispatch: positions given
+        const int pos = p.send_pos[t * kNumRanks + r];
+        if (pos >= 0)
+            send_list[r * p.capacity + pos] = static_cast<int>(t);
+    }
 }
 
 }  // namespace
@@ -232,49 +285,18 @@ __global__ void __launch_bounds__(kThreads) stage_tokens(const __grid_constant__
         notify_host(p, bufs, n, sink);
     }
     int* send_list = bufs.at<int>(bufs.rank, p.send_list_offset);
-    char* send_area = bufs.at<char>(bufs.rank, p.send_area_offset);
+    int4* rows = bufs.at<int4>(bufs.rank, p.rows_offset);
+    char* meta_area = bufs.at<char>(bufs.rank, p.meta_offset);
     const bool scan = p.is_token_in_rank != nullptr;
     if (scan)
         scan_send_positions(p, send_list);   // after begin_round: no peer reads my send lists any more
     const int lane = threadIdx.x % 32;
     unsigned int* ticket = bufs.at<unsigned int>(bufs.rank, p.ctrl.stage_ticket);
-    for (int64_t t = draw_token(ticket, p.num_tokens, lane); t < p.num_tokens; t = draw_token(ticket, p.num_tokens, lane)) {
-        char* slot = send_area + t * p.slot_bytes;
-        const int4* src = p.x + t * kHiddenInt4;
-        RowCopy<kHiddenInt4> row;
-        row.load(src, 0, lane);
-        int scale[kScalesPerLane > 0 ? kScalesPerLane : 1];
-#pragma unroll
-        for (int u = 0; u < kScalesPerLane; ++u)
-            if (lane + 32 * u < kNumScales)
-                scale[u] = p.x_scales[t * p.scale_token_stride + (lane + 32 * u) * p.scale_hidden_stride];
-        int id[kTopkPerLane > 0 ? kTopkPerLane : 1];
-        float weight[kTopkPerLane > 0 ? kTopkPerLane : 1];
-        const bool has_topk = kNumTopk > 0 && p.topk_idx != nullptr;
-#pragma unroll
-        for (int u = 0; u < kTopkPerLane; ++u)
-            if (has_topk && lane + 32 * u < kNumTopk) {
-                id[u] = static_cast<int>(p.topk_idx[t * kNumTopk + lane + 32 * u]);
-                weight[u] = p.topk_weights[t * kNumTopk + lane + 32 * u];
-            }
-        row.store(reinterpret_cast<int4*>(slot), 0, lane);
-        row.copy_rest(reinterpret_cast<int4*>(slot), src, lane);
-#pragma unroll
-        for (int u = 0; u < kScalesPerLane; ++u)
-            if (lane + 32 * u < kNumScales)
-                reinterpret_cast<int*>(slot + p.scales_offset)[lane + 32 * u] = scale[u];
-#pragma unroll
-        for (int u = 0; u < kTopkPerLane; ++u)
-            if (has_topk && lane + 32 * u < kNumTopk) {
-                reinterpret_cast<int*>(slot + p.topk_idx_offset)[lane + 32 * u] = id[u];
-                reinterpret_cast<float*>(slot + p.topk_weights_offset)[lane + 32 * u] = weight[u];
-            }
-        for (int r = lane; r < kNumRanks && !scan; r += 32) {   // cached dispatch: positions given
-            const int pos = p.send_pos[t * kNumRanks + r];
-            if (pos >= 0)
-                send_list[r * p.capacity + pos] = static_cast<int>(t);
-        }
-    }
+    const int64_t per_ticket = p.x == nullptr ? kMetaTokensPerTicket : 1;
+    const int64_t num_tickets = (p.num_tokens + per_ticket - 1) / per_ticket;
+    for (int64_t k = draw_ticket(ticket, num_tickets, lane); k < num_tickets; k = draw_ticket(ticket, num_tickets, lane))
+        for (int64_t t = k * per_ticket; t < (k + 1) * per_ticket && t < p.num_tokens; ++t)
+            stage_token(p, rows, meta_area, send_list, scan, t, lane);
 }
 
 }  // namespace deepep_portable::intranode
@@ -376,25 +398,26 @@ __global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ Dis
                     p.recv_src_idx[i] = -1;
                 continue;
             }
-            const char* slot = bufs.at<const char>(s, p.send_area_offset) + static_cast<int64_t>(t) * p.slot_bytes;
+            const int4* src = bufs.at<const int4>(s, p.rows_offset) + static_cast<int64_t>(t) * kHiddenInt4;
+            const char* meta = bufs.at<const char>(s, p.meta_offset) + static_cast<int64_t>(t) * p.meta_bytes;
             RowCopy<kHiddenInt4> row;
-            row.load(reinterpret_cast<const int4*>(slot), 0, lane);
+            row.load(src, 0, lane);
             int scale[kScalesPerLane > 0 ? kScalesPerLane : 1];
 #pragma unroll
             for (int u = 0; u < kScalesPerLane; ++u)
                 if (lane + 32 * u < kNumScales)
-                    scale[u] = reinterpret_cast<const int*>(slot + p.scales_offset)[lane + 32 * u];
+                    scale[u] = reinterpret_cast<const int*>(meta + p.scales_offset)[lane + 32 * u];
             int id[kTopkPerLane > 0 ? kTopkPerLane : 1];
             float weight[kTopkPerLane > 0 ? kTopkPerLane : 1];
             const bool want_topk = kNumTopk > 0 && p.recv_topk_idx != nullptr;
 #pragma unroll
             for (int u = 0; u < kTopkPerLane; ++u)
                 if (want_topk && lane + 32 * u < kNumTopk) {
-                    id[u] = reinterpret_cast<const int*>(slot + p.topk_idx_offset)[lane + 32 * u];
-                    weight[u] = reinterpret_cast<const float*>(slot + p.topk_weights_offset)[lane + 32 * u];
+                    id[u] = reinterpret_cast<const int*>(meta + p.topk_idx_offset)[lane + 32 * u];
+                    weight[u] = reinterpret_cast<const float*>(meta + p.topk_weights_offset)[lane + 32 * u];
                 }
             row.store(out, 0, lane);
-            row.copy_rest(out, reinterpret_cast<const int4*>(slot), lane);
+            row.copy_rest(out, src, lane);
 #pragma unroll
             for (int u = 0; u < kScalesPerLane; ++u)
                 if (lane + 32 * u < kNumScales && p.recv_scales != nullptr)
