@@ -7,6 +7,7 @@ Buffer's communication stream; outputs are allocated on the current stream (Buff
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import List, Optional, Tuple
 
@@ -35,6 +36,7 @@ COMBINE_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_expert_r
 # The next round's prologue alone, launched ahead of an op whose input the caller writes in place (one block).
 OPEN_ROUND_KERNEL = jit.kernel_symbol("deepep_portable::intranode::open_round", "OpenRoundParams")
 MAX_SPARES = 4   # (kind, tokens) shapes whose next dispatch finds its small outputs ready
+MAX_GUESSES = 8  # call shapes whose next fresh dispatch allocates its outputs before it learns its receive count
 
 
 _CONTROL = ["round", "current", "ready", "error", "num_tokens", "done", "count_to", "expert_count", "counted",
@@ -47,7 +49,7 @@ DispatchParams = params_struct("DispatchParams", [
     "num_tokens_per_expert", "num_tokens", "num_scales", "scale_token_stride", "scale_hidden_stride", "num_experts",
     "recv_x", "recv_scales",
     "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "rank_prefix_matrix", "send_rows",
-    "num_recv_out", "expert_counts_out", "host_out", "max_recv_rows", "expert_alignment",
+    "num_recv_out", "expert_counts_out", "host_out", "max_recv_rows", "speculative", "expert_alignment",
     "error_claim", "error_host", "timeout_ns"])
 CombineParams = params_struct("CombineParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
@@ -80,6 +82,12 @@ class IntranodeEngine(Engine):
         self._opened: Optional[tuple] = None
         self.in_place_dispatches = 0   # dispatches / combines that read x in place (tests and tools look)
         self.in_place_combines = 0
+        self._window_bytes: Optional[torch.Tensor] = None   # uint8 view of the whole window (the rows' views)
+        # Per call shape, the rows the next fresh dispatch allocates before its receive count is known (see
+        # _receive); DEEPEP_PORTABLE_SPECULATIVE_RECV=0 turns it off (always wait for the count, as DeepEP does).
+        self._recv_guess: dict = {}
+        self.speculate = os.environ.get("DEEPEP_PORTABLE_SPECULATIVE_RECV", "1") != "0"
+        self.speculative_misses = 0   # fresh dispatches whose guess was too small (pulled again; tests look)
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
@@ -203,6 +211,12 @@ class IntranodeEngine(Engine):
         t_host = time.perf_counter()
         self.check()
         opened, self._opened = self._opened, None
+        # x written in place by the caller into the rows next_dispatch_buffer opened for this dispatch: the stage
+        # copies only the meta parts (scales, top-k). Refused before any launch: any other x inside my send area.
+        area = (self.base + L.ROWS_OFFSET, self.base + self.window.size)
+        in_place = self._reads_in_place("dispatch", x, opened, area)
+        self.in_place_dispatches += in_place
+        op = "dispatch_zc" if in_place else "dispatch"   # the profile's name (DEEPEP_PORTABLE_PROFILE=1)
         comm = self.ctx.comm_stream
         N, hidden = x.shape
         R = self.num_ranks
@@ -217,9 +231,8 @@ class IntranodeEngine(Engine):
         (stage, pull), template = self._plan(
             ("dispatch", hidden, x.element_size(), num_scales, topk, num_experts, alignment),
             lambda: self._dispatch_plan(hidden, x.element_size(), num_scales, topk, num_experts, alignment))
-        self.profile.host_time("dispatch:check_and_plan", t_host)
+        self.profile.host_time(f"{op}:check_and_plan", t_host)
 
-        dev = self.ctx.device
         if cached:
             send_pos, per_rank = handle.transport_state.send_pos, handle.transport_state.num_tokens_per_rank
         else:
@@ -228,14 +241,9 @@ class IntranodeEngine(Engine):
         if not cached:
             send_pos, send_rows = views[0], views[1]
         rank_prefix, num_recv_dev = views[2], views[3]
-        self.profile.host_time("dispatch:until_alloc", t_host)
+        self.profile.host_time(f"{op}:until_alloc", t_host)
 
         p = DispatchParams.from_buffer_copy(template)
-        # x written in place by the caller into the rows next_dispatch_buffer opened for this dispatch: the stage
-        # copies only the meta parts (scales, top-k). Refused before any launch: any other x inside my send area.
-        area = (self.base + L.ROWS_OFFSET, self.base + self.window.size)
-        in_place = self._reads_in_place("dispatch", x, opened, area)
-        self.in_place_dispatches += in_place
         p.x, p.x_scales = (0 if in_place else x.data_ptr()), ptr(x_scales)
         if x_scales is not None:   # any strides (column-major scales are read in place)
             p.scale_token_stride, p.scale_hidden_stride = x_scales.stride()
@@ -253,48 +261,53 @@ class IntranodeEngine(Engine):
             p.host_out = self.notify.dev
         s = stream_handle(comm)
         grid = self.grid(num_sms)
-        self.profile.host_time("dispatch:until_params", t_host)
+        self.profile.host_time(f"{op}:until_params", t_host)
         marks = self.profile.start(comm)
         t_launch = time.perf_counter()
         launch(stage, grid, THREADS, p, s)
-        self.profile.host_time("dispatch:stage_launch_call", t_launch)   # the driver call alone (MPS client)
-        self.profile.host_time("dispatch:until_stage_launch", t_host)
+        self.profile.host_time(f"{op}:stage_launch_call", t_launch)   # the driver call alone (MPS client)
+        self.profile.host_time(f"{op}:until_stage_launch", t_host)
         self.profile.mark(marks, comm)
 
         experts_per_rank = num_experts // R
         p.num_recv_out, p.rank_prefix_matrix = num_recv_dev.data_ptr(), rank_prefix.data_ptr()
         p.send_rows = 0 if cached else send_rows.data_ptr()
         counts_list: List[int] = []
+        shape = (N, hidden, x.dtype, num_scales, topk, num_experts, alignment)
+        t_wait = time.perf_counter()
         if cached:
             rows, num_recv = handle.num_recv_rows, handle.num_recv_tokens
         elif num_worst_tokens > 0:
             rows, num_recv = num_worst_tokens, -1
         else:
-            t_wait = time.perf_counter()
-            num_recv = self.wait_for_count("dispatch", self.notify)
-            self.profile.host_time("dispatch:wait_notify", t_wait)
+            p.host_out = 0
+            rows = num_recv = -1   # learned below
+        outs = None
+        guess = self._recv_guess.get(shape) if learn_count and self.speculate else None
+        if guess is not None:   # the pull goes now, into outputs of the guessed size (see _learned)
+            outs = self._recv_outputs(p, guess, hidden, x.dtype, x_scales, topk, speculative=True)
+            launch(pull, grid, THREADS, p, s)
+        if learn_count:
+            num_recv = rows = self.wait_for_count("dispatch", self.notify)
+            self.profile.host_time(f"{op}:wait_notify", t_wait)
             t_wait = time.perf_counter()
             counts_list = self.notify.words[2:2 + experts_per_rank]
-            rows = num_recv
-            p.host_out = 0
-
-        recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
-        recv_scales = None if x_scales is None else torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
-        recv_idx = recv_w = None
-        if topk:
-            recv_idx = torch.empty(rows, topk, dtype=torch.int64, device=dev)
-            recv_w = torch.empty(rows, topk, dtype=torch.float32, device=dev)
-        recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
-        p.recv_x, p.recv_scales, p.recv_topk_idx, p.recv_topk_weights, p.recv_src_idx = (
-            recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w), recv_src.data_ptr())
-        p.max_recv_rows = rows
-        launch(pull, grid, THREADS, p, s)
+            self._learned(shape, num_recv)
+            if outs is not None and num_recv <= guess:
+                outs = tuple(None if t is None else t[:num_recv] for t in outs)
+            else:   # no guess, or it was too small (the speculative pull then copied nothing): pull into exact outputs
+                self.speculative_misses += outs is not None
+                outs = None
+        if outs is None:
+            outs = self._recv_outputs(p, rows, hidden, x.dtype, x_scales, topk, speculative=False)
+            launch(pull, grid, THREADS, p, s)
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
         if learn_count:
-            self.profile.host_time("dispatch:notify_to_pull_launch", t_wait)
+            self.profile.host_time(f"{op}:notify_to_pull_launch", t_wait)
         self._prepare_spare(cached, N)   # the GPU is busy with the pull now
         self.profile.mark(marks, comm)
-        self.profile.finish("dispatch", ("stage", "pull"), marks)
-        self.profile.host_time("dispatch:call", t_host)
+        self.profile.finish(op, ("stage", "pull"), marks)
+        self.profile.host_time(f"{op}:call", t_host)
         if cached:
             return DispatchResult(recv_x, recv_scales, None, None, [], handle)
 
@@ -304,6 +317,39 @@ class IntranodeEngine(Engine):
             buffer_uid=self.ctx.uid,
             transport_state=IntranodeState(send_pos=send_pos, num_tokens_per_rank=per_rank, num_recv=num_recv_dev))
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_list, new_handle)
+
+    def _recv_outputs(self, p, rows: int, hidden: int, dtype: torch.dtype, x_scales: Optional[torch.Tensor],
+                      topk: int, speculative: bool) -> tuple:
+        """(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx) for `rows` rows, their
+        addresses set in the pull's params `p`."""
+        dev = self.ctx.device
+        recv_x = torch.empty(rows, hidden, dtype=dtype, device=dev)
+        recv_scales = None if x_scales is None else torch.empty(rows, x_scales.size(1), dtype=x_scales.dtype,
+                                                                device=dev)
+        recv_idx = recv_w = None
+        if topk:
+            recv_idx = torch.empty(rows, topk, dtype=torch.int64, device=dev)
+            recv_w = torch.empty(rows, topk, dtype=torch.float32, device=dev)
+        recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        p.recv_x, p.recv_scales, p.recv_topk_idx, p.recv_topk_weights, p.recv_src_idx = (
+            recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w), recv_src.data_ptr())
+        p.max_recv_rows, p.speculative = rows, int(speculative)
+        return recv_x, recv_scales, recv_idx, recv_w, recv_src
+
+    def _learned(self, shape: tuple, num_recv: int) -> None:
+        """Remember a fresh dispatch's receive count for the next one of the same shape: it allocates this many
+        rows plus 1/16 (and 64) before its count is known, and launches its pull right after the stage kernel,
+        so the pull does not wait for the host's round trip (count, allocation, launch: 60-200 us under MPS,
+        exposed whenever the stage kernel is shorter, as in a zero-copy dispatch). The outputs it returns are
+        views of the first num_recv rows (contiguous; their memory is up to 1/16 larger). When the count
+        exceeds the guess, the pull finds out on the device and copies nothing; the host then allocates exact
+        outputs and pulls again (the round stays open until a pull completes it: peers keep their rows)."""
+        if not self.speculate:
+            return
+        self._recv_guess.pop(shape, None)
+        self._recv_guess[shape] = num_recv + max(64, num_recv // 16)
+        while len(self._recv_guess) > MAX_GUESSES:
+            del self._recv_guess[next(iter(self._recv_guess))]
 
     # ---- zero-copy inputs: an op's rows written in place by the caller ------------------------------------
     def next_dispatch_buffer(self, num_tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
@@ -339,6 +385,7 @@ class IntranodeEngine(Engine):
         will read in place. The round's prologue (open_round) goes on the comm stream, ordered after the caller's
         work so far and before its later work: once it has run no peer reads my send area, so the caller may write
         there. Collective, as the op's own first kernel: it waits for every peer to finish the last round."""
+        t_host = time.perf_counter()
         opener, template = self._plan(("open_round",), self._open_round_plan)
         p = OpenRoundParams.from_buffer_copy(template)
         p.op = next(i for i, name in errors.table()[1].items() if name == op)   # kOpDispatch, ... (errors.cuh)
@@ -347,8 +394,12 @@ class IntranodeEngine(Engine):
         launch(opener, 1, THREADS, p, comm)
         stream_wait_stream(self.dev, current, comm)
         self._opened = (op, self.base + offset, rows, hidden, dtype)
-        area = self.window.view(offset, rows * hidden * dtype.itemsize, self.ctx.device)
-        return area.view(dtype).view(rows, hidden)
+        if self._window_bytes is None:   # made once: wrapping device memory in a tensor costs tens of us
+            self._window_bytes = self.window.view(0, self.window.size, self.ctx.device)
+        nbytes = rows * hidden * dtype.itemsize
+        area = self._window_bytes[offset:offset + nbytes].view(dtype).view(rows, hidden)
+        self.profile.host_time(f"open_rows:{op}", t_host)
+        return area
 
     @staticmethod
     def _reads_in_place(op: str, x: torch.Tensor, opened: Optional[tuple], area: Tuple[int, int]) -> bool:
@@ -399,7 +450,7 @@ class IntranodeEngine(Engine):
         self.profile.mark(marks, comm)
         launch(pull, grid, THREADS, p, s)
         self.profile.mark(marks, comm)
-        self.profile.finish("combine", ("stage", "pull"), marks)
+        self.profile.finish("combine_zc" if in_place else "combine", ("stage", "pull"), marks)
         return out, out_w
 
 

@@ -98,6 +98,7 @@ struct DispatchParams {
     int* expert_counts_out;         // [num_experts / R], aligned to expert_alignment (or null)
     int* host_out;                  // stage: mapped [0] = ready flag, [1] = num_recv, [2..] expert counts (or null)
     int64_t max_recv_rows;
+    int64_t speculative;            // 1: the outputs' size is the host's guess, made before it knew the count
     int64_t expert_alignment;
     // errors
     unsigned int* error_claim;
@@ -323,7 +324,11 @@ __global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ Dis
     }
     __syncthreads();
     const int num_recv_all = src_offset[kNumRanks];
+    if (p.speculative && num_recv_all > p.max_recv_rows)
+        return;   // the host's guess was too small: it pulls again into outputs that fit (the round stays open)
     const int num_recv = num_recv_all <= p.max_recv_rows ? num_recv_all : static_cast<int>(p.max_recv_rows);
+    // Rows to write: the received ones, and with num_worst_tokens the padding rows up to the outputs' end.
+    const int64_t out_rows = p.speculative ? num_recv : p.max_recv_rows;
 
     if (blockIdx.x == 0) {
         if (threadIdx.x == 0 && num_recv_all > p.max_recv_rows)
@@ -368,7 +373,7 @@ __global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ Dis
     const int lane = threadIdx.x % 32;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
     const int experts_per_rank = static_cast<int>(p.num_experts / kNumRanks);
-    for (int64_t base = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * kPullRows; base < p.max_recv_rows;
+    for (int64_t base = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * kPullRows; base < out_rows;
          base += warps * kPullRows) {
         int my_src = 0, my_token = -1;
         if (lane < kPullRows && base + lane < num_recv) {
@@ -377,7 +382,7 @@ __global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ Dis
                 ++my_src;
             my_token = bufs.at<const int>(my_src, p.send_list_offset)[me * p.capacity + (i - src_offset[my_src])];
         }
-        const int rows = static_cast<int>(p.max_recv_rows - base < kPullRows ? p.max_recv_rows - base : kPullRows);
+        const int rows = static_cast<int>(out_rows - base < kPullRows ? out_rows - base : kPullRows);
         for (int k = 0; k < rows; ++k) {
             const int64_t i = base + k;
             const int s = __shfl_sync(0xffffffffu, my_src, k);
