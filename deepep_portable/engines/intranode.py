@@ -22,7 +22,8 @@ from ..profiling import PhaseProfile
 from ..windows.base import MappedWords
 from ..windows.ipc import IpcWindow
 from .base import Engine
-from .launch import current_stream_handle, launch, params_struct, ptr, stream_handle, stream_wait_stream
+from .launch import (current_stream_handle, launch, params_struct, ptr, stream_handle, stream_idle,
+                     stream_wait_stream)
 
 DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
@@ -382,17 +383,20 @@ class IntranodeEngine(Engine):
 
     def _open_rows(self, op: str, offset: int, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         """Opens the next round for `op` and returns the [rows, hidden] view of my window at `offset` that the op
-        will read in place. The round's prologue (open_round) goes on the comm stream, ordered after the caller's
-        work so far and before its later work: once it has run no peer reads my send area, so the caller may write
-        there. Collective, as the op's own first kernel: it waits for every peer to finish the last round."""
+        will read in place. The round's prologue (open_round) goes on the caller's stream: the caller's later
+        work (its writes into the rows) follows it with no event, and once it has run no peer reads my send area.
+        It must also follow my last op on the comm stream (it reads the round that op completed): the caller's
+        stream waits for the comm stream only while that still has work (a query is one driver call, an event
+        record and a wait are two, ~10 us each under MPS). Collective, as the op's own first kernel: it waits
+        for every peer to finish the last round."""
         t_host = time.perf_counter()
         opener, template = self._plan(("open_round",), self._open_round_plan)
         p = OpenRoundParams.from_buffer_copy(template)
-        p.op = next(i for i, name in errors.table()[1].items() if name == op)   # kOpDispatch, ... (errors.cuh)
+        p.op = next(i for i, name in errors.table()[1].items() if name == op)   # kOpDispatch... (errors.cuh)
         comm, current = stream_handle(self.ctx.comm_stream), current_stream_handle(self.dev)
-        stream_wait_stream(self.dev, comm, current)
-        launch(opener, 1, THREADS, p, comm)
-        stream_wait_stream(self.dev, current, comm)
+        if torch.cuda.is_current_stream_capturing() or not stream_idle(self.dev, comm):   # no query when capturing
+            stream_wait_stream(self.dev, current, comm)
+        launch(opener, 1, THREADS, p, current)
         self._opened = (op, self.base + offset, rows, hidden, dtype)
         if self._window_bytes is None:   # made once: wrapping device memory in a tensor costs tens of us
             self._window_bytes = self.window.view(0, self.window.size, self.ctx.device)

@@ -68,6 +68,18 @@ def stream_wait_stream(dev: int, waiter: int, waited: int) -> None:
     _wait_by_handle[0](dev, waiter, waited)
 
 
+_query_by_handle: list = []   # [_C.stream_query], bound on first use
+
+
+def stream_idle(dev: int, stream: int) -> bool:
+    """Whether every kernel enqueued so far on `stream` (a CUstream int on device index `dev`) has completed
+    (cuStreamQuery): work enqueued later on another stream then follows it with no event."""
+    if not _query_by_handle:
+        from .. import _C
+        _query_by_handle.append(_C.stream_query)
+    return _query_by_handle[0](dev, stream)
+
+
 def stream_handle(stream: StreamLike, device: Optional[int] = None) -> int:
     """CUstream as an int: `stream` itself if an int, its handle if a torch stream, else the
     current torch stream of `device`. (Resolve once per op: current_stream() costs microseconds.)"""
