@@ -35,3 +35,14 @@ def test_cli(capsys):
     assert main(["model", "--ranks", "8", "--tokens", "4096", "--blocks", "24"]) == 0
     out = capsys.readouterr().out
     assert "NVLink-bound" in out and "fit from EP 2" in out
+
+
+def test_zero_copy_forms_drop_only_the_staging_copy(capsys):
+    from deepep_portable.__main__ import main
+
+    for op in ("dispatch", "combine"):
+        staged, zc = model.predict(op, 8, 4096, 24), model.predict(op + "_zc", 8, 4096, 24)
+        assert zc.stage_us == 0 and staged.stage_us > 0
+        assert (zc.fixed_us, zc.main_us, zc.bound) == (staged.fixed_us, staged.main_us, staged.bound)
+    assert main(["model", "--ranks", "8", "--tokens", "4096", "--blocks", "24", "--zero-copy"]) == 0
+    assert "dispatch_zc" in capsys.readouterr().out

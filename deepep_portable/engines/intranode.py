@@ -85,9 +85,9 @@ class IntranodeEngine(Engine):
         self.in_place_combines = 0
         self._window_bytes: Optional[torch.Tensor] = None   # uint8 view of the whole window (the rows' views)
         # Per call shape, the rows the next fresh dispatch allocates before its receive count is known (see
-        # _receive); DEEPEP_PORTABLE_SPECULATIVE_RECV=0 turns it off (always wait for the count, as DeepEP does).
+        # _learned). Opt-in (DEEPEP_PORTABLE_SPECULATIVE_RECV=1): by default the host waits for the count, as DeepEP.
         self._recv_guess: dict = {}
-        self.speculate = os.environ.get("DEEPEP_PORTABLE_SPECULATIVE_RECV", "1") != "0"
+        self.speculate = os.environ.get("DEEPEP_PORTABLE_SPECULATIVE_RECV", "0") == "1"
         self.speculative_misses = 0   # fresh dispatches whose guess was too small (pulled again; tests look)
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
@@ -344,7 +344,10 @@ class IntranodeEngine(Engine):
         exposed whenever the stage kernel is shorter, as in a zero-copy dispatch). The outputs it returns are
         views of the first num_recv rows (contiguous; their memory is up to 1/16 larger). When the count
         exceeds the guess, the pull finds out on the device and copies nothing; the host then allocates exact
-        outputs and pulls again (the round stays open until a pull completes it: peers keep their rows)."""
+        outputs and pulls again (the round stays open until a pull completes it: peers keep their rows).
+        Opt-in: on the one-GPU emulation it measured no faster (the staging copy hides the round trip there, and
+        the zero-copy dispatch's time was bound elsewhere; docs/PERFORMANCE.md, eighteenth session). It is meant
+        for real NVLink, where the model puts the staging copy at ~15 us and the round trip in the open."""
         if not self.speculate:
             return
         self._recv_guess.pop(shape, None)

@@ -12,6 +12,8 @@ the limit (only the bytes to other GPUs cross it):
   dispatch: staged = my tokens once (FP8: 7168 + 56 x 4 bytes a row); main = the rows every rank receives
             (a token goes once to each distinct rank of its top-k experts);
   combine:  staged = the rows I received, BF16; main = the same rows read back by their sources.
+  dispatch_zc / combine_zc (`--zero-copy`): the same ops when the caller wrote their rows into the Buffer
+            (get_next_dispatch_buffer / get_next_combine_buffer): no staging copy, the rest unchanged.
 
 Inputs (docs/PERFORMANCE.md, fifth session, `nvidia-h200-x2`, EP 2, 20 blocks): the P2P copy-engine rate
 between the two H200s (390 GB/s a direction), the local copy rate (2070 GB/s), and the op times at 4096 and
@@ -47,11 +49,11 @@ def ranks_per_token(num_ranks: int, experts: int = EXPERTS, topk: int = TOPK) ->
 
 
 def op_bytes(op: str, num_ranks: int, tokens: int) -> Tuple[float, float]:
-    """(staged bytes, main bytes) per rank of one op."""
+    """(staged bytes, main bytes) per rank of one op (its zero-copy form "<op>_zc" stages nothing)."""
     rows = tokens * ranks_per_token(num_ranks)
-    if op == "dispatch":
-        return tokens * FP8_ROW, rows * FP8_ROW
-    return rows * BF16_ROW, rows * BF16_ROW
+    base = op[:-3] if op.endswith("_zc") else op
+    staged, main = (tokens * FP8_ROW, rows * FP8_ROW) if base == "dispatch" else (rows * BF16_ROW, rows * BF16_ROW)
+    return (0.0 if base != op else staged), main
 
 
 def main_rate(per_block_gbps: float, blocks: int, num_ranks: int, link_gbps: float = LINK_GBPS) -> Tuple[float, str]:
@@ -101,15 +103,16 @@ class Prediction:
 
 
 def predict(op: str, num_ranks: int, tokens: int, blocks: int, link_gbps: float = LINK_GBPS) -> Prediction:
-    f = fit(op)
+    f = fit(op[:-3] if op.endswith("_zc") else op)
     staged, main = op_bytes(op, num_ranks, tokens)
     rate, bound = main_rate(f.per_block_gbps, blocks, num_ranks, link_gbps)
     return Prediction(op, num_ranks, tokens, blocks, f.fixed_us, staged / HBM_COPY_GBPS / 1e3, main / rate / 1e3,
                       bound)
 
 
-def table(ranks: List[int], tokens: List[int], blocks: List[int]) -> List[Prediction]:
-    return [predict(op, r, t, b) for op in ("dispatch", "combine") for r in ranks for t in tokens for b in blocks]
+def table(ranks: List[int], tokens: List[int], blocks: List[int], zero_copy: bool = False) -> List[Prediction]:
+    ops = ("dispatch", "dispatch_zc", "combine", "combine_zc") if zero_copy else ("dispatch", "combine")
+    return [predict(op, r, t, b) for op in ops for r in ranks for t in tokens for b in blocks]
 
 
 def print_model(preds: List[Prediction]) -> None:
@@ -133,10 +136,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 24])
+    p.add_argument("--zero-copy", action="store_true", help="also the zero-copy forms of the ops (no staging)")
 
 
 def main(args: argparse.Namespace) -> int:
-    print_model(table(args.ranks, args.tokens, args.blocks))
+    print_model(table(args.ranks, args.tokens, args.blocks, args.zero_copy))
     return 0
 
 

@@ -625,16 +625,18 @@ def test_receive_outputs_allocated_before_the_count(nvl, pg, device, request, ba
     views of its first rows). Every round bit-exact (dispatch, cached dispatch, combine); the misses counted."""
     rank, _ = world(pg)
     engine = nvl.backend.engine("normal")
-    if not engine.speculate:
-        pytest.skip("DEEPEP_PORTABLE_SPECULATIVE_RECV=0")
     gen = generator(request, base_seed, rank)
     ck = GpuChecker(pg)
     misses = []
-    for rnd, p_none in enumerate((1.0, 1.0, 0.0, 0.9)):   # 333 tokens: a shape no other test uses
-        before = engine.speculative_misses
-        run_round(nvl, pg, gen, device, ck, hidden=2048, topk=4, experts=64, tokens=333, num_sms=8, p_none=p_none,
-                  all_none=False, rnd=rnd, tag="speculative receive")
-        misses.append(engine.speculative_misses - before)
+    speculate, engine.speculate = engine.speculate, True   # opt-in (DEEPEP_PORTABLE_SPECULATIVE_RECV=1)
+    try:
+        for rnd, p_none in enumerate((1.0, 1.0, 0.0, 0.9)):   # 333 tokens: a shape no other test uses
+            before = engine.speculative_misses
+            run_round(nvl, pg, gen, device, ck, hidden=2048, topk=4, experts=64, tokens=333, num_sms=8,
+                      p_none=p_none, all_none=False, rnd=rnd, tag="speculative receive")
+            misses.append(engine.speculative_misses - before)
+    finally:
+        engine.speculate = speculate
     ck.true(misses == [0, 0, 1, 0], f"speculative misses per round {misses}, want [0, 0, 1, 0]")
     ck.done()
 
