@@ -164,3 +164,23 @@ def test_small_outputs_spare_is_used_once_and_only_for_its_shape(monkeypatch):
     for n in range(intranode.MAX_SPARES + 2):        # varying sizes: only the newest few are kept
         prepare(False, n)
     assert len(stub._spares) == intranode.MAX_SPARES and (False, 0) not in stub._spares
+
+
+def test_a_zero_copy_ops_profile_starts_at_its_opener():
+    """DEEPEP_PORTABLE_PROFILE=1: the marks of an op that reads rows opened for it begin with the event taken
+    before its opener, as an "open" phase; any op uses that event up; without profiling nothing is kept."""
+    class Profile:
+        enabled = True
+
+        def start(self, stream):
+            return [f"start on {stream}"]
+
+    stub = type("Stub", (), {"profile": Profile(), "_open_marks": ["opener"]})()
+    phases = intranode.IntranodeEngine._phases
+    assert phases(stub, True, "comm") == (["opener", "start on comm"], ("open", "stage", "pull"))
+    assert stub._open_marks is None
+    assert phases(stub, True, "comm") == (["start on comm"], ("stage", "pull"))   # used up by the last op
+    stub._open_marks = ["opener"]
+    assert phases(stub, False, "comm") == (["start on comm"], ("stage", "pull")) and stub._open_marks is None
+    stub.profile.start = lambda stream: None   # profiling off
+    assert phases(stub, True, "comm") == (None, ("stage", "pull"))

@@ -84,6 +84,7 @@ class IntranodeEngine(Engine):
         self.in_place_dispatches = 0   # dispatches / combines that read x in place (tests and tools look)
         self.in_place_combines = 0
         self._window_bytes: Optional[torch.Tensor] = None   # uint8 view of the whole window (the rows' views)
+        self._open_marks: Optional[list] = None   # profiling: the event before the last opener (see _phases)
         # Per call shape, the rows the next fresh dispatch allocates before its receive count is known (see
         # _learned). Opt-in (DEEPEP_PORTABLE_SPECULATIVE_RECV=1): by default the host waits for the count, as DeepEP.
         self._recv_guess: dict = {}
@@ -263,7 +264,7 @@ class IntranodeEngine(Engine):
         s = stream_handle(comm)
         grid = self.grid(num_sms)
         self.profile.host_time(f"{op}:until_params", t_host)
-        marks = self.profile.start(comm)
+        marks, phases = self._phases(in_place, comm)
         t_launch = time.perf_counter()
         launch(stage, grid, THREADS, p, s)
         self.profile.host_time(f"{op}:stage_launch_call", t_launch)   # the driver call alone (MPS client)
@@ -307,7 +308,7 @@ class IntranodeEngine(Engine):
             self.profile.host_time(f"{op}:notify_to_pull_launch", t_wait)
         self._prepare_spare(cached, N)   # the GPU is busy with the pull now
         self.profile.mark(marks, comm)
-        self.profile.finish(op, ("stage", "pull"), marks)
+        self.profile.finish(op, phases, marks)
         self.profile.host_time(f"{op}:call", t_host)
         if cached:
             return DispatchResult(recv_x, recv_scales, None, None, [], handle)
@@ -399,6 +400,8 @@ class IntranodeEngine(Engine):
         comm, current = stream_handle(self.ctx.comm_stream), current_stream_handle(self.dev)
         if torch.cuda.is_current_stream_capturing() or not stream_idle(self.dev, comm):   # no query when capturing
             stream_wait_stream(self.dev, current, comm)
+        if self.profile.enabled:
+            self._open_marks = self.profile.start(torch.cuda.current_stream(self.dev))
         launch(opener, 1, THREADS, p, current)
         self._opened = (op, self.base + offset, rows, hidden, dtype)
         if self._window_bytes is None:   # made once: wrapping device memory in a tensor costs tens of us
@@ -407,6 +410,16 @@ class IntranodeEngine(Engine):
         area = self._window_bytes[offset:offset + nbytes].view(dtype).view(rows, hidden)
         self.profile.host_time(f"open_rows:{op}", t_host)
         return area
+
+    def _phases(self, in_place: bool, comm) -> Tuple[Optional[list], tuple]:
+        """The profile's first marks of an op (DEEPEP_PORTABLE_PROFILE=1) and its phase names: a zero-copy op
+        starts at its opener's launch, so its first phase ("open") spans the opener's barrier and the host's
+        way to the stage launch."""
+        marks = self.profile.start(comm)
+        opened, self._open_marks = self._open_marks, None
+        if marks is None or not in_place or opened is None:
+            return marks, ("stage", "pull")
+        return opened + marks, ("open", "stage", "pull")
 
     @staticmethod
     def _reads_in_place(op: str, x: torch.Tensor, opened: Optional[tuple], area: Tuple[int, int]) -> bool:
@@ -452,12 +465,12 @@ class IntranodeEngine(Engine):
         p.out, p.out_topk_weights, p.num_tokens = out.data_ptr(), ptr(out_w), handle.num_tokens
         s = stream_handle(comm)
         grid = self.grid(args.num_sms)
-        marks = self.profile.start(comm)
+        marks, phases = self._phases(in_place, comm)
         launch(stage, grid, THREADS, p, s)
         self.profile.mark(marks, comm)
         launch(pull, grid, THREADS, p, s)
         self.profile.mark(marks, comm)
-        self.profile.finish("combine_zc" if in_place else "combine", ("stage", "pull"), marks)
+        self.profile.finish("combine_zc" if in_place else "combine", phases, marks)
         return out, out_w
 
 

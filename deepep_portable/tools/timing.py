@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 from typing import Callable, List, Optional, Tuple
@@ -38,12 +39,14 @@ def print_host_profile(what: str, fn: Callable[[], None], device: torch.device, 
 
 
 def print_profile(engine, rank: int, tokens: int) -> None:
-    """Rank 0 prints the engine's phase profile (DEEPEP_PORTABLE_PROFILE=1), if it kept one."""
+    """Rank 0 prints the engine's phase profile (DEEPEP_PORTABLE_PROFILE=1), if it kept one; every rank does with
+    DEEPEP_PORTABLE_PROFILE_RANKS=all (a collective op waits for its slowest rank: the skew shows there)."""
     profile = getattr(engine, "profile", None)
     if profile is not None and profile.enabled:
         report = profile.report()
-        if rank == 0:
-            print(f"[profile rank 0, {tokens} tokens] " + ", ".join(f"{k} {v:.0f} us" for k, v in report), flush=True)
+        if rank == 0 or os.environ.get("DEEPEP_PORTABLE_PROFILE_RANKS") == "all":
+            print(f"[profile rank {rank}, {tokens} tokens] " + ", ".join(f"{k} {v:.0f} us" for k, v in report),
+                  flush=True)
 
 
 LL_LOOP = 10   # low-latency ops are timed as back-to-back calls (see timer)
