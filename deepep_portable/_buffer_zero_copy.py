@@ -6,8 +6,10 @@ Over the intranode kernels (transports nvlink, nvshmem and nccl_gin on one node)
 its rows into the rank's own send area, where the peers pull them from; a caller that writes the rows
 there itself (the producing kernel's output, e.g. an FP8 cast's `out=`) saves that pass. Both calls are
 collective, like the op's own first kernel: each waits, on the GPU and ordered before the caller's later
-work, until every peer has finished reading this Buffer's last op. Any op on this Buffer closes the rows:
-call again before each op that is to read them in place (also to reuse the same contents). Other engines
+work, until every peer has finished reading this Buffer's last op. Any op on this Buffer closes the rows,
+and the next op may overwrite them (e.g. a combine stages its rows there): keep a copy of anything still
+needed after the op (the dispatch's tokens for a shared expert or a residual). Call again before each op
+that is to read them in place (also to reuse the same contents). Other engines
 (reference transport, several nodes) return a fresh tensor, which the op then copies as any input."""
 from __future__ import annotations
 

@@ -391,18 +391,26 @@ class IntranodeEngine(Engine):
         work (its writes into the rows) follows it with no event, and once it has run no peer reads my send area.
         It must also follow my last op on the comm stream (it reads the round that op completed): the caller's
         stream waits for the comm stream only while that still has work (a query is one driver call, an event
-        record and a wait are two, ~10 us each under MPS). Collective, as the op's own first kernel: it waits
-        for every peer to finish the last round."""
+        record and a wait are two, ~10 us each under MPS). While capturing a CUDA graph it goes on the comm
+        stream between two waits instead (as before the eighteenth session). Collective, as the op's own first
+        kernel: it waits for every peer to finish the last round."""
         t_host = time.perf_counter()
         opener, template = self._plan(("open_round",), self._open_round_plan)
         p = OpenRoundParams.from_buffer_copy(template)
         p.op = next(i for i, name in errors.table()[1].items() if name == op)   # kOpDispatch... (errors.cuh)
         comm, current = stream_handle(self.ctx.comm_stream), current_stream_handle(self.dev)
-        if torch.cuda.is_current_stream_capturing() or not stream_idle(self.dev, comm):   # no query when capturing
-            stream_wait_stream(self.dev, current, comm)
         if self.profile.enabled:
             self._open_marks = self.profile.start(torch.cuda.current_stream(self.dev))
-        launch(opener, 1, THREADS, p, current)
+        if torch.cuda.is_current_stream_capturing():
+            # No query in a capture, and a capturing stream may not wait on an event recorded outside it: the comm
+            # stream joins the capture first (it waits on the caller's), runs the opener, and the caller waits on it.
+            stream_wait_stream(self.dev, comm, current)
+            launch(opener, 1, THREADS, p, comm)
+            stream_wait_stream(self.dev, current, comm)
+        else:
+            if not stream_idle(self.dev, comm):
+                stream_wait_stream(self.dev, current, comm)
+            launch(opener, 1, THREADS, p, current)
         self._opened = (op, self.base + offset, rows, hidden, dtype)
         if self._window_bytes is None:   # made once: wrapping device memory in a tensor costs tens of us
             self._window_bytes = self.window.view(0, self.window.size, self.ctx.device)

@@ -653,11 +653,13 @@ def test_async_previous_event(nvl, pg, device, request, base_seed, case):
 
 
 # ---- CUDA graph --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-h4096", "fp8-h7168"])
-def test_cuda_graph_num_worst_tokens(nvl, pg, device, request, base_seed, fp8):
+@pytest.mark.parametrize("fp8,zero_copy", [(False, False), (True, False), (True, True)],
+                         ids=["bf16-h4096", "fp8-h7168", "fp8-h7168-zero-copy"])
+def test_cuda_graph_num_worst_tokens(nvl, pg, device, request, base_seed, fp8, zero_copy):
     """dispatch + combine captured once (num_worst_tokens: no host sync), replayed with new input contents
     (tokens, experts, weights, biases, combine inputs); every replay must match the oracle. Then an eager
-    round on the same Buffer."""
+    round on the same Buffer. zero_copy: the tokens and the expert outputs are written into the Buffer
+    (get_next_dispatch_buffer / get_next_combine_buffer, their openers captured with the ops)."""
     rank, num_ranks = world(pg)
     gen = generator(request, base_seed, rank)
     hidden, topk = (7168 if fp8 else 4096), 8
@@ -701,14 +703,22 @@ def test_cuda_graph_num_worst_tokens(nvl, pg, device, request, base_seed, fp8):
         torch.cuda.synchronize()
 
     def body() -> dict:
-        x_in = (st["x"], st["scales"]) if fp8 else st["x"]
+        tokens = st["x"]
+        if zero_copy:
+            tokens = nvl.get_next_dispatch_buffer(num_tokens, hidden, tokens.dtype)
+            tokens.copy_(st["x"])
+        x_in = (tokens, st["scales"]) if fp8 else tokens
         recv, r_idx, r_w, lst, handle, _ = nvl.dispatch(
             x_in, num_tokens_per_rank=st["per_rank"], is_token_in_rank=st["in_rank"],
             num_tokens_per_expert=st["per_expert"], topk_idx=st["idx"], topk_weights=st["w"],
             num_worst_tokens=num_worst, config=cfg)
         recv_x = recv[0] if fp8 else recv
         y = recv_x.to(torch.bfloat16) * st["row_scale"]      # expert "compute" on the dispatched rows
-        combined, combined_w, _ = nvl.combine(y, handle, topk_weights=r_w, bias=st["bias"], config=cfg)
+        y_in = y
+        if zero_copy:
+            y_in = nvl.get_next_combine_buffer(handle)
+            y_in.copy_(y)
+        combined, combined_w, _ = nvl.combine(y_in, handle, topk_weights=r_w, bias=st["bias"], config=cfg)
         return dict(out=(recv, r_idx, r_w, lst, handle), y=y, combined=combined, combined_w=combined_w)
 
     def check(outs: Optional[dict], h: dict, tag: str) -> None:
