@@ -84,6 +84,8 @@ class IntranodeEngine(Engine):
         self.in_place_dispatches = 0   # dispatches / combines that read x in place (tests and tools look)
         self.in_place_combines = 0
         self._window_bytes: Optional[torch.Tensor] = None   # uint8 view of the whole window (the rows' views)
+        # My send area, from the rows on: a dispatch's x overlapping it is read in place or refused (_dispatch).
+        self._send_area = (self.base + L.ROWS_OFFSET, self.base + self.window.size)
         self._open_marks: Optional[list] = None   # profiling: the event before the last opener (see _phases)
         # Per call shape, the rows the next fresh dispatch allocates before its receive count is known (see
         # _learned). Opt-in (DEEPEP_PORTABLE_SPECULATIVE_RECV=1): by default the host waits for the count, as DeepEP.
@@ -215,8 +217,7 @@ class IntranodeEngine(Engine):
         opened, self._opened = self._opened, None
         # x written in place by the caller into the rows next_dispatch_buffer opened for this dispatch: the stage
         # copies only the meta parts (scales, top-k). Refused before any launch: any other x inside my send area.
-        area = (self.base + L.ROWS_OFFSET, self.base + self.window.size)
-        in_place = self._reads_in_place("dispatch", x, opened, area)
+        in_place = self._reads_in_place("dispatch", x, opened, self._send_area)
         self.in_place_dispatches += in_place
         op = "dispatch_zc" if in_place else "dispatch"   # the profile's name (DEEPEP_PORTABLE_PROFILE=1)
         comm = self.ctx.comm_stream

@@ -48,10 +48,15 @@ def ranks_per_token(num_ranks: int, experts: int = EXPERTS, topk: int = TOPK) ->
     return num_ranks * (1.0 - miss)
 
 
+def _base(op: str) -> str:
+    """The op a zero-copy form ("<op>_zc") is of."""
+    return op[:-3] if op.endswith("_zc") else op
+
+
 def op_bytes(op: str, num_ranks: int, tokens: int) -> Tuple[float, float]:
     """(staged bytes, main bytes) per rank of one op (its zero-copy form "<op>_zc" stages nothing)."""
     rows = tokens * ranks_per_token(num_ranks)
-    base = op[:-3] if op.endswith("_zc") else op
+    base = _base(op)
     staged, main = (tokens * FP8_ROW, rows * FP8_ROW) if base == "dispatch" else (rows * BF16_ROW, rows * BF16_ROW)
     return (0.0 if base != op else staged), main
 
@@ -103,7 +108,7 @@ class Prediction:
 
 
 def predict(op: str, num_ranks: int, tokens: int, blocks: int, link_gbps: float = LINK_GBPS) -> Prediction:
-    f = fit(op[:-3] if op.endswith("_zc") else op)
+    f = fit(_base(op))
     staged, main = op_bytes(op, num_ranks, tokens)
     rate, bound = main_rate(f.per_block_gbps, blocks, num_ranks, link_gbps)
     return Prediction(op, num_ranks, tokens, blocks, f.fixed_us, staged / HBM_COPY_GBPS / 1e3, main / rate / 1e3,
