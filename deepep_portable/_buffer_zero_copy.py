@@ -4,9 +4,9 @@ the op reads them in place instead of first copying them into this Buffer. A mix
 
 Over the intranode kernels (transports nvlink, nvshmem and nccl_gin on one node) each op starts by copying
 its rows into the rank's own send area, where the peers pull them from; a caller that writes the rows
-there itself (the producing kernel's output, e.g. an FP8 cast's `out=`) saves that pass. Both calls are
-collective, like the op's own first kernel: each waits, on the GPU and ordered before the caller's later
-work, until every peer has finished reading this Buffer's last op. Any op on this Buffer closes the rows,
+there itself (the producing kernel's output, e.g. an FP8 cast's `out=`) saves that pass. Each call waits, on
+the GPU and ordered before the caller's later work, until every peer has finished reading this Buffer's last
+op (every rank calls it before the op, as the op itself is collective). Any op on this Buffer closes the rows,
 and the next op may overwrite them (e.g. a combine stages its rows there): keep a copy of anything still
 needed after the op (the dispatch's tokens for a shared expert or a residual). Call again before each op
 that is to read them in place (also to reuse the same contents). Other engines
@@ -28,8 +28,8 @@ class ZeroCopyInputs:
         dispatch) to write this rank's tokens into, then pass as `dispatch`'s x (FP8: as x[0], with scales
         from anywhere). Over the intranode kernels it is a view of this Buffer: the dispatch's peers read the
         rows there, and its stage copies only the scales and top-k (one pass over the payload instead of two).
-        A fresh dispatch and a cached one (handle=...) both read it in place. Collective: every rank calls it
-        before the dispatch it is for."""
+        A fresh dispatch and a cached one (handle=...) both read it in place. Every rank calls it before the
+        dispatch it is for."""
         backend = self._live()
         num_tokens = check.positive_int("num_tokens", num_tokens, minimum=0)
         hidden = check.positive_int("hidden", hidden)
@@ -44,8 +44,8 @@ class ZeroCopyInputs:
         of `handle`'s rows into, then pass as `combine`'s x (the normal-mode analogue of
         `get_next_low_latency_combine_buffer`). Over the intranode kernels it is a view of this Buffer: the
         combine reads the rows there instead of first copying them in (one pass over them instead of two).
-        Collective: every rank calls it after its dispatch and before its combine; it waits until every peer
-        has called it too or started its combine."""
+        Every rank calls it after its dispatch and before its combine; it waits (on the GPU) until every peer
+        has finished reading this Buffer's last op."""
         backend = self._live()
         handle = self._inner(handle)
         check.dispatch_handle(handle, self._ctx.uid)

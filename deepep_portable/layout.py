@@ -155,7 +155,8 @@ CTRL_ERROR = 24         # u32: first error code of this buffer (device-side clai
 CTRL_NUM_TOKENS = 28    # i32: tokens staged by the current dispatch
 CTRL_COUNTED = 32       # u64: "my count_to / expert_count hold op n's counts" (dispatch stage kernel)
 CTRL_STAGE_TICKET = 40  # u32: next token the dispatch stage kernel hands out (0 between kernels)
-CTRL_DONE = 64          # u64[R]: DONE[p] = last op whose data peer p finished pulling from me
+CTRL_PULL_ARRIVE = 44   # u32: blocks of the running pull kernel past their reads (0 between kernels)
+CTRL_DONE = 64          # u64[R]: DONE[p] = last op whose data peer p finished pulling from me (its pull's end)
 
 
 def ctrl_count_to(num_ranks: int) -> int:

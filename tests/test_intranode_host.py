@@ -8,7 +8,8 @@ import subprocess
 import pytest
 
 from deepep_portable import jit
-from deepep_portable.engines import intranode
+from deepep_portable import errors
+from deepep_portable.engines import intranode, intranode_zero_copy
 from deepep_portable import layout as L
 
 try:
@@ -23,7 +24,8 @@ except Exception:   # pragma: no cover - CI installs a compiler
      dict(NUM_RANKS=3, HIDDEN_BYTES=256, NUM_TOPK=5, NUM_SCALES=2)),
     (intranode.COMBINE_SOURCE, intranode.COMBINE_KERNELS[1], intranode.CombineParams,
      dict(NUM_RANKS=3, HIDDEN=128, NUM_TOPK=0)),
-    (intranode.OPEN_ROUND_SOURCE, intranode.OPEN_ROUND_KERNEL, intranode.OpenRoundParams, {}),
+    (intranode_zero_copy.OPEN_ROUND_SOURCE, intranode_zero_copy.OPEN_ROUND_KERNEL, intranode_zero_copy.OpenRoundParams,
+     {}),
 ])
 def test_param_struct_matches_kernel(tmp_path, source, kernel, struct, defines):
     out = tmp_path / "k.ptx"
@@ -63,7 +65,7 @@ def test_control_area_fits():
 def test_control_words_do_not_overlap():
     ranks = 8
     words = sorted([(L.CTRL_ROUND, 8), (L.CTRL_CURRENT, 8), (L.CTRL_READY, 8), (L.CTRL_ERROR, 4),
-                    (L.CTRL_NUM_TOKENS, 4), (L.CTRL_COUNTED, 8), (L.CTRL_STAGE_TICKET, 4),
+                    (L.CTRL_NUM_TOKENS, 4), (L.CTRL_COUNTED, 8), (L.CTRL_STAGE_TICKET, 4), (L.CTRL_PULL_ARRIVE, 4),
                     (L.CTRL_DONE, 8 * ranks),
                     (L.ctrl_count_to(ranks), 4 * ranks), (L.ctrl_expert_count(ranks), 4)])
     for (a, size_a), (b, _) in zip(words, words[1:]):
@@ -71,7 +73,7 @@ def test_control_words_do_not_overlap():
     for off, size in words:
         assert off % min(size, 8) == 0   # u64 signals are 8-byte aligned
     # the kernels' ControlLayout takes the offsets in this order
-    assert intranode._CONTROL[-1] == "stage_ticket" and len(intranode._CONTROL) == 10
+    assert intranode._CONTROL[-1] == "pull_arrive" and len(intranode._CONTROL) == 11
 
 
 class _PlanStub:
@@ -184,3 +186,17 @@ def test_a_zero_copy_ops_profile_starts_at_its_opener():
     assert phases(stub, False, "comm") == (["start on comm"], ("stage", "pull")) and stub._open_marks is None
     stub.profile.start = lambda stream: None   # profiling off
     assert phases(stub, True, "comm") == (None, ("stage", "pull"))
+
+
+def test_the_openers_plan_carries_its_ops_id():
+    """The opener's params are built once per op (the id parsed from errors.cuh then, not on every call: that
+    parse was tens of microseconds of the zero-copy op's host path) and launched as they are."""
+    stub = _PlanStub(4, 1 << 20)
+    stub._plans = {}
+    ids = {name: i for i, name in errors.table()[1].items()}
+    plan = lambda op: intranode.IntranodeEngine._plan(stub, ("open_round", op),   # noqa: E731
+                                                      lambda: intranode.IntranodeEngine._open_round_plan(stub, op))
+    (k1, p1), (k2, p2) = plan("dispatch"), plan("combine")
+    assert (p1.op, p2.op, p1.num_ranks) == (ids["dispatch"], ids["combine"], 4) and p1.rank == 3
+    assert plan("dispatch")[1] is p1 and len(stub.kernels) == 2   # built once per op
+    assert k1 == k2 == intranode_zero_copy.OPEN_ROUND_KERNEL

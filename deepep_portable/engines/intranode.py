@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .. import errors, jit
+from .. import jit
 from .. import layout as L
 from ..contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult
 from ..handles import DispatchHandle, IntranodeState
@@ -22,26 +22,20 @@ from ..profiling import PhaseProfile
 from ..windows.base import MappedWords
 from ..windows.ipc import IpcWindow
 from .base import Engine
-from .launch import (current_stream_handle, launch, params_struct, ptr, stream_handle, stream_idle,
-                     stream_wait_stream)
+from .intranode_zero_copy import CONTROL as _CONTROL
+from .intranode_zero_copy import THREADS, ZeroCopyRounds
+from .launch import launch, params_struct, ptr, stream_handle
 
 DISPATCH_SOURCE = "common/kernels/intranode/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
-OPEN_ROUND_SOURCE = "common/kernels/intranode/open_round.cu"
-THREADS = 512   # __launch_bounds__ of the intranode kernels
 # (stage, pull) kernels of each op; only the pull, which moves the op's data, carries the op's name.
 DISPATCH_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_tokens", "DispatchParams"),
                     jit.kernel_symbol("deepep_portable::intranode::dispatch", "DispatchParams"))
 COMBINE_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_expert_rows", "CombineParams"),
                    jit.kernel_symbol("deepep_portable::intranode::combine", "CombineParams"))
-# The next round's prologue alone, launched ahead of an op whose input the caller writes in place (one block).
-OPEN_ROUND_KERNEL = jit.kernel_symbol("deepep_portable::intranode::open_round", "OpenRoundParams")
 MAX_SPARES = 4   # (kind, tokens) shapes whose next dispatch finds its small outputs ready
 MAX_GUESSES = 8  # call shapes whose next fresh dispatch allocates its outputs before it learns its receive count
 
-
-_CONTROL = ["round", "current", "ready", "error", "num_tokens", "done", "count_to", "expert_count", "counted",
-            "stage_ticket"]
 DispatchParams = params_struct("DispatchParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
     "send_list_offset", "rows_offset", "meta_offset", "meta_bytes", "capacity", "scales_offset", "topk_idx_offset",
@@ -56,12 +50,9 @@ CombineParams = params_struct("CombineParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
     "send_area_offset", "weights_area_offset", "x", "topk_weights", "num_rows", "send_rows",
     "bias_0", "bias_1", "out", "out_topk_weights", "num_tokens", "error_claim", "error_host", "timeout_ns"])
-OpenRoundParams = params_struct("OpenRoundParams", [
-    "peer_bases", "rank", "num_ranks", *[f"ctrl_{f}" for f in _CONTROL], "op", "error_claim", "error_host",
-    "timeout_ns"])
 
 
-class IntranodeEngine(Engine):
+class IntranodeEngine(ZeroCopyRounds, Engine):
     def __init__(self, ctx: BufferContext) -> None:
         if ctx.device.type != "cuda":
             raise RuntimeError("the nvlink transport needs a CUDA device")
@@ -77,16 +68,7 @@ class IntranodeEngine(Engine):
         self.errors = self.window.errors
         self._plans: dict = {}   # per call shape: (kernels, filled params template); see _plan
         self._spares: dict = {}   # (cached, N) -> the next such dispatch's small outputs; see _small_outputs
-        # (op, address, rows, hidden, dtype) of the rows get_next_dispatch_buffer / get_next_combine_buffer opened
-        # for the next op; any op closes them (an op reads x in place only from rows opened for it, after the
-        # round's prologue).
-        self._opened: Optional[tuple] = None
-        self.in_place_dispatches = 0   # dispatches / combines that read x in place (tests and tools look)
-        self.in_place_combines = 0
-        self._window_bytes: Optional[torch.Tensor] = None   # uint8 view of the whole window (the rows' views)
-        # My send area, from the rows on: a dispatch's x overlapping it is read in place or refused (_dispatch).
-        self._send_area = (self.base + L.ROWS_OFFSET, self.base + self.window.size)
-        self._open_marks: Optional[list] = None   # profiling: the event before the last opener (see _phases)
+        self._init_zero_copy()   # the rows a zero-copy op reads in place (engines/intranode_zero_copy.py)
         # Per call shape, the rows the next fresh dispatch allocates before its receive count is known (see
         # _learned). Opt-in (DEEPEP_PORTABLE_SPECULATIVE_RECV=1): by default the host waits for the count, as DeepEP.
         self._recv_guess: dict = {}
@@ -96,7 +78,7 @@ class IntranodeEngine(Engine):
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
                      L.ctrl_count_to(self.num_ranks), L.ctrl_expert_count(self.num_ranks), L.CTRL_COUNTED,
-                     L.CTRL_STAGE_TICKET]
+                     L.CTRL_STAGE_TICKET, L.CTRL_PULL_ARRIVE]
 
     # ---- shared parameter setup ------------------------------------------------------------------
     def _common(self, params) -> None:
@@ -159,12 +141,6 @@ class IntranodeEngine(Engine):
         defines = dict(NUM_RANKS=self.num_ranks, HIDDEN=hidden, NUM_TOPK=topk)
         kernels = tuple(self._kernel(COMBINE_SOURCE, k, defines) for k in COMBINE_KERNELS)
         return kernels, p
-
-    def _open_round_plan(self):
-        p = OpenRoundParams()
-        self._common(p)
-        p.num_ranks = self.num_ranks
-        return self._kernel(OPEN_ROUND_SOURCE, OPEN_ROUND_KERNEL, {}), p
 
     # ---- small outputs ------------------------------------------------------------------------------
     def _allocate_small(self, cached: bool, N: int) -> tuple:
@@ -357,93 +333,6 @@ class IntranodeEngine(Engine):
         while len(self._recv_guess) > MAX_GUESSES:
             del self._recv_guess[next(iter(self._recv_guess))]
 
-    # ---- zero-copy inputs: an op's rows written in place by the caller ------------------------------------
-    def next_dispatch_buffer(self, num_tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        """[num_tokens, hidden] view of my send area's dispatch rows for a zero-copy dispatch
-        (Buffer.get_next_dispatch_buffer). The rows must fit beside the meta slots of a top-k up to the size
-        hints' (HINT_TOPK) and, for FP8, one scale per 128 channels; a dispatch whose shape leaves no room is
-        refused before its launch (its capacity check), as any refused dispatch: the rows are closed."""
-        self.check()
-        elem = dtype.itemsize
-        lay = L.NormalLayout(self.num_ranks, hidden, elem, hidden // 128 if elem == 1 else 0, L.HINT_TOPK)
-        most = self._capacity(lay)
-        if num_tokens > most:
-            raise ValueError(f"get_next_dispatch_buffer: {num_tokens} tokens x hidden {hidden} ({dtype}) need more "
-                             f"than this Buffer's num_nvl_bytes={self.ctx.num_nvl_bytes} holds at top-k up to "
-                             f"{L.HINT_TOPK} ({most} tokens)")
-        return self._open_rows("dispatch", L.NormalLayout.dispatch_rows_offset(), num_tokens, hidden, dtype)
-
-    def next_combine_buffer(self, handle: DispatchHandle, hidden: int) -> torch.Tensor:
-        """[num_recv_rows, hidden] bf16 view of my send area for a zero-copy combine (Buffer.get_next_combine_buffer).
-        The rows must fit beside the weights of a top-k up to the size hints' (HINT_TOPK): a Buffer sized by a
-        hint for the dispatch takes its zero-copy combine too. A combine whose wider top-k leaves no room is refused
-        before its launch (combine), as any refused combine: the area is closed, open it again to retry."""
-        self.check()
-        rows = handle.num_recv_rows
-        most = self._combine_rows_room(hidden, L.HINT_TOPK)
-        if rows > most:
-            raise ValueError(f"get_next_combine_buffer: {rows} rows x hidden {hidden} need more than this Buffer's "
-                             f"num_nvl_bytes={self.ctx.num_nvl_bytes} holds at top-k up to {L.HINT_TOPK} ({most} rows)")
-        return self._open_rows("combine", L.NormalLayout.combine_rows_offset(), rows, hidden, torch.bfloat16)
-
-    def _open_rows(self, op: str, offset: int, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        """Opens the next round for `op` and returns the [rows, hidden] view of my window at `offset` that the op
-        will read in place. The round's prologue (open_round) goes on the caller's stream: the caller's later
-        work (its writes into the rows) follows it with no event, and once it has run no peer reads my send area.
-        It must also follow my last op on the comm stream (it reads the round that op completed): the caller's
-        stream waits for the comm stream only while that still has work (a query is one driver call, an event
-        record and a wait are two, ~10 us each under MPS). While capturing a CUDA graph it goes on the comm
-        stream between two waits instead (as before the eighteenth session). Collective, as the op's own first
-        kernel: it waits for every peer to finish the last round."""
-        t_host = time.perf_counter()
-        opener, template = self._plan(("open_round",), self._open_round_plan)
-        p = OpenRoundParams.from_buffer_copy(template)
-        p.op = next(i for i, name in errors.table()[1].items() if name == op)   # kOpDispatch... (errors.cuh)
-        comm, current = stream_handle(self.ctx.comm_stream), current_stream_handle(self.dev)
-        if self.profile.enabled:
-            self._open_marks = self.profile.start(torch.cuda.current_stream(self.dev))
-        if torch.cuda.is_current_stream_capturing():
-            # No query in a capture, and a capturing stream may not wait on an event recorded outside it: the comm
-            # stream joins the capture first (it waits on the caller's), runs the opener, and the caller waits on it.
-            stream_wait_stream(self.dev, comm, current)
-            launch(opener, 1, THREADS, p, comm)
-            stream_wait_stream(self.dev, current, comm)
-        else:
-            if not stream_idle(self.dev, comm):
-                stream_wait_stream(self.dev, current, comm)
-            launch(opener, 1, THREADS, p, current)
-        self._opened = (op, self.base + offset, rows, hidden, dtype)
-        if self._window_bytes is None:   # made once: wrapping device memory in a tensor costs tens of us
-            self._window_bytes = self.window.view(0, self.window.size, self.ctx.device)
-        nbytes = rows * hidden * dtype.itemsize
-        area = self._window_bytes[offset:offset + nbytes].view(dtype).view(rows, hidden)
-        self.profile.host_time(f"open_rows:{op}", t_host)
-        return area
-
-    def _phases(self, in_place: bool, comm) -> Tuple[Optional[list], tuple]:
-        """The profile's first marks of an op (DEEPEP_PORTABLE_PROFILE=1) and its phase names: a zero-copy op
-        starts at its opener's launch, so its first phase ("open") spans the opener's barrier and the host's
-        way to the stage launch."""
-        marks = self.profile.start(comm)
-        opened, self._open_marks = self._open_marks, None
-        if marks is None or not in_place or opened is None:
-            return marks, ("stage", "pull")
-        return opened + marks, ("open", "stage", "pull")
-
-    @staticmethod
-    def _reads_in_place(op: str, x: torch.Tensor, opened: Optional[tuple], area: Tuple[int, int]) -> bool:
-        """Whether `op` reads x where it is: x is the rows last opened for this op (and no op ran since). Any other
-        x overlapping my send area `area` [lo, hi) (rows not opened since the last op: peers may still read them)
-        would be copied onto itself mid-read or race with them: refused."""
-        lo, hi = x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
-        if x.numel() > 0 and opened == (op, lo, x.size(0), x.size(1), x.dtype):
-            return True
-        if x.numel() > 0 and lo < area[1] and area[0] < hi:
-            raise ValueError(f"x overlaps this Buffer's {op} area: pass the tensor get_next_{op}_buffer() returned "
-                             f"for this {op} (call it again before each {op} that reads it), or a tensor outside "
-                             "the Buffer")
-        return False
-
     # ---- combine ----------------------------------------------------------------------------------
     def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         x, handle, topk_weights, bias_0, bias_1 = args.x, args.handle, args.topk_weights, args.bias_0, args.bias_1
@@ -493,4 +382,3 @@ jit.register_family(
     "intranode_combine", COMBINE_SOURCE, list(COMBINE_KERNELS),
     variants=[dict(NUM_RANKS=8, HIDDEN=7168, NUM_TOPK=8),
               dict(NUM_RANKS=4, HIDDEN=4096, NUM_TOPK=0)])
-jit.register_family("intranode_open_round", OPEN_ROUND_SOURCE, [OPEN_ROUND_KERNEL], variants=[{}])

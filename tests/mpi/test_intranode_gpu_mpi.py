@@ -494,6 +494,8 @@ def test_round_counter_past_2_32(pg, device, request, base_seed, nvlink_env):
     preset = (1 << 32) - 2
     torch.cuda.synchronize()
     window.view(L.CTRL_ROUND, 8, device).view(torch.int64)[0] = preset
+    # As a Buffer past `preset` rounds holds it: every peer told DONE = preset at the end of its last pull.
+    window.view(L.CTRL_DONE, 8 * num_ranks, device).view(torch.int64).fill_(preset)
     torch.cuda.synchronize()
     dist.barrier(group=pg)   # every rank preset before anyone signals
     ck = GpuChecker(pg)

@@ -2,9 +2,9 @@
 //
 //   stage_tokens:              copy my tokens once into my send area (payload rows, and each token's
 //                              meta slot: scales, top-k; warps draw tokens from a counter, see
-//                              draw_ticket); the payload only when x is not already there (x == nullptr:
+//                              issue_draw); the meta slots alone when x is already there (x == nullptr:
 //                              a zero-copy dispatch, its round opened by open_round.cu for
-//                              Buffer.get_next_dispatch_buffer),
+//                              Buffer.get_next_dispatch_buffer; see stage_meta),
 //                              write the per-destination send lists and my counts. The send
 //                              positions (index of token t among my tokens for rank r) are scanned
 //                              here, one block per destination rank, while the other warps copy rows.
@@ -200,37 +200,88 @@ DEEPEP_DEVICE void notify_host(const DispatchParams& p, const PeerBuffers& bufs,
     }
 }
 
-// The stage kernel hands my tokens out in tickets (a ticket = a run of consecutive tokens) through my
-// STAGE_TICKET word instead of striding them over the grid: block 0 (which first waits for every
-// peer's counts) and the blocks that scan send positions start copying late, and with a fixed share
-// they would finish last. Every warp draws until it gets a ticket past the last one, so num_tickets +
-// warps tickets are drawn in all; the warp that draws the last one re-arms the word for the next round
-// (every other warp has drawn its last ticket by then, and the next kernel on the stream starts after
-// this one ends).
-DEEPEP_DEVICE int64_t draw_ticket(unsigned int* ticket, int64_t num_tickets, int lane) {
-    unsigned int v = 0;
-    if (lane == 0) {
-        const unsigned int total = static_cast<unsigned int>(num_tickets) + gridDim.x * (blockDim.x / 32);
-        v = atomicAdd(ticket, 1u);
-        if (v == total - 1)
-            atomicExch(ticket, 0u);
-    }
+// The stage kernel hands my tokens out in tickets (one token each) through my STAGE_TICKET word
+// instead of striding them over the grid: block 0 (which first waits for every peer's counts) and the
+// blocks that scan send positions start copying late, and with a fixed share they would finish last.
+// A warp draws its next ticket before it copies the current token and reads the draw only after the
+// copy (issue_draw / take_draw), so the atomic's round trip overlaps the copy instead of preceding it:
+// with one row in flight per warp, a draw in between halved the stage kernel's copy rate.
+// Every warp draws until it gets a ticket past the last one, so num_tickets + warps tickets are drawn
+// in all; the warp that draws the last one re-arms the word for the next round (every other warp has
+// drawn its last ticket by then, and the next kernel on the stream starts after this one ends).
+DEEPEP_DEVICE unsigned int issue_draw(unsigned int* ticket, int lane) {
+    return lane == 0 ? atomicAdd(ticket, 1u) : 0u;
+}
+
+DEEPEP_DEVICE int64_t take_draw(unsigned int* ticket, unsigned int v, int64_t num_tickets, int lane) {
+    if (lane == 0 && v == static_cast<unsigned int>(num_tickets) + gridDim.x * (blockDim.x / 32) - 1)
+        atomicExch(ticket, 0u);
     return static_cast<int64_t>(__shfl_sync(0xffffffffu, v, 0));
 }
 
-// Tokens per ticket: one while a token's payload row is copied (the copy hides the draw's round trip);
-// a run when only its meta slot is (zero-copy), so a warp does not wait on the shared word per token.
-constexpr int kMetaTokensPerTicket = 16;
+// A zero-copy dispatch's stage (x == nullptr: the payload is in place): the meta slots alone, one 4-byte
+// word per thread at a time over the grid, several loads in flight per thread. A warp per token would
+// wait one memory round trip per token for a few hundred bytes (the meta-only stage then took 100-190 us
+// of the op on the emulation, eighteenth session). kMetaWords: scales, top-k ids, top-k weights.
+constexpr int kMetaWords = kNumScales + 2 * kNumTopk;
+constexpr int kMetaUnroll = 4;
 
-// One warp stages token t: its payload row (unless x is null: already in place) and its meta slot.
+DEEPEP_DEVICE int meta_word(const DispatchParams& p, int64_t t, int w) {
+    if (w < kNumScales)
+        return p.x_scales[t * p.scale_token_stride + w * p.scale_hidden_stride];
+    if (w < kNumScales + kNumTopk)
+        return static_cast<int>(p.topk_idx[t * kNumTopk + (w - kNumScales)]);
+    return __float_as_int(p.topk_weights[t * kNumTopk + (w - kNumScales - kNumTopk)]);
+}
+
+DEEPEP_DEVICE int64_t meta_word_offset(const DispatchParams& p, int w) {
+    if (w < kNumScales)
+        return p.scales_offset + 4 * w;
+    if (w < kNumScales + kNumTopk)
+        return p.topk_idx_offset + 4 * (w - kNumScales);
+    return p.topk_weights_offset + 4 * (w - kNumScales - kNumTopk);
+}
+
+DEEPEP_DEVICE void stage_meta(const DispatchParams& p, char* meta_area, int* send_list, bool scan) {
+    // Cached dispatch (or no top-k): only the scales are meta words.
+    const int words = kNumTopk > 0 && p.topk_idx != nullptr ? kMetaWords : kNumScales;
+    const int64_t total = p.num_tokens * words;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
+         base += stride * kMetaUnroll) {
+        int v[kMetaUnroll];
+#pragma unroll
+        for (int u = 0; u < kMetaUnroll; ++u) {
+            const int64_t e = base + u * stride;
+            if (e < total)
+                v[u] = meta_word(p, e / words, static_cast<int>(e % words));
+        }
+#pragma unroll
+        for (int u = 0; u < kMetaUnroll; ++u) {
+            const int64_t e = base + u * stride;
+            if (e < total)
+                *reinterpret_cast<int*>(meta_area + (e / words) * p.meta_bytes +
+                                        meta_word_offset(p, static_cast<int>(e % words))) = v[u];
+        }
+    }
+    if (scan)
+        return;
+    for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < p.num_tokens * kNumRanks;
+         e += stride) {   // cached dispatch: positions given
+        const int pos = p.send_pos[e];
+        if (pos >= 0)
+            send_list[(e % kNumRanks) * p.capacity + pos] = static_cast<int>(e / kNumRanks);
+    }
+}
+
+// One warp stages token t: its payload row and its meta slot.
 // The row's first chunk is loaded before the meta parts, and stored after them (RowCopy).
 DEEPEP_DEVICE void stage_token(const DispatchParams& p, int4* rows, char* meta_area, int* send_list, bool scan,
                                int64_t t, int lane) {
     char* meta = meta_area + t * p.meta_bytes;
-    const int4* src = p.x == nullptr ? nullptr : p.x + t * kHiddenInt4;
+    const int4* src = p.x + t * kHiddenInt4;
     RowCopy<kHiddenInt4> row;
-    if (src != nullptr)
-        row.load(src, 0, lane);
+    row.load(src, 0, lane);
     int scale[kScalesPerLane > 0 ? kScalesPerLane : 1];
 #pragma unroll
     for (int u = 0; u < kScalesPerLane; ++u)
@@ -245,10 +296,8 @@ DEEPEP_DEVICE void stage_token(const DispatchParams& p, int4* rows, char* meta_a
             id[u] = static_cast<int>(p.topk_idx[t * kNumTopk + lane + 32 * u]);
             weight[u] = p.topk_weights[t * kNumTopk + lane + 32 * u];
         }
-    if (src != nullptr) {
-        row.store(rows + t * kHiddenInt4, 0, lane);
-        row.copy_rest(rows + t * kHiddenInt4, src, lane);
-    }
+    row.store(rows + t * kHiddenInt4, 0, lane);
+    row.copy_rest(rows + t * kHiddenInt4, src, lane);
 #pragma unroll
     for (int u = 0; u < kScalesPerLane; ++u)
         if (lane + 32 * u < kNumScales)
@@ -291,13 +340,18 @@ __global__ void __launch_bounds__(kThreads) stage_tokens(const __grid_constant__
     const bool scan = p.is_token_in_rank != nullptr;
     if (scan)
         scan_send_positions(p, send_list);   // after begin_round: no peer reads my send lists any more
+    if (p.x == nullptr) {
+        stage_meta(p, meta_area, send_list, scan);
+        return;
+    }
     const int lane = threadIdx.x % 32;
     unsigned int* ticket = bufs.at<unsigned int>(bufs.rank, p.ctrl.stage_ticket);
-    const int64_t per_ticket = p.x == nullptr ? kMetaTokensPerTicket : 1;
-    const int64_t num_tickets = (p.num_tokens + per_ticket - 1) / per_ticket;
-    for (int64_t k = draw_ticket(ticket, num_tickets, lane); k < num_tickets; k = draw_ticket(ticket, num_tickets, lane))
-        for (int64_t t = k * per_ticket; t < (k + 1) * per_ticket && t < p.num_tokens; ++t)
-            stage_token(p, rows, meta_area, send_list, scan, t, lane);
+    int64_t t = take_draw(ticket, issue_draw(ticket, lane), p.num_tokens, lane);
+    while (t < p.num_tokens) {
+        const unsigned int next = issue_draw(ticket, lane);
+        stage_token(p, rows, meta_area, send_list, scan, t, lane);
+        t = take_draw(ticket, next, p.num_tokens, lane);
+    }
 }
 
 }  // namespace deepep_portable::intranode

@@ -2,8 +2,9 @@
 // prologue alone (begin_round, protocol.cuh). Once it has run, no peer reads my send area any more, so
 // the caller may write the op's input there itself (Buffer.get_next_dispatch_buffer: my tokens;
 // Buffer.get_next_combine_buffer: my expert outputs) and the op's stage kernel skips those rows.
-// begin_round is idempotent within a round (it republishes the same DONE values and CURRENT), so the
-// op's own stage kernel runs it again at no cost. Shape-free (no -D): one module serves every op and
+// begin_round is idempotent within a round (it only waits, and rewrites the same CURRENT), so the op's
+// own stage kernel runs it again at no cost. It is no barrier: peers tell DONE at the end of their last
+// pull, so it waits only while a peer still reads my last op. Shape-free (no -D): one module serves every op and
 // shape. No "dispatch" or "combine" in its name: profiler tables find an op's kernel by that word.
 #include <cstdint>
 

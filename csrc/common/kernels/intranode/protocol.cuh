@@ -1,15 +1,19 @@
 // The round protocol shared by intranode dispatch and combine (pull-based).
 //
 // Every op is one "round" n on a rank's buffer, in two kernels:
-//   stage kernel: tell every peer "I finished pulling round n-1 from you" (DONE), wait until every
-//                 peer said the same to me (so nobody still reads my send area), copy my outgoing
-//                 rows into my own send area.
+//   stage kernel: wait until every peer said "I finished pulling round n-1 from you" (DONE), so
+//                 nobody still reads my send area, then copy my outgoing rows into my own send area.
 //   pull kernel:  announce READY = n (my send area holds round n), wait for READY >= n of every
-//                 peer, pull the rows I need from the peers' send areas into my outputs.
+//                 peer, pull the rows I need from the peers' send areas into my outputs; its last
+//                 block to finish tells every peer DONE = n (end_round).
+// DONE is given when the reads end, not at the start of the peer's next op: a rank whose next op
+// starts early (its host was quicker, or a zero-copy opener ran ahead) copies at once instead of
+// waiting for the slowest peer's host to launch its next kernel.
 // Round numbers live in device memory (CTRL_ROUND / CTRL_CURRENT), so a captured CUDA graph that
-// replays the kernels keeps counting. Deadlock freedom: each kernel signals before it waits, and
-// every wait is on a signal that a peer's *same* round emits unconditionally; with all blocks of
-// all ranks resident (the SM budget guarantees it), every wait is eventually satisfied.
+// replays the kernels keeps counting. Deadlock freedom: every wait is on a signal that a peer emits
+// unconditionally in the same round (READY, COUNTED) or in the previous one (DONE, at the end of a
+// pull that waited only for round n-1's READY); with all blocks of all ranks resident (the SM budget
+// guarantees it), every wait is eventually satisfied.
 #pragma once
 
 #include <cstdint>
@@ -22,12 +26,15 @@ namespace deepep_portable::intranode {
 
 // Byte offsets of the control area (mirrors deepep_portable/layout.py).
 struct ControlLayout {
-    int64_t round, current, ready, error, num_tokens, done, count_to, expert_count, counted, stage_ticket;
+    int64_t round, current, ready, error, num_tokens, done, count_to, expert_count, counted, stage_ticket,
+        pull_arrive;
 };
 
 constexpr int kThreads = 512;   // threads of every intranode launch (host: engines/intranode.THREADS)
 
-// Stage-kernel prologue. Returns the round number n, or 0 when a wait timed out.
+// Stage-kernel prologue: wait until no peer reads my send area any more. Returns the round number n,
+// or 0 when a wait timed out. Writes only my CURRENT: it may run more than once in a round (the
+// zero-copy opener, open_round.cu, runs it ahead of the op's stage kernel).
 DEEPEP_DEVICE uint64_t begin_round(const PeerBuffers& bufs, const ControlLayout& ctrl, uint64_t timeout_ns,
                                    const ErrorSink& sink) {
     __shared__ uint64_t s_round;
@@ -36,13 +43,8 @@ DEEPEP_DEVICE uint64_t begin_round(const PeerBuffers& bufs, const ControlLayout&
     if (threadIdx.x == 0)
         s_ok = 1;
     __syncthreads();
-    if (blockIdx.x == 0) {
-        // My pulls of round prev finished with the previous kernel on this stream.
-        for (int p = threadIdx.x; p < bufs.num_ranks; p += blockDim.x)
-            st_release_sys(bufs.at<uint64_t>(p, ctrl.done + 8 * bufs.rank), prev);
-        if (threadIdx.x == 0)
-            *bufs.at<volatile uint64_t>(bufs.rank, ctrl.current) = prev + 1;
-    }
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        *bufs.at<volatile uint64_t>(bufs.rank, ctrl.current) = prev + 1;
     const uint64_t deadline = globaltimer_ns() + timeout_ns;
     for (int p = threadIdx.x; p < bufs.num_ranks; p += blockDim.x)
         if (!wait_ge(bufs.at<const uint64_t>(bufs.rank, ctrl.done + 8 * p), prev, deadline, sink, p))
@@ -82,10 +84,24 @@ DEEPEP_DEVICE uint64_t await_peers_ready(const PeerBuffers& bufs, const ControlL
     return s_round;
 }
 
-// Last kernel of a round: record it as complete (read by the next round's stage kernel only).
+// End of the pull kernel, reached by every thread of every block once its reads of the peers' send
+// areas are done (n: the round, 0 after a timeout). The last block to arrive (CTRL_PULL_ARRIVE counts
+// them, and is re-armed to 0 for the next kernel) records the round as complete (ROUND, read by my
+// next stage kernel) and tells every peer DONE = n. A block's loads of peer memory are complete once
+// their values were stored (before the __syncthreads); its arrival is ordered after them by the fence.
 DEEPEP_DEVICE void end_round(const PeerBuffers& bufs, const ControlLayout& ctrl, uint64_t n) {
-    if (blockIdx.x == 0 && threadIdx.x == 0 && n != 0)
-        *bufs.at<volatile uint64_t>(bufs.rank, ctrl.round) = n;
+    __syncthreads();
+    if (threadIdx.x != 0 || n == 0)
+        return;
+    __threadfence();
+    unsigned int* arrive = bufs.at<unsigned int>(bufs.rank, ctrl.pull_arrive);
+    if (atomicAdd(arrive, 1u) != gridDim.x - 1)
+        return;
+    atomicExch(arrive, 0u);
+    *bufs.at<volatile uint64_t>(bufs.rank, ctrl.round) = n;
+    __threadfence_system();
+    for (int p = 0; p < bufs.num_ranks; ++p)
+        st_release_sys(bufs.at<uint64_t>(p, ctrl.done + 8 * bufs.rank), n);
 }
 
 // A warp's copy of one row in chunks of kChunk 16-byte words per lane: the caller issues the first
