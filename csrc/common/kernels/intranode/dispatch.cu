@@ -164,7 +164,7 @@ DEEPEP_DEVICE int local_expert_count(const DispatchParams& p, const PeerBuffers&
 // peer's COUNTED >= n, then hand the host my receive count and expert counts. Peers publish their
 // counts before any wait of theirs but begin_round's (which needs only the previous round), so
 // this wait cannot deadlock; peers rewrite their counts only in round n+1, whose begin_round
-// waits for my DONE = n, given by my next stage kernel.
+// waits for my DONE = n, given at the end of my pull of round n (after this kernel on my stream).
 DEEPEP_DEVICE void notify_host(const DispatchParams& p, const PeerBuffers& bufs, uint64_t n, const ErrorSink& sink) {
     __shared__ int s_ok;
     __syncthreads();   // every thread's count writes precede the release
@@ -244,8 +244,9 @@ DEEPEP_DEVICE int64_t meta_word_offset(const DispatchParams& p, int w) {
 
 DEEPEP_DEVICE void stage_meta(const DispatchParams& p, char* meta_area, int* send_list, bool scan) {
     // Cached dispatch (or no top-k): only the scales are meta words.
-    const int words = kNumTopk > 0 && p.topk_idx != nullptr ? kMetaWords : kNumScales;
-    const int64_t total = p.num_tokens * words;
+    const int meta_words = kNumTopk > 0 && p.topk_idx != nullptr ? kMetaWords : kNumScales;
+    const int64_t total = p.num_tokens * meta_words;
+    const int words = meta_words > 0 ? meta_words : 1;   // the divisor (no words: total is 0, nothing runs)
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
          base += stride * kMetaUnroll) {
