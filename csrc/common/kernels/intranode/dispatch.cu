@@ -203,9 +203,8 @@ DEEPEP_DEVICE void notify_host(const DispatchParams& p, const PeerBuffers& bufs,
 // The stage kernel hands my tokens out in tickets (one token each) through my STAGE_TICKET word
 // instead of striding them over the grid: block 0 (which first waits for every peer's counts) and the
 // blocks that scan send positions start copying late, and with a fixed share they would finish last.
-// A warp draws its next ticket before it copies the current token and reads the draw only after the
-// copy (issue_draw / take_draw), so the atomic's round trip overlaps the copy instead of preceding it:
-// with one row in flight per warp, a draw in between halved the stage kernel's copy rate.
+// A warp issues its next draw before copying the current token and reads it after (issue_draw /
+// take_draw): with one row in flight per warp, a draw between rows halved the copy rate.
 // Every warp draws until it gets a ticket past the last one, so num_tickets + warps tickets are drawn
 // in all; the warp that draws the last one re-arms the word for the next round (every other warp has
 // drawn its last ticket by then, and the next kernel on the stream starts after this one ends).
