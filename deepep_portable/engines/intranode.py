@@ -111,11 +111,6 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
     def _capacity(self, lay: L.NormalLayout) -> int:
         return lay.max_tokens_per_rank(self.ctx.num_nvl_bytes)
 
-    def _combine_rows_room(self, hidden: int, topk: int) -> int:
-        """Rows the combine area holds before the weights of a top-k `topk` start."""
-        lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, topk)
-        return lay.combine_rows(self._capacity(lay))
-
     def _dispatch_plan(self, hidden: int, elem_bytes: int, num_scales: int, topk: int, num_experts: int,
                        expert_alignment: int):
         lay = L.NormalLayout(self.num_ranks, hidden, elem_bytes, num_scales, topk)

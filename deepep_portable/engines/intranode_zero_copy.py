@@ -40,7 +40,7 @@ class ZeroCopyRounds:
         self.in_place_combines = 0
         self._window_bytes: Optional[torch.Tensor] = None   # uint8 view of the whole window (the rows' views)
         self._area_views: dict = {}   # (offset, rows, hidden, dtype) -> the view _open_rows returned for it
-        self._rows_room: dict = {}   # (hidden, dtype) -> tokens a zero-copy dispatch's rows hold
+        self._rows_room: dict = {}   # (op, hidden, dtype or top-k) -> rows a zero-copy op's area holds (_room)
         # My send area, from the rows on: a dispatch's x overlapping it is read in place or refused (_dispatch).
         self._send_area = (self.base + L.ROWS_OFFSET, self.base + self.window.size)
         self._open_marks: Optional[list] = None   # profiling: the event before the last opener (see _phases)
@@ -51,9 +51,7 @@ class ZeroCopyRounds:
         hints' (HINT_TOPK) and, for FP8, one scale per 128 channels; a dispatch whose shape leaves no room is
         refused before its launch (its capacity check), as any refused dispatch: the rows are closed."""
         self.check()
-        most = self._rows_room.get((hidden, dtype))
-        if most is None:
-            most = self._rows_room[(hidden, dtype)] = self._dispatch_rows_room(hidden, dtype)
+        most = self._dispatch_rows_room(hidden, dtype)
         if num_tokens > most:
             raise ValueError(f"get_next_dispatch_buffer: {num_tokens} tokens x hidden {hidden} ({dtype}) need more "
                              f"than this Buffer's num_nvl_bytes={self.ctx.num_nvl_bytes} holds at top-k up to "
@@ -136,11 +134,28 @@ class ZeroCopyRounds:
                              "the Buffer")
         return False
 
+    def _room(self, key: tuple, compute) -> int:
+        """compute() (rows an area holds for one shape) once per key: layout arithmetic on the op's host path,
+        which is the op's critical path when the GPU waits for the host."""
+        room = self._rows_room.get(key)
+        if room is None:
+            room = self._rows_room[key] = compute()
+        return room
+
     def _dispatch_rows_room(self, hidden: int, dtype: torch.dtype) -> int:
         """Tokens a zero-copy dispatch's rows hold beside the meta slots of a top-k up to the hints' (HINT_TOPK)."""
-        elem = dtype.itemsize
-        return self._capacity(L.NormalLayout(self.num_ranks, hidden, elem, hidden // 128 if elem == 1 else 0,
-                                             L.HINT_TOPK))
+        def compute() -> int:
+            elem = dtype.itemsize
+            return self._capacity(L.NormalLayout(self.num_ranks, hidden, elem, hidden // 128 if elem == 1 else 0,
+                                                 L.HINT_TOPK))
+        return self._room(("dispatch", hidden, dtype), compute)
+
+    def _combine_rows_room(self, hidden: int, topk: int) -> int:
+        """Rows the combine area holds before the weights of a top-k `topk` start."""
+        def compute() -> int:
+            lay = L.NormalLayout(self.num_ranks, hidden, 2, 0, topk)
+            return lay.combine_rows(self._capacity(lay))
+        return self._room(("combine", hidden, topk), compute)
 
     def _open_round_plan(self, op: str):
         p = OpenRoundParams()
