@@ -5,11 +5,14 @@
 checks that the group can share memory (one node, the same size everywhere), maps every peer, and
 owns the mapped host words through which kernels report errors (see
 csrc/common/kernels/signal.cuh: ErrorSink). Two kinds of memory:
-  * legacy CUDA IPC (cuMemAlloc + cuIpcGetMemHandle, handles sent over the group): the intranode engine;
   * shareable VMM memory (`shareable=True`: cuMemCreate, exported as a POSIX file descriptor that the
-    peers receive over a Unix socket, `exchange_fds`): the low-latency engine, whose dispatch makes
-    a fetch_add per (expert, sender) into peers' windows. Atomics on a legacy IPC mapping measured
-    slow on the H200 (8 processes under MPS), on VMM mappings not (NVSHMEM shares its heap that way).
+    peers receive over a Unix socket, `exchange_fds`): the default of both engines of the nvlink
+    transport. On the H200 with 8 processes under MPS, atomics on a legacy IPC mapping measured slow
+    and on VMM mappings not (NVSHMEM shares its heap that way), and the intranode ops ran 1.2-1.6x
+    faster over VMM windows although a plain streaming copy runs at the same rate over both
+    (docs/PERFORMANCE.md, twentieth session);
+  * legacy CUDA IPC (cuMemAlloc + cuIpcGetMemHandle, handles sent over the group): kept for systems
+    where the descriptor exchange is not allowed (DEEPEP_PORTABLE_INTRANODE_VMM=0 / DEEPEP_PORTABLE_LL_VMM=0).
 """
 from __future__ import annotations
 
@@ -99,14 +102,16 @@ def _synchronize(device: int) -> None:
 
 class IpcWindow(Window):
     def __init__(self, ctx: BufferContext, nbytes: int, zero_bytes: int, size_name: str,
-                 shareable: bool = False) -> None:
+                 shareable: bool = False, legacy_switch: str = "DEEPEP_PORTABLE_LL_VMM") -> None:
         """Collective over ctx.comm. `size_name` names the Buffer argument in errors. `shareable`: VMM
-        memory shared by file descriptor (see the module docstring) instead of legacy CUDA IPC."""
+        memory shared by file descriptor (see the module docstring) instead of legacy CUDA IPC;
+        `legacy_switch`: the variable that selects legacy IPC instead, named when sharing fails."""
         from .. import _C
 
         self.ctx = ctx
         self.dev = device_index(ctx.device)
         self.shareable = shareable
+        self.legacy_switch = legacy_switch
         fd = -1
         if shareable:
             self.base, self.size, fd = _C.vmm_alloc_shareable(self.dev, nbytes)
@@ -182,7 +187,7 @@ class IpcWindow(Window):
             self._opened = []
             self._free_own()
             raise RuntimeError("sharing the window as VMM memory by file descriptor failed: " + "; ".join(problems)
-                               + " (DEEPEP_PORTABLE_LL_VMM=0 on every rank uses legacy CUDA IPC instead)")
+                               + f" ({self.legacy_switch}=0 on every rank uses legacy CUDA IPC instead)")
 
     def _free_own(self) -> None:
         from .. import _C
