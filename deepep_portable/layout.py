@@ -119,15 +119,6 @@ class NormalLayout:
         multiple of 8, so the weights start 16-byte aligned."""
         return self.combine_rows_offset() + self.combine_rows(capacity) * self.hidden * 2
 
-    def combine_flags_offset(self, capacity: int) -> int:
-        """Then the streamed combine's flags, u32 [R, capacity] ([s][b] = 1 once my row of source s's token b is
-        staged): in the room the dispatch's send lists take (bytes_per_token counts 4 R bytes a token for them)."""
-        return align_up(self.combine_weights_area_offset(capacity) + self.combine_rows(capacity) * self.num_topk * 4)
-
-    def combine_end(self, capacity: int) -> int:
-        """Where the combine's part of the buffer ends (rows, weights, flags)."""
-        return self.combine_flags_offset(capacity) + self.num_ranks * capacity * 4
-
     @property
     def bytes_per_token(self) -> int:
         """Buffer bytes one token per rank costs: its send-list entries and the larger of its
@@ -163,7 +154,7 @@ CTRL_READY = 16         # u64: "my send area holds op n"  (written by me, read b
 CTRL_ERROR = 24         # u32: first error code of this buffer (device-side claim)
 CTRL_NUM_TOKENS = 28    # i32: tokens staged by the current dispatch
 CTRL_COUNTED = 32       # u64: "my count_to / expert_count hold op n's counts" (dispatch stage kernel)
-CTRL_STAGE_TICKET = 40  # u32: dispatch stage tickets handed out / streamed combine blocks met (0 between kernels)
+CTRL_STAGE_TICKET = 40  # u32: next token the dispatch stage kernel hands out (0 between kernels)
 CTRL_PULL_ARRIVE = 44   # u32: blocks of the running pull kernel past their reads (0 between kernels)
 CTRL_DONE = 64          # u64[R]: DONE[p] = last op whose data peer p finished pulling from me (its pull's end)
 

@@ -7,7 +7,7 @@
 #   other steps: precompile (every kernel family for sm_90, all cores), mpi2 (the MPI suite at 2 ranks), ll (the low-latency GPU tests at N ranks),
 #   llnvshmem (the low-latency GPU tests over the nvshmem transport at N PEs), lllegacy (the same over
 #   nvlink with a legacy CUDA IPC window: DEEPEP_PORTABLE_LL_VMM=0, the pack-on-receive dispatch), intranodelegacy (the
-#   intranode GPU tests on the older forms: a legacy CUDA IPC buffer, the staged combine in two kernels),
+#   intranode GPU tests over a legacy CUDA IPC buffer: DEEPEP_PORTABLE_INTRANODE_VMM=0),
 #   llncclgin2 (the conformance kernel, the low-latency and the normal-mode GPU tests over nccl_gin at 2 ranks sharing the GPU: NCCL_HOME
 #   = an NCCL >= 2.30, brought in parts with scripts/carry_in_parts.sh), selftest (the transport contract's conformance kernel over every backend, ibgda over the tests' NIC model
 #   too, N ranks), llibgda / internodeibgda (those suites over ibgda and the NIC model), llncclgin (the same at one rank; NCCLGIN_TESTS picks files), llginmock (the low-latency GPU tests over
@@ -61,9 +61,8 @@ for s in $STEPS; do
     mpi)    start_mps; step mpi $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi; stop_mps ;;
     mpi2)   start_mps; step mpi2 $MPIRUN -n 2 $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi; stop_mps ;;
     ll)     start_mps; step ll $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
-    intranodelegacy) start_mps; DEEPEP_PORTABLE_INTRANODE_VMM=0 DEEPEP_PORTABLE_STREAMED_COMBINE=0 step intranodelegacy $MPIRUN \
-                -x DEEPEP_PORTABLE_INTRANODE_VMM -x DEEPEP_PORTABLE_STREAMED_COMBINE -n "$RANKS" $PY -m pytest -q -p no:cacheprovider \
-                --with-mpi tests/mpi/test_intranode_gpu_mpi.py; stop_mps ;;
+    intranodelegacy) start_mps; DEEPEP_PORTABLE_INTRANODE_VMM=0 step intranodelegacy $MPIRUN -x DEEPEP_PORTABLE_INTRANODE_VMM \
+                -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_intranode_gpu_mpi.py; stop_mps ;;
     lllegacy) start_mps; DEEPEP_PORTABLE_LL_VMM=0 step lllegacy $MPIRUN -x DEEPEP_PORTABLE_LL_VMM -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
     llnvshmem) start_mps; DEEPEP_TEST_LL_TRANSPORT=nvshmem step llnvshmem $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_low_latency_gpu_mpi.py; stop_mps ;;
     internode) start_mps   # the internode kernels over logical nodes (nvshmem), every node shape of N ranks

@@ -122,7 +122,6 @@ def test_kernel_names_in_a_profile():
     assert names and all(n.startswith("deepep_portable::") for n in names), sorted(names)
     with_op_words = sorted(n for n in names if "dispatch" in n or "combine" in n)
     assert with_op_words == ["deepep_portable::intranode::combine", "deepep_portable::intranode::dispatch",
-                             "deepep_portable::intranode::streamed::combine",   # a staged combine: one launch
                              "deepep_portable::low_latency::combine", "deepep_portable::low_latency::dispatch"]
 
 

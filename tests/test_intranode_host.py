@@ -24,8 +24,6 @@ except Exception:   # pragma: no cover - CI installs a compiler
      dict(NUM_RANKS=3, HIDDEN_BYTES=256, NUM_TOPK=5, NUM_SCALES=2)),
     (intranode.COMBINE_SOURCE, intranode.COMBINE_KERNELS[1], intranode.CombineParams,
      dict(NUM_RANKS=3, HIDDEN=128, NUM_TOPK=0)),
-    (intranode.COMBINE_STREAMED_SOURCE, intranode.COMBINE_STREAMED_KERNEL, intranode.CombineParams,
-     dict(NUM_RANKS=3, HIDDEN=128, NUM_TOPK=2)),
     (intranode_zero_copy.OPEN_ROUND_SOURCE, intranode_zero_copy.OPEN_ROUND_KERNEL, intranode_zero_copy.OpenRoundParams,
      {}),
 ])
@@ -56,10 +54,6 @@ def test_layout_capacity_is_consistent_with_hint():
             assert rows == L.ROWS_OFFSET
             assert weights == rows + lay.combine_rows(cap) * hidden * 2 and weights % 16 == 0
             assert weights + lay.combine_rows(cap) * topk * 4 <= hint
-            # then the streamed combine's flags, one u32 per (source, token), aligned, still inside the buffer
-            flags = lay.combine_flags_offset(cap)
-            assert flags >= weights + lay.combine_rows(cap) * topk * 4 and flags % 16 == 0
-            assert lay.combine_end(cap) == flags + ranks * cap * 4 <= hint
 
 
 def test_control_area_fits():
@@ -89,7 +83,6 @@ class _PlanStub:
         self.num_ranks = num_ranks
         self.ctx = type("Ctx", (), {"num_nvl_bytes": num_nvl_bytes})()
         self.kernels = []
-        self.streamed_combine = True
 
     def _common(self, p) -> None:
         p.rank = 3
@@ -125,11 +118,10 @@ def test_combine_plan_fills_the_layout_fields_once():
     stub = _PlanStub(4, 1 << 28)
     kernels, t = intranode.IntranodeEngine._combine_plan(stub, 4096, 8)
     lay = L.NormalLayout(4, 4096, 2, 0, 8)
-    assert kernels == (*intranode.COMBINE_KERNELS, intranode.COMBINE_STREAMED_KERNEL)
+    assert kernels == intranode.COMBINE_KERNELS
     assert t.send_area_offset == lay.combine_rows_offset()
     cap = lay.max_tokens_per_rank(1 << 28)
     assert (t.weights_area_offset, t.rank) == (lay.combine_weights_area_offset(cap), 3)
-    assert (t.flags_offset, t.capacity) == (lay.combine_flags_offset(cap), cap)
     p = intranode.CombineParams.from_buffer_copy(t)
     p.out = 42
     assert t.out == 0

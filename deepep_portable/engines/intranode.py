@@ -33,11 +33,6 @@ DISPATCH_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_tokens"
                     jit.kernel_symbol("deepep_portable::intranode::dispatch", "DispatchParams"))
 COMBINE_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_expert_rows", "CombineParams"),
                    jit.kernel_symbol("deepep_portable::intranode::combine", "CombineParams"))
-# Every combine's stage and pull in one launch (rows pulled as soon as they are staged), unless
-# DEEPEP_PORTABLE_STREAMED_COMBINE=0 (the same on every rank): the two kernels above.
-COMBINE_STREAMED_SOURCE = "common/kernels/intranode/combine_streamed.cu"
-COMBINE_STREAMED_KERNEL = jit.kernel_symbol("deepep_portable::intranode::streamed::combine", "CombineParams")
-STREAMED_SWITCH = "DEEPEP_PORTABLE_STREAMED_COMBINE"
 VMM_SWITCH = "DEEPEP_PORTABLE_INTRANODE_VMM"
 MAX_SPARES = 4   # (kind, tokens) shapes whose next dispatch finds its small outputs ready
 MAX_GUESSES = 8  # call shapes whose next fresh dispatch allocates its outputs before it learns its receive count
@@ -55,8 +50,7 @@ DispatchParams = params_struct("DispatchParams", [
 CombineParams = params_struct("CombineParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
     "send_area_offset", "weights_area_offset", "x", "topk_weights", "num_rows", "send_rows",
-    "bias_0", "bias_1", "out", "out_topk_weights", "num_tokens", "recv_src_idx", "rank_prefix_matrix", "row_of",
-    "flags_offset", "capacity", "error_claim", "error_host", "timeout_ns"])
+    "bias_0", "bias_1", "out", "out_topk_weights", "num_tokens", "error_claim", "error_host", "timeout_ns"])
 
 
 def vmm_window_wanted() -> bool:
@@ -89,8 +83,6 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
         self._recv_guess: dict = {}
         self.speculate = os.environ.get("DEEPEP_PORTABLE_SPECULATIVE_RECV", "0") == "1"
         self.speculative_misses = 0   # fresh dispatches whose guess was too small (pulled again; tests look)
-        self.streamed_combine = os.environ.get(STREAMED_SWITCH, "1") != "0"
-        self._row_of: dict = {}   # capacity -> the streamed combine's lookup table (comm-stream scratch)
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
@@ -150,11 +142,8 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
         self._common(p)
         cap = self._capacity(lay)
         p.send_area_offset, p.weights_area_offset = lay.combine_rows_offset(), lay.combine_weights_area_offset(cap)
-        p.flags_offset, p.capacity = lay.combine_flags_offset(cap), cap
         defines = dict(NUM_RANKS=self.num_ranks, HIDDEN=hidden, NUM_TOPK=topk)
         kernels = tuple(self._kernel(COMBINE_SOURCE, k, defines) for k in COMBINE_KERNELS)
-        if self.streamed_combine and self.num_ranks <= 32:   # one rank per lane
-            kernels += (self._kernel(COMBINE_STREAMED_SOURCE, COMBINE_STREAMED_KERNEL, defines),)
         return kernels, p
 
     # ---- small outputs ------------------------------------------------------------------------------
@@ -355,7 +344,7 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
         comm = self.ctx.comm_stream
         hidden = x.size(1)
         topk = 0 if topk_weights is None else topk_weights.size(1)
-        kernels, template = self._plan(("combine", hidden, topk), lambda: self._combine_plan(hidden, topk))
+        (stage, pull), template = self._plan(("combine", hidden, topk), lambda: self._combine_plan(hidden, topk))
         p = CombineParams.from_buffer_copy(template)
         # x written in place by the caller into the rows next_combine_buffer opened for this combine: the stage
         # copies only the weights. Refused before any launch: any other x overlapping the rows or their weights.
@@ -379,34 +368,12 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
         s = stream_handle(comm)
         grid = self.grid(args.num_sms)
         marks, phases = self._phases(in_place, comm)
-        # One launch (stage and pull streamed) for every combine, in place or not: the choice must be the same on
-        # every rank of the round, and it is (the switch and the table's presence follow collective calls only).
-        row_of = None if len(kernels) < 3 else self._lookup_table(p.capacity)
-        if row_of is not None:
-            p.recv_src_idx, p.rank_prefix_matrix = handle.recv_src_idx.data_ptr(), handle.rank_prefix_matrix.data_ptr()
-            p.row_of = row_of.data_ptr()
-            launch(kernels[2], grid, THREADS, p, s)
-            self.profile.mark(marks, comm)
-            self.profile.finish("combine_zc" if in_place else "combine", phases[:-2] + ("streamed",), marks)
-            return out, out_w
-        launch(kernels[0], grid, THREADS, p, s)
+        launch(stage, grid, THREADS, p, s)
         self.profile.mark(marks, comm)
-        launch(kernels[1], grid, THREADS, p, s)
+        launch(pull, grid, THREADS, p, s)
         self.profile.mark(marks, comm)
         self.profile.finish("combine_zc" if in_place else "combine", phases, marks)
         return out, out_w
-
-    def _lookup_table(self, capacity: int) -> Optional[torch.Tensor]:
-        """The streamed combine's scratch, int32 [R, capacity] (which of my rows holds source s's token b): kept,
-        and used only by comm-stream kernels in stream order. Allocated outside graph capture only (it would come
-        from the graph's private pool): a combine captured before any eager one of its size takes the two kernels.
-        One per capacity (one per call shape), never replaced: a captured graph keeps its address."""
-        table = self._row_of.get(capacity)
-        if table is None and not torch.cuda.is_current_stream_capturing():
-            with torch.cuda.stream(self.ctx.comm_stream):
-                table = self._row_of[capacity] = torch.empty(self.num_ranks * capacity, dtype=torch.int32,
-                                                             device=self.ctx.device)
-        return table
 
 
 # What `python -m deepep_portable precompile` and CI compile of these kernels.
@@ -419,6 +386,3 @@ jit.register_family(
     "intranode_combine", COMBINE_SOURCE, list(COMBINE_KERNELS),
     variants=[dict(NUM_RANKS=8, HIDDEN=7168, NUM_TOPK=8),
               dict(NUM_RANKS=4, HIDDEN=4096, NUM_TOPK=0)])
-jit.register_family(
-    "intranode_combine_streamed", COMBINE_STREAMED_SOURCE, [COMBINE_STREAMED_KERNEL],
-    variants=[dict(NUM_RANKS=8, HIDDEN=7168, NUM_TOPK=8)])

@@ -89,9 +89,7 @@ DEEPEP_DEVICE uint64_t await_peers_ready(const PeerBuffers& bufs, const ControlL
 // them, and is re-armed to 0 for the next kernel) records the round as complete (ROUND, read by my
 // next stage kernel) and tells every peer DONE = n. A block's loads of peer memory are complete once
 // their values were stored (before the __syncthreads); its arrival is ordered after them by the fence.
-// `rearm`: another of my words the kernel counted its blocks in, set back to 0 by the last block too.
-DEEPEP_DEVICE void end_round(const PeerBuffers& bufs, const ControlLayout& ctrl, uint64_t n,
-                             unsigned int* rearm = nullptr) {
+DEEPEP_DEVICE void end_round(const PeerBuffers& bufs, const ControlLayout& ctrl, uint64_t n) {
     __syncthreads();
     if (threadIdx.x != 0 || n == 0)
         return;
@@ -100,8 +98,6 @@ DEEPEP_DEVICE void end_round(const PeerBuffers& bufs, const ControlLayout& ctrl,
     if (atomicAdd(arrive, 1u) != gridDim.x - 1)
         return;
     atomicExch(arrive, 0u);
-    if (rearm != nullptr)
-        atomicExch(rearm, 0u);
     *bufs.at<volatile uint64_t>(bufs.rank, ctrl.round) = n;
     __threadfence_system();
     for (int p = 0; p < bufs.num_ranks; ++p)
