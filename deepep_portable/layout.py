@@ -3,7 +3,7 @@
 Both the Python validation (is the buffer big enough?) and the kernels (which receive these
 offsets as launch parameters) use these objects, so the arithmetic exists once.
 
-Normal mode (intranode, pull-based): every rank owns one buffer shared with its peers by CUDA IPC:
+Normal mode (intranode, pull-based): every rank owns one buffer its peers map (windows/ipc.py):
 
     [ control (signals, counts; CONTROL_BYTES) | send area ]
 

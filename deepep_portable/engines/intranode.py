@@ -1,6 +1,7 @@
 """Host side of the intranode (NVLink / CUDA IPC) high-throughput kernels.
 
-`IntranodeEngine` owns one IPC-shared buffer per rank, the table of peer addresses, the mapped
+`IntranodeEngine` owns one buffer per rank that every peer maps (shareable VMM memory, or legacy CUDA IPC
+memory with DEEPEP_PORTABLE_INTRANODE_VMM=0: windows/ipc.py), the table of peer addresses, the mapped
 host words the kernels report through, and the launch sequence of each op (see
 csrc/common/kernels/intranode/protocol.cuh for the device protocol). All device work goes on the
 Buffer's communication stream; outputs are allocated on the current stream (Buffer._op sets it).
