@@ -243,11 +243,11 @@ def test_the_intranode_buffer_is_vmm_memory_unless_switched_off(monkeypatch):
     from deepep_portable.engines import intranode
 
     monkeypatch.delenv(intranode.VMM_SWITCH, raising=False)
-    assert intranode.vmm_window_wanted()
+    assert intranode.vmm_buffer_wanted()
     monkeypatch.setenv(intranode.VMM_SWITCH, "0")
-    assert not intranode.vmm_window_wanted()
+    assert not intranode.vmm_buffer_wanted()
     monkeypatch.setenv(intranode.VMM_SWITCH, "1")
-    assert intranode.vmm_window_wanted()
+    assert intranode.vmm_buffer_wanted()
 
 
 def test_a_failed_descriptor_share_names_the_windows_legacy_switch(fake, monkeypatch):
@@ -271,3 +271,45 @@ def test_a_failed_descriptor_share_names_the_windows_legacy_switch(fake, monkeyp
         ipc.IpcWindow(ctx_for(Comm(0, []), 0, 2), 4096, 256, "num_nvl_bytes", shareable=True,
                       legacy_switch="DEEPEP_PORTABLE_INTRANODE_VMM")
     assert fake.freed == [0x5000_0000]
+
+
+def test_ranks_that_disagree_on_the_memory_kind_are_told_the_windows_switch(fake):
+    """One peer made its window legacy IPC memory while this rank asked for VMM: refused (window freed), and the
+    error names the switch of the engine that made the window."""
+    def vmm_alloc_shareable(dev, n):
+        fake.allocs[0x6000_0000] = n
+        return 0x6000_0000, n, -1
+
+    fake.vmm_alloc_shareable = vmm_alloc_shareable
+    fake.vmm_free = lambda dev, ptr, n: fake.freed.append(ptr)
+    other = dict(peer(node_identity(), 4096, "GPU-A", 0x2000), shareable=False)
+    with pytest.raises(ValueError, match="DEEPEP_PORTABLE_INTRANODE_VMM must be the same on every rank"):
+        ipc.IpcWindow(ctx_for(FakeComm(0, [None, other]), 0, 2), 4096, 256, "num_nvl_bytes", shareable=True,
+                      legacy_switch="DEEPEP_PORTABLE_INTRANODE_VMM")
+    assert fake.freed == [0x6000_0000]
+
+
+@pytest.mark.parametrize("switch,shareable", [(None, True), ("0", False), ("1", True)])
+def test_the_intranode_engine_asks_for_the_memory_kind_its_switch_says(monkeypatch, switch, shareable):
+    """IntranodeEngine makes its buffer with shareable=<the switch> and names its own switch for the errors."""
+    from deepep_portable.engines import intranode
+
+    class Made(Exception):
+        pass
+
+    seen = {}
+
+    def fake_window(ctx, nbytes, zero_bytes, size_name, shareable=False, legacy_switch=None):
+        seen.update(nbytes=nbytes, shareable=shareable, legacy_switch=legacy_switch)
+        raise Made()
+
+    if switch is None:
+        monkeypatch.delenv(intranode.VMM_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(intranode.VMM_SWITCH, switch)
+    monkeypatch.setattr(intranode, "IpcWindow", fake_window)
+    ctx = BufferContext(comm=None, rank=0, num_ranks=2, device=torch.device("cuda", 0), num_nvl_bytes=1 << 20,
+                        num_rdma_bytes=0, low_latency_mode=False, uid=1, timeout_s=5.0)
+    with pytest.raises(Made):
+        intranode.IntranodeEngine(ctx)
+    assert seen == dict(nbytes=1 << 20, shareable=shareable, legacy_switch="DEEPEP_PORTABLE_INTRANODE_VMM")

@@ -1,4 +1,4 @@
-"""Host side of the intranode (NVLink / CUDA IPC) high-throughput kernels.
+"""Host side of the intranode (NVLink, peer-mapped memory) high-throughput kernels.
 
 `IntranodeEngine` owns one buffer per rank that every peer maps (shareable VMM memory, or legacy CUDA IPC
 memory with DEEPEP_PORTABLE_INTRANODE_VMM=0: windows/ipc.py), the table of peer addresses, the mapped
@@ -54,7 +54,7 @@ CombineParams = params_struct("CombineParams", [
     "bias_0", "bias_1", "out", "out_topk_weights", "num_tokens", "error_claim", "error_host", "timeout_ns"])
 
 
-def vmm_window_wanted() -> bool:
+def vmm_buffer_wanted() -> bool:
     """The buffer is shareable VMM memory unless DEEPEP_PORTABLE_INTRANODE_VMM=0 (the same on every rank):
     on the 8-rank H200 emulation every op ran 1.2-1.6x faster over it than over legacy CUDA IPC memory
     (docs/PERFORMANCE.md, twentieth session). Legacy IPC stays for systems that refuse the descriptor exchange."""
@@ -71,7 +71,7 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
         self.ctx = ctx
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
         self.broken: Optional[str] = None
-        self.window = IpcWindow(ctx, ctx.num_nvl_bytes, L.CONTROL_BYTES, "num_nvl_bytes", shareable=vmm_window_wanted(),
+        self.window = IpcWindow(ctx, ctx.num_nvl_bytes, L.CONTROL_BYTES, "num_nvl_bytes", shareable=vmm_buffer_wanted(),
                                 legacy_switch=VMM_SWITCH)
         self.dev, self.base, self.peer_bases = self.window.dev, self.window.base, self.window.peer_bases
         self.profile = PhaseProfile(self.dev)   # DEEPEP_PORTABLE_PROFILE=1 (used by `bench`)

@@ -1,6 +1,6 @@
 """KernelTransport: a backend whose ops run this package's kernels.
 
-Normal-mode ops run the intranode kernels over CUDA IPC (engines/intranode.py) when every rank is on
+Normal-mode ops run the intranode kernels over peer-mapped buffers (engines/intranode.py) when every rank is on
 one node, whatever the backend; over several nodes, the internode kernels (engines/internode.py) on a
 window of the backend (`make_ll_window`, with a peer table limited to the node: a backend whose window
 has no network path refuses). Low-latency ops run the kernels written against the transport contract

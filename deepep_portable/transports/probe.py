@@ -239,11 +239,11 @@ def probe_ibgda(sysfs_root: str = SYSFS_INFINIBAND) -> TransportStatus:
 
 
 def probe_nvlink() -> TransportStatus:
-    """Intranode kernels over CUDA IPC: a GPU (sm_80+), the host module and a CUDA compiler for
-    the JIT. Whether every rank of a group shares one node is checked when a Buffer is made."""
+    """Intranode kernels over peer-mapped memory (VMM or CUDA IPC): a GPU (sm_80+), the host module and a CUDA
+    compiler for the JIT. Whether every rank of a group shares one node is checked when a Buffer is made."""
     problems: List[str] = []
     ll = os.environ.get("DEEPEP_PORTABLE_LL_KERNELS", "1") != "0"
-    details: Dict = {"low_latency_ops": "low-latency kernels over CUDA IPC" if ll else
+    details: Dict = {"low_latency_ops": "low-latency kernels over peer-mapped memory" if ll else
                      "reference implementation (DEEPEP_PORTABLE_LL_KERNELS=0)"}
     gpu = _gpu_check((8, 0), "the nvlink kernels")
     if gpu:
@@ -257,7 +257,7 @@ def probe_nvlink() -> TransportStatus:
         backend = _backend_check("nvlink", None)
         if backend:
             problems.append(backend)
-    return _status("nvlink", problems, "CUDA IPC load/store between ranks of one node", details)
+    return _status("nvlink", problems, "load/store of peer-mapped memory between ranks of one node", details)
 
 
 def probe(name: str) -> TransportStatus:

@@ -137,7 +137,7 @@ class IpcWindow(Window):
             kinds = {p["shareable"] for p in peers}
             if len(kinds) != 1:
                 self._free_own()
-                raise ValueError("ranks disagree on the window's memory (DEEPEP_PORTABLE_LL_VMM must be the same "
+                raise ValueError(f"ranks disagree on the window's memory ({self.legacy_switch} must be the same "
                                  "on every rank)")
             self._cap_blocks(me["uuid"], [p["uuid"] for p in peers])
             self._opened: List[int] = []

@@ -1,4 +1,5 @@
-"""`nvlink` transport: the intranode kernels over CUDA IPC, and the low-latency kernels over an
+"""`nvlink` transport: the intranode kernels over peer-mapped buffers (shareable VMM memory, or legacy CUDA IPC
+memory), and the low-latency kernels over an
 NvlinkWindow (csrc/backends/nvlink/device.cuh). Every rank of the group must be on one node (NVLink
 or, for testing, several ranks on one GPU)."""
 from __future__ import annotations

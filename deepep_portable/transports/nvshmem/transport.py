@@ -8,7 +8,7 @@ node, same GPU) are reached by NVSHMEM's load/store path and the others by NVSHM
 runtime.PASS_THROUGH). NVSHMEM is initialised once per process, by unique id over the first such
 Buffer's group.
 
-Normal-mode ops (`num_nvl_bytes`) run the intranode kernels over CUDA IPC, as in `nvlink` (every rank
+Normal-mode ops (`num_nvl_bytes`) run the intranode kernels over peer-mapped buffers, as in `nvlink` (every rank
 on one node). What was run where: docs/PERFORMANCE.md and the closing notes; the network path
 (non-P2P peers) has not run (no RDMA NIC on the machines used so far).
 """
