@@ -157,10 +157,6 @@ CTRL_COUNTED = 32       # u64: "my count_to / expert_count hold op n's counts" (
 CTRL_STAGE_TICKET = 40  # u32: next token the dispatch stage kernel hands out (0 between kernels)
 CTRL_PULL_ARRIVE = 44   # u32: blocks of the running pull kernel past their reads (0 between kernels)
 CTRL_DONE = 64          # u64[R]: DONE[p] = last op whose data peer p finished pulling from me (its pull's end)
-# The second half of the control area: the combine's chunk flags, u64 [R][chunk_flag_slots(R)] ([s][k] = the
-# last op whose chunk k of source s's rows I staged; intranode/combine.cu). Only the combine writes them and op
-# numbers only grow, so nothing clears them, and nothing else may live there.
-CTRL_CHUNK_FLAGS = CONTROL_BYTES // 2
 
 
 def ctrl_count_to(num_ranks: int) -> int:
@@ -174,12 +170,7 @@ def ctrl_expert_count(num_ranks: int) -> int:
 
 
 def max_experts_in_control(num_ranks: int) -> int:
-    return (CTRL_CHUNK_FLAGS - ctrl_expert_count(num_ranks)) // 4
-
-
-def chunk_flag_slots(num_ranks: int) -> int:
-    """Chunk flags per source rank in the combine's flag area (the chunks are sized to need no more)."""
-    return (CONTROL_BYTES - CTRL_CHUNK_FLAGS) // 8 // num_ranks
+    return (CONTROL_BYTES - ctrl_expert_count(num_ranks)) // 4
 
 
 def low_latency_message_bytes(hidden: int) -> int:

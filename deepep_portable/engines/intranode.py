@@ -32,13 +32,8 @@ COMBINE_SOURCE = "common/kernels/intranode/combine.cu"
 # (stage, pull) kernels of each op; only the pull, which moves the op's data, carries the op's name.
 DISPATCH_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_tokens", "DispatchParams"),
                     jit.kernel_symbol("deepep_portable::intranode::dispatch", "DispatchParams"))
-# The combine stages and pulls in one launch (combine.cu: stage warps and pull warps overlap).
-COMBINE_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::combine", "CombineParams"),)
-# The combine's warps that stage before they pull, and its work sizes (swept on the H200 emulation: PERFORMANCE.md);
-# the environment overrides them for measurement only, the same on every rank.
-COMBINE_STAGE_WARPS = int(os.environ.get("DEEPEP_PORTABLE_COMBINE_STAGE_WARPS", "8"))
-COMBINE_MIN_CHUNK_ROWS = int(os.environ.get("DEEPEP_PORTABLE_COMBINE_CHUNK_ROWS", "16"))
-COMBINE_PULL_RUN = int(os.environ.get("DEEPEP_PORTABLE_COMBINE_PULL_RUN", "4"))
+COMBINE_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_expert_rows", "CombineParams"),
+                   jit.kernel_symbol("deepep_portable::intranode::combine", "CombineParams"))
 VMM_SWITCH = "DEEPEP_PORTABLE_INTRANODE_VMM"
 MAX_SPARES = 4   # (kind, tokens) shapes whose next dispatch finds its small outputs ready
 MAX_GUESSES = 8  # call shapes whose next fresh dispatch allocates its outputs before it learns its receive count
@@ -55,8 +50,7 @@ DispatchParams = params_struct("DispatchParams", [
     "error_claim", "error_host", "timeout_ns"])
 CombineParams = params_struct("CombineParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
-    "send_area_offset", "weights_area_offset", "chunk_flags_offset", "chunk_slots", "min_chunk_rows", "stage_warps",
-    "pull_run", "x", "topk_weights", "rank_prefix_matrix", "send_rows",
+    "send_area_offset", "weights_area_offset", "x", "topk_weights", "num_rows", "send_rows",
     "bias_0", "bias_1", "out", "out_topk_weights", "num_tokens", "error_claim", "error_host", "timeout_ns"])
 
 
@@ -149,11 +143,6 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
         self._common(p)
         cap = self._capacity(lay)
         p.send_area_offset, p.weights_area_offset = lay.combine_rows_offset(), lay.combine_weights_area_offset(cap)
-        p.chunk_flags_offset, p.chunk_slots = L.CTRL_CHUNK_FLAGS, L.chunk_flag_slots(self.num_ranks)
-        if not (1 <= COMBINE_STAGE_WARPS < THREADS // 32 and COMBINE_MIN_CHUNK_ROWS >= 1 and COMBINE_PULL_RUN >= 1):
-            raise ValueError(f"bad combine tuning: stage warps {COMBINE_STAGE_WARPS} (1 .. {THREADS // 32 - 1}), "
-                             f"chunk rows {COMBINE_MIN_CHUNK_ROWS}, pull run {COMBINE_PULL_RUN} (>= 1)")
-        p.stage_warps, p.min_chunk_rows, p.pull_run = COMBINE_STAGE_WARPS, COMBINE_MIN_CHUNK_ROWS, COMBINE_PULL_RUN
         defines = dict(NUM_RANKS=self.num_ranks, HIDDEN=hidden, NUM_TOPK=topk)
         kernels = tuple(self._kernel(COMBINE_SOURCE, k, defines) for k in COMBINE_KERNELS)
         return kernels, p
@@ -356,7 +345,7 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
         comm = self.ctx.comm_stream
         hidden = x.size(1)
         topk = 0 if topk_weights is None else topk_weights.size(1)
-        (kernel,), template = self._plan(("combine", hidden, topk), lambda: self._combine_plan(hidden, topk))
+        (stage, pull), template = self._plan(("combine", hidden, topk), lambda: self._combine_plan(hidden, topk))
         p = CombineParams.from_buffer_copy(template)
         # x written in place by the caller into the rows next_combine_buffer opened for this combine: the stage
         # copies only the weights. Refused before any launch: any other x overlapping the rows or their weights.
@@ -371,7 +360,8 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
                                  "that top-k): combine a tensor outside the Buffer, or size it for this top-k")
         p.x, p.topk_weights = (0 if in_place else x.data_ptr()), ptr(topk_weights)
         self.in_place_combines += in_place
-        p.rank_prefix_matrix, p.send_rows = handle.rank_prefix_matrix.data_ptr(), handle.send_rows.data_ptr()
+        p.num_rows = handle.transport_state.num_recv.data_ptr()
+        p.send_rows = handle.send_rows.data_ptr()
         p.bias_0, p.bias_1 = ptr(bias_0), ptr(bias_1)
         out = torch.empty(handle.num_tokens, hidden, dtype=torch.bfloat16, device=x.device)
         out_w = None if topk == 0 else torch.empty(handle.num_tokens, topk, dtype=torch.float32, device=x.device)
@@ -379,9 +369,11 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
         s = stream_handle(comm)
         grid = self.grid(args.num_sms)
         marks, phases = self._phases(in_place, comm)
-        launch(kernel, grid, THREADS, p, s)
+        launch(stage, grid, THREADS, p, s)
         self.profile.mark(marks, comm)
-        self.profile.finish("combine_zc" if in_place else "combine", phases[:-2] + ("streamed",), marks)
+        launch(pull, grid, THREADS, p, s)
+        self.profile.mark(marks, comm)
+        self.profile.finish("combine_zc" if in_place else "combine", phases, marks)
         return out, out_w
 
 

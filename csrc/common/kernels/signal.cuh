@@ -78,18 +78,14 @@ DEEPEP_DEVICE void report_error(const ErrorSink& sink, int code, int peer, int d
     __threadfence_system();
 }
 
-// Spin until *addr >= v; false (and an error record naming `peer`) once `deadline_ns` passes. With
-// sleep_ns, the thread sleeps that long between polls: for waits many warps make at once, where the
-// polls would otherwise take issue slots and memory traffic from the warps doing the work.
+// Spin until *addr >= v; false (and an error record naming `peer`) once `deadline_ns` passes.
 DEEPEP_DEVICE bool wait_ge(const uint64_t* addr, uint64_t v, uint64_t deadline_ns, const ErrorSink& sink,
-                           int peer, unsigned int sleep_ns = 0) {
+                           int peer) {
     while (ld_acquire_sys(addr) < v) {
         if (globaltimer_ns() > deadline_ns) {
             report_error(sink, kErrorTimeout, peer, static_cast<int>(v));
             return false;
         }
-        if (sleep_ns != 0)
-            __nanosleep(sleep_ns);
     }
     return true;
 }

@@ -204,7 +204,19 @@ DEEPEP_DEVICE void notify_host(const DispatchParams& p, const PeerBuffers& bufs,
 // instead of striding them over the grid: block 0 (which first waits for every peer's counts) and the
 // blocks that scan send positions start copying late, and with a fixed share they would finish last.
 // A warp issues its next draw before copying the current token and reads it after (issue_draw /
-// take_draw, protocol.cuh): with one row in flight per warp, a draw between rows halved the copy rate.
+// take_draw): with one row in flight per warp, a draw between rows halved the copy rate.
+// Every warp draws until it gets a ticket past the last one, so num_tickets + warps tickets are drawn
+// in all; the warp that draws the last one re-arms the word for the next round (every other warp has
+// drawn its last ticket by then, and the next kernel on the stream starts after this one ends).
+DEEPEP_DEVICE unsigned int issue_draw(unsigned int* ticket, int lane) {
+    return lane == 0 ? atomicAdd(ticket, 1u) : 0u;
+}
+
+DEEPEP_DEVICE int64_t take_draw(unsigned int* ticket, unsigned int v, int64_t num_tickets, int lane) {
+    if (lane == 0 && v == static_cast<unsigned int>(num_tickets) + gridDim.x * (blockDim.x / 32) - 1)
+        atomicExch(ticket, 0u);
+    return static_cast<int64_t>(__shfl_sync(0xffffffffu, v, 0));
+}
 
 // A zero-copy dispatch's stage (x == nullptr: the payload is in place): the meta slots alone, one 4-byte
 // word per thread at a time over the grid, several loads in flight per thread. A warp per token would

@@ -104,22 +104,6 @@ DEEPEP_DEVICE void end_round(const PeerBuffers& bufs, const ControlLayout& ctrl,
         st_release_sys(bufs.at<uint64_t>(p, ctrl.done + 8 * bufs.rank), n);
 }
 
-// Work tickets: warps draw work items from a counter in my control area (CTRL_STAGE_TICKET), one
-// draw per item. Every warp of the grid draws until it gets a ticket past the last one, so
-// num_tickets + warps tickets are drawn in all; the warp that draws the last one re-arms the word for
-// the next kernel (every other warp has drawn its last ticket by then, and the next kernel on the
-// stream starts after this one ends). A warp issues its next draw before working on the current item
-// and reads it after, so the atomic's round trip hides behind the work.
-DEEPEP_DEVICE unsigned int issue_draw(unsigned int* ticket, int lane) {
-    return lane == 0 ? atomicAdd(ticket, 1u) : 0u;
-}
-
-DEEPEP_DEVICE int64_t take_draw(unsigned int* ticket, unsigned int v, int64_t num_tickets, int lane) {
-    if (lane == 0 && v == static_cast<unsigned int>(num_tickets) + gridDim.x * (blockDim.x / 32) - 1)
-        atomicExch(ticket, 0u);
-    return static_cast<int64_t>(__shfl_sync(0xffffffffu, v, 0));
-}
-
 // A warp's copy of one row in chunks of kChunk 16-byte words per lane: the caller issues the first
 // chunk's loads, then its other loads for the row (scales, top-k), then stores, so one row costs
 // one memory round trip instead of one per part.
