@@ -50,7 +50,7 @@ DispatchParams = params_struct("DispatchParams", [
     "error_claim", "error_host", "timeout_ns"])
 CombineParams = params_struct("CombineParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
-    "send_area_offset", "weights_area_offset", "x", "topk_weights", "num_rows", "send_rows",
+    "send_area_offset", "weights_area_offset", "x", "topk_weights", "rank_prefix_matrix", "send_rows",
     "bias_0", "bias_1", "out", "out_topk_weights", "num_tokens", "error_claim", "error_host", "timeout_ns"])
 
 
@@ -360,8 +360,7 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
                                  "that top-k): combine a tensor outside the Buffer, or size it for this top-k")
         p.x, p.topk_weights = (0 if in_place else x.data_ptr()), ptr(topk_weights)
         self.in_place_combines += in_place
-        p.num_rows = handle.transport_state.num_recv.data_ptr()
-        p.send_rows = handle.send_rows.data_ptr()
+        p.rank_prefix_matrix, p.send_rows = handle.rank_prefix_matrix.data_ptr(), handle.send_rows.data_ptr()
         p.bias_0, p.bias_1 = ptr(bias_0), ptr(bias_1)
         out = torch.empty(handle.num_tokens, hidden, dtype=torch.bfloat16, device=x.device)
         out_w = None if topk == 0 else torch.empty(handle.num_tokens, topk, dtype=torch.float32, device=x.device)

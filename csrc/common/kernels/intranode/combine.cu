@@ -5,11 +5,13 @@
 //   stage_expert_rows: copy the rows I received in the dispatch (now expert outputs) and their top-k
 //                      weights once into my send area (the rows only when x is not already there:
 //                      x == nullptr, a zero-copy combine whose round open_round.cu opened for
-//                      Buffer.get_next_combine_buffer; begin_round runs again at no cost).
+//                      Buffer.get_next_combine_buffer; begin_round runs again at no cost). The rows
+//                      I received from myself are not staged when x is given: only I read them, and
+//                      I read them from x (an eighth of the stage's bytes at 8 ranks, top-8 of 256).
 //   combine:           for each of my tokens, read its row from every rank it was sent to (row index
-//                      from the dispatch handle) and sum in float32 in a fixed order: 0, + bias_0,
-//                      + bias_1, + rows of ranks 0..R-1. Plain adds (no multiply, so no FMA
-//                      contraction): bit-identical to the torch oracle.
+//                      from the dispatch handle; my own row from x when x is given) and sum in float32
+//                      in a fixed order: 0, + bias_0, + bias_1, + rows of ranks 0..R-1. Plain adds (no
+//                      multiply, so no FMA contraction): bit-identical to the torch oracle.
 //
 // Compile-time (-D): NUM_RANKS, HIDDEN (bf16 elements, multiple of 8), NUM_TOPK (0 for none).
 #include <cuda_bf16.h>
@@ -54,7 +56,8 @@ struct CombineParams {
     const int4* x;                   // [num_rows, HIDDEN] bf16: the rows this rank received; null: already
                                      // in my send area (written there by the caller, zero-copy)
     const float* topk_weights;       // [num_rows, NUM_TOPK], or null
-    const int* num_rows;             // device count of real rows (padding rows are not staged)
+    const int* rank_prefix_matrix;   // [R, R]: [i][j] = tokens ranks 0..i sent rank j (the dispatch handle's):
+                                     // my rows are [0, [R-1][me]), those from source s start at [s-1][me]
     // pull
     const int* send_rows;            // [num_tokens, R]: row of my token at rank r, -1 = not sent
     const int4* bias_0;              // [num_tokens, HIDDEN] bf16, or null
@@ -71,6 +74,12 @@ namespace {
 
 DEEPEP_DEVICE PeerBuffers bufs_of(const CombineParams& p) {
     return PeerBuffers{p.peer_bases, static_cast<int>(p.rank), kNumRanks};
+}
+
+// My received rows from source s start at row_begin(p, s) (s = R: the count of real rows; padding rows,
+// past it, are neither staged nor read).
+DEEPEP_DEVICE int row_begin(const CombineParams& p, int s) {
+    return s == 0 ? 0 : p.rank_prefix_matrix[(s - 1) * kNumRanks + p.rank];
 }
 
 // send_rows[t][lane] for lanes < R (ranks beyond 32 are read directly by the caller).
@@ -90,13 +99,17 @@ __global__ void __launch_bounds__(kThreads) stage_expert_rows(const __grid_const
         return;
     int4* rows = bufs.at<int4>(bufs.rank, p.send_area_offset);
     float* weights = bufs.at<float>(bufs.rank, p.weights_area_offset);
-    const int num_rows = *p.num_rows;
+    const int num_rows = row_begin(p, kNumRanks);
     const bool has_weights = kNumTopk > 0 && p.topk_weights != nullptr;
     if (p.x == nullptr && !has_weights)
         return;   // zero-copy and no weights: nothing to stage
+    // With x given, my rows from myself [own_begin, own_begin + own) are skipped: combine reads them in x.
+    const int own_begin = row_begin(p, static_cast<int>(p.rank));
+    const int own = p.x == nullptr ? 0 : row_begin(p, static_cast<int>(p.rank) + 1) - own_begin;
     const int lane = threadIdx.x % 32;
     const int warps = gridDim.x * (blockDim.x / 32);
-    for (int64_t i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < num_rows; i += warps) {
+    for (int64_t j = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; j < num_rows - own; j += warps) {
+        const int64_t i = j < own_begin ? j : j + own;
         RowCopy<kHiddenInt4> row;
         const int4* src = p.x == nullptr ? nullptr : p.x + i * kHiddenInt4;
         if (src != nullptr)
@@ -143,8 +156,8 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
         for (int r = 0; r < kNumRanks; ++r) {
             const int row = kNumRanks <= 32 ? __shfl_sync(0xffffffffu, my_row, r) : p.send_rows[t * kNumRanks + r];
             rows_at[r] = row;
-            src[r] = row >= 0 ? bufs.at<const int4>(r, p.send_area_offset) + static_cast<int64_t>(row) * kHiddenInt4
-                              : nullptr;
+            const int4* rows = r == bufs.rank && p.x != nullptr ? p.x : bufs.at<const int4>(r, p.send_area_offset);
+            src[r] = row >= 0 ? rows + static_cast<int64_t>(row) * kHiddenInt4 : nullptr;
         }
         // kColumns 16-byte columns per lane at a time, each read from a group of ranks: up to 16
         // loads in flight per lane; ranks are still added in ascending order for every element.
@@ -189,10 +202,14 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
                 for (int k = lane; k < kNumTopk; k += 32) {
                     float w = 0.0f;
 #pragma unroll
-                    for (int r = 0; r < kNumRanks; ++r)
+                    for (int r = 0; r < kNumRanks; ++r) {
+                        // my own rows' weights are not staged either when x is given (see the top)
+                        const float* weights = r == bufs.rank && p.x != nullptr
+                                                   ? p.topk_weights
+                                                   : bufs.at<const float>(r, p.weights_area_offset);
                         if (rows_at[r] >= 0)
-                            w = __fadd_rn(w, bufs.at<const float>(r, p.weights_area_offset)[
-                                                 static_cast<int64_t>(rows_at[r]) * kNumTopk + k]);
+                            w = __fadd_rn(w, weights[static_cast<int64_t>(rows_at[r]) * kNumTopk + k]);
+                    }
                     p.out_topk_weights[t * kNumTopk + k] = w;
                 }
             }
