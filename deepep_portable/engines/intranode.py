@@ -50,7 +50,7 @@ DispatchParams = params_struct("DispatchParams", [
     "error_claim", "error_host", "timeout_ns"])
 CombineParams = params_struct("CombineParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
-    "send_area_offset", "weights_area_offset", "x", "topk_weights", "rank_prefix_matrix", "send_rows",
+    "send_area_offset", "weights_area_offset", "x", "topk_weights", "x_rows", "rank_prefix_matrix", "send_rows",
     "bias_0", "bias_1", "out", "out_topk_weights", "num_tokens", "error_claim", "error_host", "timeout_ns"])
 
 
@@ -358,7 +358,7 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
                 raise ValueError(f"a zero-copy combine of {handle.num_recv_rows} rows with top-k {topk} needs more "
                                  f"than this Buffer's num_nvl_bytes={self.ctx.num_nvl_bytes} (it holds {most} rows at "
                                  "that top-k): combine a tensor outside the Buffer, or size it for this top-k")
-        p.x, p.topk_weights = (0 if in_place else x.data_ptr()), ptr(topk_weights)
+        p.x, p.topk_weights, p.x_rows = (0 if in_place else x.data_ptr()), ptr(topk_weights), x.size(0)
         self.in_place_combines += in_place
         p.rank_prefix_matrix, p.send_rows = handle.rank_prefix_matrix.data_ptr(), handle.send_rows.data_ptr()
         p.bias_0, p.bias_1 = ptr(bias_0), ptr(bias_1)

@@ -53,9 +53,11 @@ struct CombineParams {
     int64_t send_area_offset;        // the expert outputs: [rows, HIDDEN] bf16, contiguous
     int64_t weights_area_offset;     // their top-k weights: [rows, NUM_TOPK] f32, contiguous
     // stage inputs
-    const int4* x;                   // [num_rows, HIDDEN] bf16: the rows this rank received; null: already
+    const int4* x;                   // [x_rows, HIDDEN] bf16: the rows this rank received; null: already
                                      // in my send area (written there by the caller, zero-copy)
-    const float* topk_weights;       // [num_rows, NUM_TOPK], or null
+    const float* topk_weights;       // [x_rows, NUM_TOPK], or null
+    int64_t x_rows;                  // rows of x (the handle's num_recv_rows): no row past them is read in x or
+                                     // topk_weights, even when the dispatch overflowed num_worst_tokens
     const int* rank_prefix_matrix;   // [R, R]: [i][j] = tokens ranks 0..i sent rank j (the dispatch handle's):
                                      // my rows are [0, [R-1][me]), those from source s start at [s-1][me]
     // pull
@@ -99,13 +101,13 @@ __global__ void __launch_bounds__(kThreads) stage_expert_rows(const __grid_const
         return;
     int4* rows = bufs.at<int4>(bufs.rank, p.send_area_offset);
     float* weights = bufs.at<float>(bufs.rank, p.weights_area_offset);
-    const int num_rows = row_begin(p, kNumRanks);
+    const int num_rows = min(static_cast<int64_t>(row_begin(p, kNumRanks)), p.x_rows);
     const bool has_weights = kNumTopk > 0 && p.topk_weights != nullptr;
     if (p.x == nullptr && !has_weights)
         return;   // zero-copy and no weights: nothing to stage
     // With x given, my rows from myself [own_begin, own_begin + own) are skipped: combine reads them in x.
-    const int own_begin = row_begin(p, static_cast<int>(p.rank));
-    const int own = p.x == nullptr ? 0 : row_begin(p, static_cast<int>(p.rank) + 1) - own_begin;
+    const int own_begin = min(row_begin(p, static_cast<int>(p.rank)), num_rows);
+    const int own = p.x == nullptr ? 0 : min(row_begin(p, static_cast<int>(p.rank) + 1), num_rows) - own_begin;
     const int lane = threadIdx.x % 32;
     const int warps = gridDim.x * (blockDim.x / 32);
     for (int64_t j = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; j < num_rows - own; j += warps) {
@@ -155,9 +157,11 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
 #pragma unroll
         for (int r = 0; r < kNumRanks; ++r) {
             const int row = kNumRanks <= 32 ? __shfl_sync(0xffffffffu, my_row, r) : p.send_rows[t * kNumRanks + r];
-            rows_at[r] = row;
-            const int4* rows = r == bufs.rank && p.x != nullptr ? p.x : bufs.at<const int4>(r, p.send_area_offset);
-            src[r] = row >= 0 ? rows + static_cast<int64_t>(row) * kHiddenInt4 : nullptr;
+            // my own row lies in x (not staged); one past x's rows exists only after an overflow (reported)
+            const bool in_x = r == bufs.rank && p.x != nullptr;
+            rows_at[r] = in_x && row >= p.x_rows ? -1 : row;
+            const int4* rows = in_x ? p.x : bufs.at<const int4>(r, p.send_area_offset);
+            src[r] = rows_at[r] >= 0 ? rows + static_cast<int64_t>(rows_at[r]) * kHiddenInt4 : nullptr;
         }
         // kColumns 16-byte columns per lane at a time, each read from a group of ranks: up to 16
         // loads in flight per lane; ranks are still added in ascending order for every element.
