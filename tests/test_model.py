@@ -14,7 +14,8 @@ def test_distinct_ranks_per_token():
 
 def test_fit_reproduces_the_ep2_measurements():
     for (op, tokens), measured in model.EP2_MEASURED.items():
-        assert model.predict(op, 2, tokens, model.EP2_BLOCKS).total_us == pytest.approx(measured, rel=1e-9)
+        assert model.predict(op, 2, tokens, model.EP2_BLOCKS, own_rows_staged=True).total_us == pytest.approx(
+            measured, rel=1e-9)
     for op in ("dispatch", "combine"):
         f = model.fit(op)
         assert 0 < f.fixed_us < 300 and 10 < f.per_block_gbps < 40
@@ -46,3 +47,11 @@ def test_zero_copy_forms_drop_only_the_staging_copy(capsys):
         assert (zc.fixed_us, zc.main_us, zc.bound) == (staged.fixed_us, staged.main_us, staged.bound)
     assert main(["model", "--ranks", "8", "--tokens", "4096", "--blocks", "24", "--zero-copy"]) == 0
     assert "dispatch_zc" in capsys.readouterr().out
+
+
+def test_the_combine_stages_only_other_ranks_rows():
+    """A rank's own rows are read in its x (intranode/combine.cu): only (R-1)/R of its received rows are staged."""
+    for ranks in (2, 8):
+        now, before = model.op_bytes("combine", ranks, 4096), model.op_bytes("combine", ranks, 4096, True)
+        assert now[0] == pytest.approx(before[0] * (ranks - 1) / ranks) and now[1] == before[1]
+    assert model.op_bytes("dispatch", 8, 4096) == model.op_bytes("dispatch", 8, 4096, True)

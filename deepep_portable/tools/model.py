@@ -11,14 +11,17 @@ the limit (only the bytes to other GPUs cross it):
 
   dispatch: staged = my tokens once (FP8: 7168 + 56 x 4 bytes a row); main = the rows every rank receives
             (a token goes once to each distinct rank of its top-k experts);
-  combine:  staged = the rows I received, BF16; main = the same rows read back by their sources.
+  combine:  staged = the rows I received from other ranks, BF16 (a rank's own rows are read in its x, not
+            staged, since the twenty-first session); main = every row I received, read back by its source.
   dispatch_zc / combine_zc (`--zero-copy`): the same ops when the caller wrote their rows into the Buffer
             (get_next_dispatch_buffer / get_next_combine_buffer): no staging copy, the rest unchanged.
 
 Inputs (docs/PERFORMANCE.md, fifth session, `nvidia-h200-x2`, EP 2, 20 blocks): the P2P copy-engine rate
 between the two H200s (390 GB/s a direction), the local copy rate (2070 GB/s), and the op times at 4096 and
 16384 tokens (dispatch FP8 392.4 / 862.6 us, combine BF16 488.3 / 1400.6 us), from which `fit()` solves each
-op's fixed part and per-block rate (two equations, two unknowns). EP 2 tells nothing about many peers at
+op's fixed part and per-block rate (two equations, two unknowns). Those combines staged every received row, own
+ones included: the fit counts the bytes of the code it was measured on (`own_rows_staged=True`), the
+predictions those of today's. EP 2 tells nothing about many peers at
 once: the prediction assumes an NVSwitch node gives every GPU the same per-direction rate to all its peers
 together as the measured pair had, and the fixed part does not grow with the rank count. Both are
 assumptions to check on the first 8-GPU run.
@@ -53,11 +56,16 @@ def _base(op: str) -> str:
     return op[:-3] if op.endswith("_zc") else op
 
 
-def op_bytes(op: str, num_ranks: int, tokens: int) -> Tuple[float, float]:
-    """(staged bytes, main bytes) per rank of one op (its zero-copy form "<op>_zc" stages nothing)."""
+def op_bytes(op: str, num_ranks: int, tokens: int, own_rows_staged: bool = False) -> Tuple[float, float]:
+    """(staged bytes, main bytes) per rank of one op (its zero-copy form "<op>_zc" stages nothing). The combine
+    stages the rows from other ranks only (each rank is sent 1/R of the rows), unless `own_rows_staged` (the code
+    before the twenty-first session, which the EP 2 measurements ran)."""
     rows = tokens * ranks_per_token(num_ranks)
     base = _base(op)
-    staged, main = (tokens * FP8_ROW, rows * FP8_ROW) if base == "dispatch" else (rows * BF16_ROW, rows * BF16_ROW)
+    if base == "dispatch":
+        staged, main = tokens * FP8_ROW, rows * FP8_ROW
+    else:
+        staged, main = rows * BF16_ROW * (1.0 if own_rows_staged else (num_ranks - 1) / num_ranks), rows * BF16_ROW
     return (0.0 if base != op else staged), main
 
 
@@ -77,7 +85,7 @@ class Fit:
 
 def fit(op: str) -> Fit:
     """The op's fixed part and per-block rate from its two EP 2 measurements (at EP 2, 20 blocks the SMs bound)."""
-    (s1, m1), (s2, m2) = op_bytes(op, 2, 4096), op_bytes(op, 2, 16384)
+    (s1, m1), (s2, m2) = op_bytes(op, 2, 4096, True), op_bytes(op, 2, 16384, True)   # the measured code
     t1, t2 = EP2_MEASURED[(op, 4096)], EP2_MEASURED[(op, 16384)]
     stage = lambda s: s / HBM_COPY_GBPS / 1e3   # noqa: E731  (bytes -> us at GB/s)
     rate = (m2 - m1) / ((t2 - stage(s2)) - (t1 - stage(s1))) / 1e3   # GB/s of the main copy at 20 blocks
@@ -107,9 +115,10 @@ class Prediction:
         return max(parts, key=parts.get)
 
 
-def predict(op: str, num_ranks: int, tokens: int, blocks: int, link_gbps: float = LINK_GBPS) -> Prediction:
+def predict(op: str, num_ranks: int, tokens: int, blocks: int, link_gbps: float = LINK_GBPS,
+            own_rows_staged: bool = False) -> Prediction:
     f = fit(_base(op))
-    staged, main = op_bytes(op, num_ranks, tokens)
+    staged, main = op_bytes(op, num_ranks, tokens, own_rows_staged)
     rate, bound = main_rate(f.per_block_gbps, blocks, num_ranks, link_gbps)
     return Prediction(op, num_ranks, tokens, blocks, f.fixed_us, staged / HBM_COPY_GBPS / 1e3, main / rate / 1e3,
                       bound)
@@ -124,8 +133,9 @@ def print_model(preds: List[Prediction]) -> None:
     print("fit from EP 2 (20 blocks): " + "; ".join(
         f"{op}: fixed {fit(op).fixed_us:.0f} us, {fit(op).per_block_gbps:.1f} GB/s per block" for op in
         ("dispatch", "combine")))
-    print("fit points, exact by construction (model / measured at EP 2): " + ", ".join(
-        f"{op} {t}: {predict(op, 2, t, EP2_BLOCKS).total_us:.0f} / {m:.0f} us" for (op, t), m in EP2_MEASURED.items()))
+    print("fit points, exact by construction (model of the measured code / measured at EP 2): " + ", ".join(
+        f"{op} {t}: {predict(op, 2, t, EP2_BLOCKS, own_rows_staged=True).total_us:.0f} / {m:.0f} us"
+        for (op, t), m in EP2_MEASURED.items()))
     head = ["op", "EP", "tokens", "blocks", "fixed_us", "stage_us", "main_us", "total_us", "GB/s", "dominant"]
     rows = [head]
     for p in preds:
