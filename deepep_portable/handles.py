@@ -16,8 +16,9 @@ class IntranodeState(NamedTuple):
 
     send_pos: torch.Tensor              # [num_tokens, R] int32: slot of each of my tokens in my send list to R
     num_tokens_per_rank: torch.Tensor   # [R] int32: the dispatch's layout
-    num_recv: torch.Tensor              # [1] int32: rows received, clamped to the outputs' rows (kept for
-                                        # inspection: the combine takes its row bounds from rank_prefix_matrix)
+    # [1] int32: rows received, clamped to the outputs' rows (for inspection: the combine takes its row bounds
+    # from the handle's rank_prefix_matrix)
+    num_recv: torch.Tensor
 
 
 class InternodeState(NamedTuple):
