@@ -102,10 +102,10 @@ def _synchronize(device: int) -> None:
 
 class IpcWindow(Window):
     def __init__(self, ctx: BufferContext, nbytes: int, zero_bytes: int, size_name: str,
-                 shareable: bool = False, legacy_switch: str = "DEEPEP_PORTABLE_LL_VMM") -> None:
+                 shareable: bool = False, legacy_switch: Optional[str] = None) -> None:
         """Collective over ctx.comm. `size_name` names the Buffer argument in errors. `shareable`: VMM
         memory shared by file descriptor (see the module docstring) instead of legacy CUDA IPC;
-        `legacy_switch`: the variable that selects legacy IPC instead, named when sharing fails."""
+        `legacy_switch`: the caller's variable that selects legacy IPC instead, named when sharing fails."""
         from .. import _C
 
         self.ctx = ctx
@@ -137,8 +137,9 @@ class IpcWindow(Window):
             kinds = {p["shareable"] for p in peers}
             if len(kinds) != 1:
                 self._free_own()
-                raise ValueError(f"ranks disagree on the window's memory ({self.legacy_switch} must be the same "
-                                 "on every rank)")
+                raise ValueError("ranks disagree on the window's memory ("
+                                 + (f"{self.legacy_switch} must be the same on every rank)" if self.legacy_switch
+                                    else "every rank must ask for the same kind)"))
             self._cap_blocks(me["uuid"], [p["uuid"] for p in peers])
             self._opened: List[int] = []
             bases = [self.base if r == ctx.rank else 0 for r in range(len(peers))]
@@ -187,7 +188,8 @@ class IpcWindow(Window):
             self._opened = []
             self._free_own()
             raise RuntimeError("sharing the window as VMM memory by file descriptor failed: " + "; ".join(problems)
-                               + f" ({self.legacy_switch}=0 on every rank uses legacy CUDA IPC instead)")
+                               + (f" ({self.legacy_switch}=0 on every rank uses legacy CUDA IPC instead)"
+                                  if self.legacy_switch else ""))
 
     def _free_own(self) -> None:
         from .. import _C

@@ -28,15 +28,18 @@ def nvlink_build(shareable: bool) -> KernelBuild:
                        (("DEEPEP_WINDOW_VMM", 1),) if shareable else ())
 
 
+VMM_SWITCH = "DEEPEP_PORTABLE_LL_VMM"
+
+
 def vmm_window_wanted() -> bool:
     """DEEPEP_PORTABLE_LL_VMM=0: a legacy CUDA IPC window (must be the same on every rank)."""
-    return os.environ.get("DEEPEP_PORTABLE_LL_VMM", "1") != "0"
+    return os.environ.get(VMM_SWITCH, "1") != "0"
 
 
 class NvlinkWindow(IpcWindow):
     def __init__(self, ctx: BufferContext, nbytes: int, shareable: bool, size_name: str = "num_rdma_bytes") -> None:
         """Collective over ctx.comm; all `nbytes` zeroed. `size_name` names the size in errors."""
-        super().__init__(ctx, nbytes, nbytes, size_name, shareable=shareable)
+        super().__init__(ctx, nbytes, nbytes, size_name, shareable=shareable, legacy_switch=VMM_SWITCH)
         self.build = nvlink_build(shareable)
         self.cheap_fetch_add = shareable
         self._params = NvlinkTransportParams(self.peer_bases.data_ptr(), ctx.rank, ctx.num_ranks)
