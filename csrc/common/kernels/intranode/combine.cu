@@ -84,6 +84,11 @@ DEEPEP_DEVICE int row_begin(const CombineParams& p, int s) {
     return s == 0 ? 0 : p.rank_prefix_matrix[(s - 1) * kNumRanks + p.rank];
 }
 
+// Whether the pull reads rank r's rows in x: my own rows when x is given (only I read them, so they are not staged).
+DEEPEP_DEVICE bool reads_in_x(const CombineParams& p, const PeerBuffers& bufs, int r) {
+    return r == bufs.rank && p.x != nullptr;
+}
+
 // send_rows[t][lane] for lanes < R (ranks beyond 32 are read directly by the caller).
 DEEPEP_DEVICE int load_send_row(const CombineParams& p, int64_t t, int lane) {
     return lane < kNumRanks && lane < 32 ? p.send_rows[t * kNumRanks + lane] : -1;
@@ -157,8 +162,8 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
 #pragma unroll
         for (int r = 0; r < kNumRanks; ++r) {
             const int row = kNumRanks <= 32 ? __shfl_sync(0xffffffffu, my_row, r) : p.send_rows[t * kNumRanks + r];
-            // my own row lies in x (not staged); one past x's rows exists only after an overflow (reported)
-            const bool in_x = r == bufs.rank && p.x != nullptr;
+            // one past x's rows exists only after a num_worst_tokens overflow (reported)
+            const bool in_x = reads_in_x(p, bufs, r);
             rows_at[r] = in_x && row >= p.x_rows ? -1 : row;
             const int4* rows = in_x ? p.x : bufs.at<const int4>(r, p.send_area_offset);
             src[r] = rows_at[r] >= 0 ? rows + static_cast<int64_t>(rows_at[r]) * kHiddenInt4 : nullptr;
@@ -207,10 +212,8 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
                     float w = 0.0f;
 #pragma unroll
                     for (int r = 0; r < kNumRanks; ++r) {
-                        // my own rows' weights are not staged either when x is given (see the top)
-                        const float* weights = r == bufs.rank && p.x != nullptr
-                                                   ? p.topk_weights
-                                                   : bufs.at<const float>(r, p.weights_area_offset);
+                        const float* weights = reads_in_x(p, bufs, r) ? p.topk_weights
+                                                                : bufs.at<const float>(r, p.weights_area_offset);
                         if (rows_at[r] >= 0)
                             w = __fadd_rn(w, weights[static_cast<int64_t>(rows_at[r]) * kNumTopk + k]);
                     }
