@@ -65,7 +65,7 @@ class StartLineParams(ctypes.Structure):
     """Mirror of `struct StartLineParams` in copy.cu."""
 
     _fields_ = [("counter", ctypes.c_uint64), ("target", ctypes.c_uint64), ("timed_out", ctypes.c_uint64),
-                ("timeout_ns", ctypes.c_uint64)]
+                ("timeout_ns", ctypes.c_uint64), ("released", ctypes.c_uint64)]
 
 
 class StartLine:
@@ -78,19 +78,24 @@ class StartLine:
 
     def __init__(self, ctx, timeout_s: float = 60.0) -> None:
         self.window = IpcWindow(ctx, 256, 256, "start line")
-        self.flag = MappedWords(self.window.dev, 1)
+        self.flag = MappedWords(self.window.dev, 4)   # [0]: timed out; bytes 8..15: globaltimer at the release
         self.world, self.crossings, self.timeout_ns = ctx.num_ranks, 0, int(timeout_s * 1e9)
         self.fn = jit.load(COPY_SOURCE, START_LINE, {}, self.window.dev)
 
     def cross(self, stream: StreamLike = None) -> None:
         self.crossings += 1
-        params = StartLineParams(self.window.bases[0], self.world * self.crossings, self.flag.dev, self.timeout_ns)
+        params = StartLineParams(self.window.bases[0], self.world * self.crossings, self.flag.dev, self.timeout_ns,
+                                 self.flag.dev + 8)
         launch(self.fn, 1, 32, params, stream)
 
     def check(self) -> None:
         if self.flag.words[0]:
             raise RuntimeError("bench start line: a rank waited past the timeout for the others (a rank "
                                "skipped a timed sample or is stuck)")
+
+    def released_ns(self) -> int:
+        """The GPU's globaltimer (ns) when the last crossing on this rank's stream opened (after a synchronize)."""
+        return ctypes.c_uint64.from_address(self.flag.host + 8).value
 
     def close(self) -> None:
         self.window.close()   # collective

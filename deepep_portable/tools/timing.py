@@ -195,13 +195,41 @@ def print_graph_trace(engine, fn: Callable[[], None], what: str, group, rank: in
     """Rank 0 prints where one replay of a CUDA graph of LL_LOOP calls spends its time, from the
     kernels' own timestamps (events cannot be placed inside the replay)."""
     replay = graph_of(fn, LL_LOOP)
+    replay()   # the first replay uploads the graph: the timed replays follow warm-up ones
     torch.cuda.synchronize()
     engine.trace_reset()
     torch.cuda.synchronize()
     dist.barrier(group=group)
+    if _START_LINE is not None:   # as timer() starts a timed sample
+        _START_LINE.cross(torch.cuda.current_stream())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     replay()
+    end.record()
     torch.cuda.synchronize()
+    timed_ns = int(start.elapsed_time(end) * 1e6)
     report = engine.trace_report()
     if rank == 0:
         print(f"[graph trace rank 0, {what}, {tokens} tokens, median of {LL_LOOP} calls] "
               + ", ".join(f"{k} {v:.1f} us" for k, v in report.items()), flush=True)
+    # Every rank's replay on one clock (globaltimer is per GPU: ranks sharing it compare directly): when
+    # its first kernel started and its last ended, against the earliest start of all. The timed replay
+    # runs from the start line to the slowest rank's end, so a late start shows what the call span misses.
+    from ..engines.low_latency import TRACE_CALLS, TRACE_KERNELS
+
+    calls = []
+    for call in engine.trace.view(TRACE_CALLS, len(TRACE_KERNELS), 2).tolist():
+        done = [(s, e) for s, e in call if s != -1 and e != 0]
+        if done:
+            calls.append((min(s for s, _ in done), max(e for _, e in done)))
+    calls.sort()
+    released = _START_LINE.released_ns() if _START_LINE is not None else 0
+    mine = (calls[0][0], calls[0][1], calls[-1][1], timed_ns, released) if calls else (0, 0, 0, timed_ns, released)
+    spans = [None] * dist.get_world_size(group)
+    dist.all_gather_object(spans, mine, group=group)
+    if rank == 0 and all(s[0] > 0 for s in spans):
+        t0 = released or min(s[0] for s in spans)
+        print(f"[graph replay per rank, {what}: first call start / its end / last end, us after "
+              f"{'the start line opened' if released else 'the first start'}; event-timed replay; own release] "
+              + ", ".join(f"{r}: {(b - t0) / 1e3:.1f} / {(f - t0) / 1e3:.1f} / {(e - t0) / 1e3:.1f}; {ev / 1e3:.1f}; "
+                          f"{(rel - t0) / 1e3:.1f}" for r, (b, f, e, ev, rel) in enumerate(spans)), flush=True)

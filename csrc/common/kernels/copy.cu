@@ -70,6 +70,7 @@ struct StartLineParams {
     uint64_t target;
     int* timed_out;                // host-mapped word of this rank
     uint64_t timeout_ns;
+    uint64_t* released;            // host-mapped: globaltimer when this rank's line opened (traces compare to it)
 };
 
 namespace deepep_portable::bench {
@@ -85,6 +86,7 @@ __global__ void start_line(const __grid_constant__ StartLineParams p) {
             return;
         }
     }
+    *p.released = deepep_portable::globaltimer_ns();
 }
 
 }  // namespace deepep_portable::bench
