@@ -57,3 +57,36 @@ class PhaseProfile:
         out = [(k, statistics.median(v)) for k, v in phases.items()]
         out += [(f"{k} (host)", statistics.median(v)) for k, v in self._host_us.items()]
         return out
+
+
+def kernel_trace_report(calls: List[List[List[int]]], kernels: Sequence[str], phases: int) -> dict:
+    """Median microseconds over the traced calls of a kernel trace (the LL kernels' globaltimer stamps:
+    calls[i][k] = [first block start, last block end] of phase k of call slot i, ns; -1 / 0 when unused):
+    each phase's span, the gaps between consecutive phases of a call ('a>b': from a's end to b's start;
+    negative: b started before a ended, e.g. a receive waiting), 'call' (first start to last end) and
+    'period' (from one call's first start to the next call's: the steady-state time per call on this rank,
+    which excludes the start skew between ranks that a timed replay pays). Entries past the first `phases`
+    are spreads over blocks (their span only); for the dispatch also offsets from its first block start:
+    '+last block start', '+first staged', '+last staged' (the blocks' arrivals at the stage barrier)."""
+    spans: Dict[str, List[float]] = {}
+    starts = []
+    for call in calls:
+        done = [(name, s, e) for name, (s, e) in zip(kernels, call) if s != -1 and e != 0]
+        for name, s, e in done:
+            spans.setdefault(name, []).append((e - s) / 1e3)
+        named = {name: (s, e) for name, s, e in done}
+        if "dispatch_stage" in named and "dispatch_staged" in named and "dispatch_blocks" in named:
+            s0 = named["dispatch_stage"][0]
+            for key, t in (("last block start", named["dispatch_blocks"][1]),
+                           ("first staged", named["dispatch_staged"][0]), ("last staged", named["dispatch_staged"][1])):
+                spans.setdefault(f"+{key}", []).append((t - s0) / 1e3)
+        done = [d for d in done if kernels.index(d[0]) < phases]
+        for (a, _, ea), (b, sb, _) in zip(done, done[1:]):
+            spans.setdefault(f"{a}>{b}", []).append((sb - ea) / 1e3)
+        if done:
+            spans.setdefault("call", []).append((done[-1][2] - done[0][1]) / 1e3)
+            starts.append(done[0][1])
+    starts.sort()
+    if len(starts) > 1:
+        spans["period"] = [(b - a) / 1e3 for a, b in zip(starts, starts[1:])]
+    return {k: statistics.median(v) for k, v in spans.items()}

@@ -27,16 +27,24 @@ except Exception:   # pragma: no cover - CI installs a compiler
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="no nvcc")
 LLDispatchParams, LLCombineParams, LLCleanParams = ll.params_types(NvlinkTransportParams)
 VMM, LEGACY = nvlink_build(shareable=True), nvlink_build(shareable=False)   # the nvlink window's two builds
-# (source, kernel symbol, params mirror, defines, id): one kernel per op (phases in its params)
+# (source, kernel symbol, params mirror, defines, id): one kernel name per op (the dispatch's phases in its params,
+# the combine's compiled in: a kernel per phase)
+SEND, RECV = ll.PHASE_SEND, ll.PHASE_RECV
 KERNELS = [(ll.DISPATCH_SOURCE, ll.DISPATCH_KERNEL, LLDispatchParams, ll.kernel_defines(256, 3), "dispatch"),
-           (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, LLCombineParams, ll.kernel_defines(256, 3, False), "combine"),
-           (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, LLCombineParams, ll.kernel_defines(512, 3, True), "combine-logfmt"),
+           (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, LLCombineParams, ll.kernel_defines(256, 3, False, SEND),
+            "combine-send"),
+           (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, LLCombineParams, ll.kernel_defines(256, 3, False, RECV),
+            "combine-recv"),
+           (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, LLCombineParams, ll.kernel_defines(512, 3, True, SEND),
+            "combine-logfmt-send"),
+           (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, LLCombineParams, ll.kernel_defines(512, 3, True, RECV),
+            "combine-logfmt-recv"),
            (ll.CLEAN_SOURCE, ll.CLEAN_KERNEL, LLCleanParams, {}, "clean")]
 
 
-def _ptx(tmp_path, source: str, arch: str, defines: dict, build=VMM) -> str:
+def _ptx(tmp_path, source: str, arch: str, defines: dict, build=VMM, extra=()) -> str:
     out = tmp_path / f"{os.path.basename(source)}.{arch}.ptx"
-    cmd = [NVCC, "-ptx", f"-arch={arch}", *jit.BASE_FLAGS, f"-I{jit.kernel_root()}", *build.flags,
+    cmd = [NVCC, "-ptx", f"-arch={arch}", *jit.BASE_FLAGS, *extra, f"-I{jit.kernel_root()}", *build.flags,
            *(f"-D{k}={v}" for k, v in build.kernel_defines(defines).items()), os.path.join(jit.kernel_root(), source),
            "-o", str(out)]
     subprocess.run(cmd, check=True, capture_output=True)
@@ -59,7 +67,8 @@ def test_param_struct_size_matches_ptx(tmp_path, arch, source, kernel, struct, d
 @pytest.mark.parametrize("source", [ll.DISPATCH_SOURCE, ll.COMBINE_SOURCE])
 def test_kernels_compile(source, hidden, topk):
     variants = [ll.kernel_defines(hidden, topk)] if source == ll.DISPATCH_SOURCE else \
-        [ll.kernel_defines(hidden, topk, logfmt) for logfmt in ((False, True) if hidden % 512 == 0 else (False,))]
+        [ll.kernel_defines(hidden, topk, logfmt, phase) for logfmt in ((False, True) if hidden % 512 == 0 else (False,))
+         for phase in (SEND, RECV)]
     for arch in ("sm_90", "sm_80"):
         for defines in variants:
             assert jit.compile(source, VMM.kernel_defines(defines), arch, extra_flags=VMM.flags)
@@ -93,13 +102,19 @@ def _kernel_body(ptx: str, kernel: str) -> str:
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_no_fused_multiply_add(tmp_path, arch):
     """The FP8 cast and the combine sum are bit-exact with tests/oracle.py only without contraction:
-    products and sums rounded separately (__fmul_rn / __fadd_rn / __fdiv_rn), so no fma in the PTX.
-    (The LogFMT combine, LOGFMT=1, uses fma where DeepEP's LogFMT arithmetic does: logfmt.cuh.)"""
+    products and sums rounded separately (__fmul_rn / __fadd_rn). So the PTX is the same when nvcc may not
+    contract (-fmad=false), and the BF16 combine has no fma at all. The cast's quotient uses fma on purpose
+    (fp8.cuh div_by_scale, checked against division by test_fp8_division_without_div_is_exact); so does the
+    LogFMT combine (LOGFMT=1), where DeepEP's LogFMT arithmetic does (logfmt.cuh)."""
     for source, defines in ((ll.DISPATCH_SOURCE, ll.kernel_defines(7680, 9)),
-                            (ll.COMBINE_SOURCE, ll.kernel_defines(7680, 9, False))):
+                            (ll.COMBINE_SOURCE, ll.kernel_defines(7680, 9, False, SEND)),
+                            (ll.COMBINE_SOURCE, ll.kernel_defines(7680, 9, False, RECV))):
         text = _ptx(tmp_path, source, arch, defines)
-        assert "fma." not in text, f"{source} ({arch}) contains fused multiply-add"
         assert ".entry" in text
+        assert text == _ptx(tmp_path, source, arch, defines, extra=("-fmad=false",)), \
+            f"{source} ({arch}) contains a contracted multiply-add"
+        if source == ll.COMBINE_SOURCE:
+            assert "fma." not in text, f"{source} ({arch}) contains fused multiply-add"
 
 
 @needs_nvcc
@@ -107,7 +122,7 @@ def test_sender_checks_overwrite_and_counters_are_released(tmp_path):
     """The send kernels read the destination's RECVD (overwrite detection) and the counters are stored
     with a system-scope release (a peer reads RECVD across the fabric)."""
     for source, kernel, defines in ((ll.DISPATCH_SOURCE, ll.DISPATCH_KERNEL, ll.kernel_defines(2048, 8)),
-                                    (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, ll.kernel_defines(2048, 8, False))):
+                                    (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, ll.kernel_defines(2048, 8, False, SEND))):
         body = _kernel_body(_ptx(tmp_path, source, "sm_90", defines), kernel)
         assert "st.release.sys.global.u64" in body, kernel
         assert "ld.volatile" in body
@@ -227,7 +242,7 @@ int main() {
             const float scale = fp8_scale(amax, rs != 0);
             scales[t * (h / 128) + b] = scale;
             for (int i = 0; i < 128; i += 2) {
-                uint16_t q = fp8x2(f[i], f[i + 1], scale);
+                uint16_t q = fp8x2_inv(f[i], f[i + 1], scale, reciprocal(scale));   // the kernels' path
                 data[(size_t)t * h + b * 128 + i] = q & 0xff;
                 data[(size_t)t * h + b * 128 + i + 1] = q >> 8;
             }
@@ -286,6 +301,60 @@ def test_fp8_cast_code_matches_oracle(cast_exe, round_scale):
         assert torch.equal(packed.to(torch.int32), exp_packed)
 
 
+# Every quotient the cast can compute: x / scale for every finite bf16 x with |x| <= amax, for every bf16 amax
+# (a block's amax is one of its |x|; below 1e-4 it is clamped, so one scale stands for all of those), in both
+# scale modes; div_by_scale (no division, what the kernels run) must give the same FP8 bytes, and the same float
+# bits wherever neither x nor the quotient is below 2^-100.
+DIV_MAIN = r"""
+#include <cstdio>
+#include <cstring>
+#include <cmath>
+#include "common/kernels/fp8.cuh"
+using namespace deepep_portable::fp8;
+static float bf16(uint32_t bits) { float f; bits <<= 16; memcpy(&f, &bits, 4); return f; }
+int main() {
+    long long checked = 0, wrong = 0;
+    for (int rs = 0; rs < 2; ++rs)
+        for (uint32_t a = 0; a < 0x7f80u; ++a) {   // every finite non-negative bf16 amax
+            const float amax = bf16(a);
+            if (amax < 1e-4f && a != 0)
+                continue;                           // the same clamped scale as amax = 0
+            const float scale = fp8_scale(amax, rs != 0), inv = reciprocal(scale);
+            const float top = amax < 1e-4f ? 1e-4f : amax;
+            for (uint32_t xb = 0; xb < 0x10000u; ++xb) {
+                const float x = bf16(xb);
+                if (!(fabsf(x) <= top))
+                    continue;                       // NaN, Inf, or not in a block of this amax
+                const float want = x / scale, got = div_by_scale(x, scale, inv);
+                ++checked;
+                // always the same FP8 byte; the same float too unless x or the quotient is below 2^-100 (then the
+                // remainder or the quotient may underflow, and the quotient casts to a zero of x's sign anyway)
+                const bool exact = !(fabsf(x) >= 0x1p-100f && fabsf(want) >= 0x1p-100f) || memcmp(&want, &got, 4) == 0;
+                const bool same = exact && fp8x2(x, -x, scale) == fp8x2_inv(x, -x, scale, inv);
+                if (!same && ++wrong <= 5)
+                    printf("x=%a scale=%a: %a != %a\n", x, scale, got, want);
+            }
+        }
+    printf("checked %lld wrong %lld\n", checked, wrong);
+    return wrong != 0;
+}
+"""
+
+
+def test_fp8_division_without_div_is_exact(tmp_path):
+    if NVCC is None:
+        pytest.skip("no nvcc")
+    src, exe = tmp_path / "div.cu", tmp_path / "div"
+    src.write_text(DIV_MAIN)
+    # -O2 without -ffast-math: IEEE division and fmaf on the host, as the device's div.rn / fma.rn
+    proc = subprocess.run([NVCC, "-std=c++17", "-O2", f"-I{jit.kernel_root()}", str(src), "-o", str(exe)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout
+    assert "wrong 0" in run.stdout and int(run.stdout.split()[1]) > 10 ** 8
+
+
 # ---- host engine bookkeeping (no GPU: kernels and streams are stand-ins) ----------------------------
 class _Stream:
     def __init__(self) -> None:
@@ -333,7 +402,7 @@ def test_receive_hooks_run_in_call_order_once(monkeypatch):
     eng = _fake_engine(monkeypatch)
     p = LLDispatchParams()
     keep = (torch.zeros(1),)
-    h1 = eng._two_phase("op", _Kernel("k1", log), p, True, 1, keep)
+    h1 = eng._two_phase("op", _Kernel("k1", log), p, True, 1, keep)   # a kernel for both phases (the dispatch)
     h2 = eng._two_phase("op", _Kernel("k2", log), p, True, 1, keep)
     with pytest.raises(RuntimeError, match="call order"):
         h2()
@@ -351,6 +420,20 @@ def test_receive_hooks_run_in_call_order_once(monkeypatch):
     eng._calls = eng._recvs = 0
     with pytest.raises(RuntimeError, match="clean_low_latency_buffer"):
         h4()
+
+
+def test_a_kernel_per_phase_runs_send_then_receive(monkeypatch):
+    """The combine has a kernel per phase: without a hook both launch back to back, send first; with one,
+    the send kernel now and the receive kernel in the hook."""
+    log: list = []
+    eng = _fake_engine(monkeypatch)
+    p = LLDispatchParams()
+    pair = (_Kernel("send", log), _Kernel("recv", log))
+    assert eng._two_phase("op", pair, p, False, 1, (torch.zeros(1),)) is None
+    hook = eng._two_phase("op", pair, p, True, 1, (torch.zeros(1),))
+    assert log == ["send:send", "recv:recv", "send:send"]
+    hook()
+    assert log[-1] == "recv:recv" and (eng._calls, eng._recvs) == (2, 2)
 
 
 def test_timeout_on_own_blocks_is_named_so():
@@ -391,9 +474,14 @@ def test_trace_report_spans_gaps_and_period():
         view[seq, 0] = torch.tensor([t0, t0 + 10_000])              # stage 10 us
         view[seq, 1] = torch.tensor([t0 + 12_000, t0 + 40_000])     # send 28 us, 2 us after the stage
         view[seq, 2] = torch.tensor([t0 + 30_000, t0 + 80_000])     # recv started while send ran
+        view[seq, 5] = torch.tensor([t0, t0 + 1_000])               # spreads: block starts over 1 us,
+        view[seq, 6] = torch.tensor([t0 + 7_000, t0 + 9_000])       # arrivals at the stage barrier 7-9 us in
     engine = type("Stub", (), {"trace": trace})()
     report = ll.LowLatencyEngine.trace_report(engine)
     assert report["dispatch_stage"] == 10.0 and report["dispatch_send"] == 28.0 and report["dispatch_recv"] == 50.0
     assert report["dispatch_stage>dispatch_send"] == 2.0 and report["dispatch_send>dispatch_recv"] == -10.0
     assert report["call"] == 80.0 and report["period"] == 100.0
+    assert report["dispatch_blocks"] == 1.0 and report["+last block start"] == 1.0
+    assert report["+first staged"] == 7.0 and report["+last staged"] == 9.0
+    assert not any(">" in k and "dispatch_blocks" in k or "dispatch_staged>" in k for k in report)   # not phases
     assert not any(k.startswith("combine") for k in report)   # untouched slots are not calls

@@ -122,8 +122,9 @@ def test_nvlink_backend_params(tmp_path, shareable):
     shape = ll.kernel_defines(256, 3)
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(NvlinkTransportParams, c_struct, "dispatch") + [cheap], shape,
              build)
-    _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(NvlinkTransportParams, c_struct, "combine"),
-             ll.kernel_defines(512, 3, True), build)
+    for phase in (ll.PHASE_SEND, ll.PHASE_RECV):
+        _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(NvlinkTransportParams, c_struct, "combine"),
+                 ll.kernel_defines(512, 3, True, phase), build)
     _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(NvlinkTransportParams, c_struct, "clean"), {}, build)
     _compile(tmp_path, transport_selftest.SOURCE, _selftest_checks(NvlinkTransportParams, c_struct), {}, build)
 
@@ -139,8 +140,9 @@ def test_nvshmem_backend_params(tmp_path):
             f'{str(NvshmemWindow.cheap_fetch_add).lower()}, "NvshmemWindow.cheap_fetch_add");'
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(NvshmemTransportParams, c_struct, "dispatch") + [cheap],
              ll.kernel_defines(256, 3), NVSHMEM_BUILD, nvshmem=True)
-    _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(NvshmemTransportParams, c_struct, "combine"),
-             ll.kernel_defines(256, 3, False), NVSHMEM_BUILD, nvshmem=True)
+    for phase in (ll.PHASE_SEND, ll.PHASE_RECV):
+        _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(NvshmemTransportParams, c_struct, "combine"),
+                 ll.kernel_defines(256, 3, False, phase), NVSHMEM_BUILD, nvshmem=True)
     _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(NvshmemTransportParams, c_struct, "clean"), {},
              NVSHMEM_BUILD, nvshmem=True)
     _compile(tmp_path, transport_selftest.SOURCE, _selftest_checks(NvshmemTransportParams, c_struct), {},
@@ -221,8 +223,9 @@ def test_ibgda_backend_params(tmp_path):
              IBGDA_BUILD)
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(IbgdaTransportParams, c_struct, "dispatch"),
              ll.kernel_defines(7168, 8), IBGDA_BUILD)
-    _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(IbgdaTransportParams, c_struct, "combine"),
-             ll.kernel_defines(7168, 8, True), IBGDA_BUILD)
+    for phase in (ll.PHASE_SEND, ll.PHASE_RECV):
+        _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(IbgdaTransportParams, c_struct, "combine"),
+                 ll.kernel_defines(7168, 8, True, phase), IBGDA_BUILD)
     _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(IbgdaTransportParams, c_struct, "clean"), {}, IBGDA_BUILD)
     for op, shape in INTERNODE_SHAPES[:1] + INTERNODE_SHAPES[3:4]:
         source = {"dispatch": internode.DISPATCH_SOURCE, "combine": internode.COMBINE_SOURCE,

@@ -50,7 +50,9 @@ def test_selftest_and_low_latency_kernels(tmp_path, build):
     _compile(tmp_path, transport_selftest.SOURCE, _asserts(C_STRUCT, T) + _asserts(
         "SelftestParams", transport_selftest.params_type(T)) + [cheap], {}, build)
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(T, C_STRUCT, "dispatch"), ll.kernel_defines(256, 3), build)
-    _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(T, C_STRUCT, "combine"), ll.kernel_defines(512, 3, True), build)
+    for phase in (ll.PHASE_SEND, ll.PHASE_RECV):
+        _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(T, C_STRUCT, "combine"),
+                 ll.kernel_defines(512, 3, True, phase), build)
     _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(T, C_STRUCT, "clean"), {}, build)
     _compile(tmp_path, peer_bases.SOURCE, _asserts("PeerBasesParams", peer_bases.params_type(T)), {}, build)
 
@@ -95,7 +97,9 @@ def test_kernels_compile_against_the_tests_mock_of_nccls_device_api(tmp_path):
         _asserts("ncclWindow_vidmem", nccl_gin_mock.MockWindowStruct)
     _compile(tmp_path, transport_selftest.SOURCE, mock_structs + _asserts(C_STRUCT, T), {}, build)
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(T, C_STRUCT, "dispatch"), ll.kernel_defines(256, 3), build)
-    _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(T, C_STRUCT, "combine"), ll.kernel_defines(512, 3, True), build)
+    for phase in (ll.PHASE_SEND, ll.PHASE_RECV):
+        _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(T, C_STRUCT, "combine"),
+                 ll.kernel_defines(512, 3, True, phase), build)
     _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(T, C_STRUCT, "clean"), {}, build)
     _compile(tmp_path, peer_bases.SOURCE, [], {}, build)
     for op, shape in (("dispatch", dict(NUM_RANKS=4, RANKS_PER_NODE=2, HIDDEN_BYTES=7168, NUM_SCALES=56, NUM_TOPK=8)),

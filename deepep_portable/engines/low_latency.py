@@ -9,12 +9,14 @@ csrc/common/kernels/selected_transport.cuh) and fills the struct the kernels tak
 IPC / shareable VMM memory) and NVSHMEM's symmetric heap (kernels device-linked) look alike here.
 
 Every LL op is one *call*: a SEND phase, then a RECEIVE phase, both on `ctx.comm_stream` (Buffer
-orders that stream against the caller's), run by one kernel per op (`deepep_portable::low_latency::
-dispatch` / `::combine`, the names a profiler shows): without a hook one launch runs both phases. The
-call counter that picks the buffer half and the signal values lives in device memory, so CUDA-graph
-replays keep counting. With `return_recv_hook=True` the op launches the send phase only and returns
-`hook`; calling it later does `comm_stream.wait_stream(current)`, launches the same kernel for the
-receive phase on the comm stream, then `current.wait_stream(comm_stream)` (current = the torch
+orders that stream against the caller's), run by one kernel name per op (`deepep_portable::low_latency::
+dispatch` / `::combine`, the names a profiler shows). The dispatch is one kernel: without a hook one
+launch runs both phases (its receive overlaps the peers' sends). The combine is compiled once per phase
+(-DPHASE): without a hook its send and receive kernels launch back to back (combine.cu says why two
+launches beat one there). The call counter that picks the buffer half and the signal values lives in
+device memory, so CUDA-graph replays keep counting. With `return_recv_hook=True` the op launches the
+send phase only and returns `hook`; calling it later does `comm_stream.wait_stream(current)`, launches
+the receive phase on the comm stream, then `current.wait_stream(comm_stream)` (current = the torch
 stream current when the hook is called). No kernel runs between the two phases.
 
 Shrink mode (`enable_shrink`, DeepEP's): `mask` (int32 [R] on the device) names the ranks the kernels
@@ -54,7 +56,7 @@ from .. import layout as L
 from ..contract import (BufferContext, LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult,
                         allocate_low_latency_outputs)
 from ..handles import LowLatencyHandle
-from ..profiling import PhaseProfile
+from ..profiling import PhaseProfile, kernel_trace_report
 from ..jit import forced_arch
 from ..windows.base import Window
 from .base import Engine
@@ -71,7 +73,9 @@ PHASE_SEND, PHASE_RECV = 1, 2
 THREADS = 512                      # kThreads in protocol.cuh
 MAX_SHRINK_RANKS = 4096            # kMaxShrinkRanks in protocol.cuh
 TRACE_CALLS = 64                   # kTraceCalls in protocol.cuh
-TRACE_KERNELS = ("dispatch_stage", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv")   # TraceKernel
+TRACE_KERNELS = ("dispatch_stage", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv",
+                 "dispatch_blocks", "dispatch_staged")   # TraceKernel; the last two are spreads (not in gaps, call)
+TRACE_PHASES = 5
 
 # Common (protocol.cuh) after its first field, the backend's Transport struct (a window's transport_params()).
 _COMMON = ["local_base", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_send_arrive", "ctrl_recv_arrive",
@@ -97,18 +101,21 @@ def params_types(transport_struct: type) -> Tuple[type, type, type]:
             params_struct("LLCleanParams", [*common, *_CLEAN]))
 
 
-def kernel_defines(hidden: int, num_topk: int, logfmt: Optional[bool] = None) -> dict:
+def kernel_defines(hidden: int, num_topk: int, logfmt: Optional[bool] = None, phase: Optional[int] = None) -> dict:
     """The shape a kernel is compiled for (the window's KernelBuild adds the backend's defines); the
-    combine also takes `logfmt` (LogFMT-10 rows, use_logfmt=True)."""
+    combine also takes `logfmt` (LogFMT-10 rows, use_logfmt=True) and its `phase` (PHASE_SEND / PHASE_RECV)."""
     defines = {"HIDDEN": hidden, "NUM_TOPK": num_topk}
     if logfmt is not None:
         defines["LOGFMT"] = int(logfmt)
+    if phase is not None:
+        defines["PHASE"] = phase
     return defines
 
 
 def round_variants(hidden: int, num_topk: int) -> List[Tuple[str, dict]]:
     """(source, defines) of one low-latency round's kernels (BF16 combine), for compiling ahead of use."""
-    return [(s, kernel_defines(hidden, num_topk, lf)) for s, lf in ((DISPATCH_SOURCE, None), (COMBINE_SOURCE, False))]
+    return [(DISPATCH_SOURCE, kernel_defines(hidden, num_topk))] + [
+        (COMBINE_SOURCE, kernel_defines(hidden, num_topk, False, phase)) for phase in (PHASE_SEND, PHASE_RECV)]
 
 
 class LowLatencyEngine(Engine):
@@ -202,34 +209,14 @@ class LowLatencyEngine(Engine):
         slots[:, 1].zero_()
 
     def trace_report(self) -> dict:
-        """Median microseconds over the traced calls since trace_reset(): each kernel's span (first block
-        start to last block end) and the gaps between consecutive kernels of a call ('a>b': from a's end
-        to b's start; negative: b started before a ended, e.g. a receive kernel waiting), 'call' (first
-        start to last end) and 'period' (from one call's first start to the next call's: the steady-state
-        time per call on this rank, which excludes the start skew between ranks that a timed replay pays)."""
-        import statistics
-
-        t = self.trace.view(TRACE_CALLS, len(TRACE_KERNELS), 2).cpu().tolist()
-        spans: dict = {}
-        starts = []
-        for call in t:
-            done = [(name, s, e) for name, (s, e) in zip(TRACE_KERNELS, call) if s != -1 and e != 0]
-            for name, s, e in done:
-                spans.setdefault(name, []).append((e - s) / 1e3)
-            for (a, _, ea), (b, sb, _) in zip(done, done[1:]):
-                spans.setdefault(f"{a}>{b}", []).append((sb - ea) / 1e3)
-            if done:
-                spans.setdefault("call", []).append((done[-1][2] - done[0][1]) / 1e3)
-                starts.append(done[0][1])
-        starts.sort()
-        if len(starts) > 1:
-            spans["period"] = [(b - a) / 1e3 for a, b in zip(starts, starts[1:])]
-        return {k: statistics.median(v) for k, v in spans.items()}
+        """Median microseconds over the traced calls since trace_reset() (profiling.kernel_trace_report)."""
+        return kernel_trace_report(self.trace.view(TRACE_CALLS, len(TRACE_KERNELS), 2).cpu().tolist(), TRACE_KERNELS,
+                                   TRACE_PHASES)
 
     def _plan(self, op: str, num_max_tokens: int, hidden: int, num_experts: int, num_topk: int,
               logfmt: bool = False):
-        """(kernel, params template) of one call shape of `op` ("dispatch" / "combine"), built once (the
-        layout is checked then)."""
+        """(kernel, params template) of one call shape of `op` ("dispatch" / "combine"; the combine's kernel is
+        a (send, receive) pair), built once (the layout is checked then)."""
         key = (op, num_max_tokens, hidden, num_experts, num_topk, logfmt, forced_arch())
         plan = self._plans.get(key)
         if plan is None:
@@ -243,8 +230,10 @@ class LowLatencyEngine(Engine):
                 if self.window.cheap_fetch_add and not self.recv_x_in_buffer:   # shrink mode: pack on receive
                     defines["PACK_ON_RECEIVE"] = 1
                 kernel = self.window.kernel(DISPATCH_SOURCE, DISPATCH_KERNEL, defines)
-            else:
-                kernel = self.window.kernel(COMBINE_SOURCE, COMBINE_KERNEL, kernel_defines(hidden, num_topk, logfmt))
+            else:   # one kernel per phase (see the module docstring)
+                kernel = tuple(self.window.kernel(COMBINE_SOURCE, COMBINE_KERNEL,
+                                                  kernel_defines(hidden, num_topk, logfmt, phase))
+                               for phase in (PHASE_SEND, PHASE_RECV))
             plan = self._plans[key] = (kernel, template)
         return plan
 
@@ -280,21 +269,24 @@ class LowLatencyEngine(Engine):
                                f"return_recv_hook=True")
         comm = self.ctx.comm_stream
         grid = self._grid(num_sms)
+        send, recv = kernel if isinstance(kernel, tuple) else (kernel, kernel)   # a kernel per phase, or one for both
         if not return_recv_hook:
-            # DEEPEP_PORTABLE_PROFILE=1: events around the op (both phases in one launch)
+            # DEEPEP_PORTABLE_PROFILE=1: events around the op (both phases, in one launch or two back to back)
             marks = self.profile.start(comm)
-            params.phases = PHASE_SEND | PHASE_RECV
-            launch(kernel, grid, THREADS, params, stream_handle(comm))
+            params.phases = PHASE_SEND if send is not recv else PHASE_SEND | PHASE_RECV
+            launch(send, grid, THREADS, params, stream_handle(comm))
+            if send is not recv:
+                params.phases = PHASE_RECV
+                launch(recv, grid, THREADS, params, stream_handle(comm))
             self._calls += 1
             self._recvs += 1
             self.profile.mark(marks, comm)
             self.profile.finish(op, ("send+recv",), marks)
             return None
         params.phases = PHASE_SEND
-        launch(kernel, grid, THREADS, params, stream_handle(comm))
+        launch(send, grid, THREADS, params, stream_handle(comm))
         self._calls += 1
         params.phases = PHASE_RECV
-        recv = kernel
         blob = bytes(params)   # frozen now: the hook launches exactly this call's receive
         call, epoch = self._calls, self._epoch
         state = {"keep": keep}
@@ -494,7 +486,8 @@ def register_families(build) -> None:
     jit.register_family("low_latency_dispatch", DISPATCH_SOURCE, [DISPATCH_KERNEL],
                         variants=[build.kernel_defines(kernel_defines(h, 8)) for h in HIDDENS], extra_flags=build.flags)
     jit.register_family("low_latency_combine", COMBINE_SOURCE, [COMBINE_KERNEL],
-                        variants=[build.kernel_defines(kernel_defines(h, 8, False)) for h in HIDDENS] +
-                        [build.kernel_defines(kernel_defines(7168, 8, True))], extra_flags=build.flags)
+                        variants=[build.kernel_defines(kernel_defines(h, 8, lf, ph)) for h, lf in
+                                  [(h, False) for h in HIDDENS] + [(7168, True)] for ph in (PHASE_SEND, PHASE_RECV)],
+                        extra_flags=build.flags)
     jit.register_family("low_latency_clean", CLEAN_SOURCE, [CLEAN_KERNEL], variants=[build.kernel_defines({})],
                         extra_flags=build.flags)

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -50,6 +51,39 @@ DEEPEP_HOST_DEVICE uint16_t fp8x2(float a, float b, float scale) {
     return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3));
 }
 
+// x / scale correctly rounded without a division per element (div.rn is a dozen instructions and the
+// stage of the LL dispatch divides every channel): with inv = RN(1 / scale), q0 = RN(x * inv) is within
+// one ulp of x / scale, the remainder x - q0 * scale is exact in one FMA, and RN(q0 + rem * inv) is then
+// RN(x / scale) (Markstein's theorem) as long as nothing underflows (x and the quotient >= 2^-100 in
+// magnitude here); otherwise the quotient is far below FP8's smallest step and casts to a zero of x's sign
+// either way. A zero remainder keeps q0, which also keeps the sign of x = -0. tests/test_low_latency_host.py
+// checks both for every bf16 x against every scale the cast can make (both scale modes).
+DEEPEP_HOST_DEVICE float reciprocal(float scale) {
+#ifdef __CUDA_ARCH__
+    return __frcp_rn(scale);
+#else
+    return 1.0f / scale;
+#endif
+}
+
+DEEPEP_HOST_DEVICE float div_by_scale(float x, float scale, float inv) {
+#ifdef __CUDA_ARCH__
+    const float q0 = __fmul_rn(x, inv);
+    const float rem = __fmaf_rn(-q0, scale, x);
+    return rem == 0.0f ? q0 : __fmaf_rn(rem, inv, q0);
+#else
+    const float q0 = x * inv;
+    const float rem = std::fmaf(-q0, scale, x);
+    return rem == 0.0f ? q0 : std::fmaf(rem, inv, q0);
+#endif
+}
+
+// fp8x2 with the quotients from div_by_scale: the same bytes (the kernels' path).
+DEEPEP_HOST_DEVICE uint16_t fp8x2_inv(float a, float b, float scale, float inv) {
+    const float2 q = make_float2(div_by_scale(a, scale, inv), div_by_scale(b, scale, inv));
+    return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3));
+}
+
 // FP8 cast of 128-channel blocks [b_begin, b_end) of one bf16 row by a warp (b_begin even): lanes
 // 0-15 handle block b, lanes 16-31 block b+1; each lane 8 channels (one 16-byte word). Writes the
 // blocks' fp8 bytes into `data` (the row's H bytes) and their float32 scales into `scales` (S).
@@ -88,10 +122,13 @@ DEEPEP_DEVICE void cast_row_fp8(const int4* __restrict__ row, char* __restrict__
             for (int off = 8; off >= 1; off /= 2)
                 amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));   // stays within each 16-lane half
             const float scale = fp8_scale(amax, round_scale);
+            const float inv = reciprocal(scale);
             if (active) {
                 uint2 out;
-                out.x = static_cast<uint32_t>(fp8x2(f[0], f[1], scale)) | (static_cast<uint32_t>(fp8x2(f[2], f[3], scale)) << 16);
-                out.y = static_cast<uint32_t>(fp8x2(f[4], f[5], scale)) | (static_cast<uint32_t>(fp8x2(f[6], f[7], scale)) << 16);
+                out.x = static_cast<uint32_t>(fp8x2_inv(f[0], f[1], scale, inv)) |
+                        (static_cast<uint32_t>(fp8x2_inv(f[2], f[3], scale, inv)) << 16);
+                out.y = static_cast<uint32_t>(fp8x2_inv(f[4], f[5], scale, inv)) |
+                        (static_cast<uint32_t>(fp8x2_inv(f[6], f[7], scale, inv)) << 16);
                 reinterpret_cast<uint2*>(data + b * kFp8Block)[l16] = out;
                 if (l16 == 0)
                     scales[b] = scale;

@@ -1,6 +1,9 @@
-// Low-latency combine (see protocol.cuh for the buffer, the call counter and the signals). One
-// kernel, `combine`, runs the phases its params name: send (the hook's first launch), receive (the
-// hook), or both in one launch with a barrier over the grid between them (calls without a hook).
+// Low-latency combine (see protocol.cuh for the buffer, the call counter and the signals). The kernel
+// `combine` is compiled once per phase (-DPHASE): the send kernel, then the receive kernel (launched
+// right after it, or by the hook). Two launches beat one: a kernel holding both phases needed a barrier
+// over its grid between them (the receive reads the slot table every block's send wrote) and one
+// register allocation for both; on the H200 emulation (8 ranks, 128 tokens, graph-replayed) the two
+// kernels took 126-128 us against 132-134 us.
 //
 //   send: one warp per (local expert e, source rank s) pair. The dispatch handle gives the
 //       pair's rows (layout_range[e][s] = begin << 32 | count): x[e][begin + j] for j < count, in the
@@ -26,8 +29,8 @@
 // write (one put over a network), on one or two pages. Page spread costs: a dispatch layout that
 // gave each message of a warp its own page measured 2x slower on the H200 emulation.
 //
-// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, LOGFMT (0 / 1); the transport
-// (selected_transport.cuh).
+// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, LOGFMT (0 / 1), PHASE (kPhaseSend /
+// kPhaseRecv); the transport (selected_transport.cuh).
 #include <cstdint>
 
 #include "common/kernels/low_latency/logfmt.cuh"
@@ -41,6 +44,9 @@
 #endif
 #ifndef LOGFMT
 #error "low_latency/combine.cu needs -DLOGFMT (0 or 1)"
+#endif
+#if !defined(PHASE) || (PHASE != 1 && PHASE != 2)
+#error "low_latency/combine.cu needs -DPHASE (1: send, 2: receive; protocol.cuh kPhaseSend / kPhaseRecv)"
 #endif
 
 using namespace deepep_portable;
@@ -341,7 +347,7 @@ DEEPEP_DEVICE void reduce_logfmt(const LLCombineParams& p, int half, int warp, i
     }
 }
 
-DEEPEP_DEVICE void receive_phase(const LLCombineParams& p, const Transport& tr, uint64_t seq, bool table_ready) {
+DEEPEP_DEVICE void receive_phase(const LLCombineParams& p, const Transport& tr, uint64_t seq) {
     const Common& c = p.c;
     const int half = static_cast<int>(seq & 1);
     const ErrorSink sink = sink_of(c, kOpLowLatencyCombine);
@@ -368,7 +374,7 @@ DEEPEP_DEVICE void receive_phase(const LLCombineParams& p, const Transport& tr, 
     __syncthreads();
     snapshot_live(c);
     __syncthreads();
-    if (!s_ok || !table_ready)
+    if (!s_ok)
         return;
     const int lane = threadIdx.x % 32;
     const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
@@ -383,24 +389,18 @@ DEEPEP_DEVICE void receive_phase(const LLCombineParams& p, const Transport& tr, 
 
 namespace deepep_portable::low_latency {
 
-// The one combine kernel (see the top of the file). Both phases in one launch: the receive reads the
-// slot table every block's send phase wrote, so a barrier over the grid sits between them (the
-// blocks are co-resident; the peers' rows are not waited for there, only my own blocks).
+// The combine kernel of phase PHASE (see the top of the file).
 __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ LLCombineParams p) {
+    static_assert(PHASE == kPhaseSend || PHASE == kPhaseRecv, "one phase per combine kernel");
     const Common& c = p.c;
     const Transport tr = c.transport;
-    bool table_ready = true;   // a failed barrier (reported) leaves the slot table unusable: no reduction
-    if (c.phases & kPhaseSend) {
+    if constexpr (PHASE == kPhaseSend) {
         const Call call = begin_call(c, c.ctrl_sent, kTraceCombineSend, kKindCombine);
         send_phase(p, tr, call);
         end_call(c, c.ctrl_sent, c.ctrl_send_arrive, call.seq, kTraceCombineSend, kKindCombine);
-        if (c.phases & kPhaseRecv)
-            table_ready = grid_barrier(c, barrier_ticket(call.seq, 1), globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns),
-                                       kOpLowLatencyCombine);
-    }
-    if (c.phases & kPhaseRecv) {
+    } else {
         const uint64_t seq = begin_call(c, c.ctrl_recvd, kTraceCombineRecv).seq;
-        receive_phase(p, tr, seq, table_ready);
+        receive_phase(p, tr, seq);
         end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq, kTraceCombineRecv);
     }
 }

@@ -366,8 +366,13 @@ DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& 
 DEEPEP_DEVICE void stage_and_send(const LLDispatchParams& p, const Transport& tr) {
     const Common& c = p.c;
     const Call call = begin_call(c, c.ctrl_sent, kTraceDispatchStage, kKindDispatch);
+    trace_mark(c.trace, call.seq, kTraceDispatchBlocks, false);
+    trace_mark(c.trace, call.seq, kTraceDispatchBlocks, true);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
     stage_tokens(p);
+    __syncthreads();
+    trace_mark(c.trace, call.seq, kTraceDispatchStaged, false);
+    trace_mark(c.trace, call.seq, kTraceDispatchStaged, true);
     const bool ok = grid_barrier(c, barrier_ticket(call.seq, 0), deadline, kOpLowLatencyDispatch);
     trace_mark(c.trace, call.seq, kTraceDispatchStage, true);
     trace_mark(c.trace, call.seq, kTraceDispatchSend, false);

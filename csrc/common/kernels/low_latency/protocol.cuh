@@ -60,9 +60,11 @@
 // is bounded and reports (op, rank, peer) to the ErrorSink; a kernel whose wait failed skips its
 // copies but still finishes its bookkeeping, so no other block of any rank is left spinning forever.
 //
-// One kernel per op (`dispatch`, `combine`: what a profiler table shows, one name each, as DeepEP's):
-// a launch runs the phases its params name (kPhaseSend, kPhaseRecv, or both in one launch when the
-// caller wants no hook); the hook launches the same kernel again for the receive phase.
+// One kernel name per op (`dispatch`, `combine`: what a profiler table shows, as DeepEP's). The dispatch
+// launch runs the phases its params name (kPhaseSend, kPhaseRecv, or both in one launch when the caller
+// wants no hook); the hook launches the same kernel again for the receive phase. The combine is compiled
+// once per phase (-DPHASE, combine.cu says why): its send kernel, then its receive kernel (at once, or by
+// the hook).
 //
 // Shrink mode (Buffer(enable_shrink=True), DeepEP's dead-rank tolerance): Common::mask is an int32 [R]
 // the host owns. A masked rank is neither sent to nor waited for: its signals count as 0 rows and its
@@ -145,8 +147,10 @@ DEEPEP_DEVICE bool rank_masked(const Common& c, int r) {
 // kernel, the earliest block start and the latest block end. The host fills start slots with ~0 and
 // end slots with 0 before the calls it traces.
 constexpr int kTraceCalls = 64;
+// The last two are spreads, not phases: over a dispatch's blocks, the first and the last block start, and
+// the first and the last arrival at the stage barrier.
 enum TraceKernel : int { kTraceDispatchStage = 0, kTraceDispatchSend, kTraceDispatchRecv, kTraceCombineSend,
-                         kTraceCombineRecv, kTraceKernels };
+                         kTraceCombineRecv, kTraceDispatchBlocks, kTraceDispatchStaged, kTraceKernels };
 
 DEEPEP_DEVICE void trace_mark(uint64_t* trace, uint64_t seq, int kernel, bool end) {
     if (trace == nullptr || threadIdx.x != 0)
@@ -238,8 +242,8 @@ DEEPEP_HOST_DEVICE uint64_t signal_value(uint64_t seq, uint32_t count) {
     return (seq << kCountBits) | count;
 }
 
-// A launch may cross up to two barriers: `ticket` = 2 * seq + (0 for the first, 1 for the second), so the
-// values still only grow.
+// `ticket` = 2 * seq + which (0 for a launch's first barrier, 1 for a second one): the values only grow.
+// Today every launch crosses at most one (the dispatch's stage barrier, or the combine send's signal-last one).
 DEEPEP_DEVICE uint64_t barrier_ticket(uint64_t seq, int which) {
     return 2 * seq + static_cast<uint64_t>(which);
 }
