@@ -309,17 +309,21 @@ def test_environment():
         nr.nvshmem_environment({"ib_gid": 3})
 
 
-@pytest.mark.parametrize("source,kernels,logfmt", [
+@pytest.mark.parametrize("source,kernels,logfmt,phase", [
     ("common/kernels/low_latency/dispatch.cu", ("_ZN15deepep_portable11low_latency8dispatchE16LLDispatchParams",),
-     None),
+     None, None),
     ("common/kernels/low_latency/combine.cu", ("_ZN15deepep_portable11low_latency7combineE15LLCombineParams",),
-     False),
+     False, 1),
     ("common/kernels/low_latency/combine.cu", ("_ZN15deepep_portable11low_latency7combineE15LLCombineParams",),
-     True),
+     False, 2),
+    ("common/kernels/low_latency/combine.cu", ("_ZN15deepep_portable11low_latency7combineE15LLCombineParams",),
+     True, 1),
+    ("common/kernels/low_latency/combine.cu", ("_ZN15deepep_portable11low_latency7combineE15LLCombineParams",),
+     True, 2),
     ("common/kernels/low_latency/clean.cu", ("_ZN15deepep_portable11low_latency12clean_bufferE13LLCleanParams",),
-     None),
+     None, None),
 ])
-def test_low_latency_kernels_link_for_the_nvshmem_transport(source, kernels, logfmt, cache):
+def test_low_latency_kernels_link_for_the_nvshmem_transport(source, kernels, logfmt, phase, cache):
     """The LL kernels, built against the NVSHMEM backend (what transport="nvshmem" loads), device-link
     with nothing of NVSHMEM left unresolved."""
     _nvcc_or_skip()
@@ -328,7 +332,7 @@ def test_low_latency_kernels_link_for_the_nvshmem_transport(source, kernels, log
 
     from deepep_portable.transports.nvshmem.window import NVSHMEM_BUILD as build
 
-    defines = {} if source == ll.CLEAN_SOURCE else ll.kernel_defines(7168, 8, logfmt)
+    defines = {} if source == ll.CLEAN_SOURCE else ll.kernel_defines(7168, 8, logfmt, phase)   # phase: the combine's
     res = jit_link.compile_linked_cached(source, build.kernel_defines(defines), "sm_90", cache=cache,
                                          extra_flags=build.flags)
     e_type, _, _, syms = _elf_symbols(res.image)
