@@ -66,15 +66,17 @@ DEEPEP_HOST_DEVICE float reciprocal(float scale) {
 #endif
 }
 
+// A NaN remainder (outside the contract: an Inf in the block makes scale Inf, inv 0, and 0 * Inf NaN) also
+// keeps q0, so the block's finite channels still cast to zero as x / Inf does, instead of all to NaN.
 DEEPEP_HOST_DEVICE float div_by_scale(float x, float scale, float inv) {
 #ifdef __CUDA_ARCH__
     const float q0 = __fmul_rn(x, inv);
     const float rem = __fmaf_rn(-q0, scale, x);
-    return rem == 0.0f ? q0 : __fmaf_rn(rem, inv, q0);
+    return rem == 0.0f || rem != rem ? q0 : __fmaf_rn(rem, inv, q0);
 #else
     const float q0 = x * inv;
     const float rem = std::fmaf(-q0, scale, x);
-    return rem == 0.0f ? q0 : std::fmaf(rem, inv, q0);
+    return rem == 0.0f || rem != rem ? q0 : std::fmaf(rem, inv, q0);
 #endif
 }
 
