@@ -65,7 +65,8 @@ from .launch import launch, params_struct, ptr, stream_handle
 DISPATCH_SOURCE = "common/kernels/low_latency/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
 CLEAN_SOURCE = "common/kernels/low_latency/clean.cu"
-# One kernel per op; Common.phases says what a launch runs (kPhaseSend / kPhaseRecv in protocol.cuh).
+# One kernel name per op. Common.phases says what a dispatch launch runs (kPhaseSend / kPhaseRecv in
+# protocol.cuh); the combine is compiled once per phase (PHASE, kernel_defines) and phases just names it.
 DISPATCH_KERNEL = jit.kernel_symbol("deepep_portable::low_latency::dispatch", "LLDispatchParams")
 COMBINE_KERNEL = jit.kernel_symbol("deepep_portable::low_latency::combine", "LLCombineParams")
 CLEAN_KERNEL = jit.kernel_symbol("deepep_portable::low_latency::clean_buffer", "LLCleanParams")
@@ -269,13 +270,14 @@ class LowLatencyEngine(Engine):
                                f"return_recv_hook=True")
         comm = self.ctx.comm_stream
         grid = self._grid(num_sms)
-        send, recv = kernel if isinstance(kernel, tuple) else (kernel, kernel)   # a kernel per phase, or one for both
+        per_phase = isinstance(kernel, tuple)   # (send, receive): a kernel per phase; else one for both
+        send, recv = kernel if per_phase else (kernel, kernel)
         if not return_recv_hook:
             # DEEPEP_PORTABLE_PROFILE=1: events around the op (both phases, in one launch or two back to back)
             marks = self.profile.start(comm)
-            params.phases = PHASE_SEND if send is not recv else PHASE_SEND | PHASE_RECV
+            params.phases = PHASE_SEND if per_phase else PHASE_SEND | PHASE_RECV
             launch(send, grid, THREADS, params, stream_handle(comm))
-            if send is not recv:
+            if per_phase:
                 params.phases = PHASE_RECV
                 launch(recv, grid, THREADS, params, stream_handle(comm))
             self._calls += 1

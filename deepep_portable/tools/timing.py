@@ -13,6 +13,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..device import device_uuid
 from .kernels import StartLine
 
 
@@ -207,14 +208,16 @@ def print_graph_trace(engine, fn: Callable[[], None], what: str, group, rank: in
     replay()
     end.record()
     torch.cuda.synchronize()
+    if _START_LINE is not None:
+        _START_LINE.check()
     timed_ns = int(start.elapsed_time(end) * 1e6)
     report = engine.trace_report()
     if rank == 0:
         print(f"[graph trace rank 0, {what}, {tokens} tokens, median of {LL_LOOP} calls] "
               + ", ".join(f"{k} {v:.1f} us" for k, v in report.items()), flush=True)
-    # Every rank's replay on one clock (globaltimer is per GPU: ranks sharing it compare directly): when
-    # its first kernel started and its last ended, against the earliest start of all. The timed replay
-    # runs from the start line to the slowest rank's end, so a late start shows what the call span misses.
+    # Every rank's replay on one clock (globaltimer is per GPU: only the ranks on rank 0's GPU are shown):
+    # when its first kernel started and its last ended, against the moment the start line opened. The timed
+    # replay runs from the start line to the slowest rank's end, so a late start shows what the call span misses.
     from ..engines.low_latency import TRACE_CALLS, TRACE_KERNELS
 
     calls = []
@@ -224,12 +227,14 @@ def print_graph_trace(engine, fn: Callable[[], None], what: str, group, rank: in
             calls.append((min(s for s, _ in done), max(e for _, e in done)))
     calls.sort()
     released = _START_LINE.released_ns() if _START_LINE is not None else 0
-    mine = (calls[0][0], calls[0][1], calls[-1][1], timed_ns, released) if calls else (0, 0, 0, timed_ns, released)
+    gpu = device_uuid(torch.cuda.current_device())
+    mine = (calls[0][0], calls[0][1], calls[-1][1], timed_ns, released, gpu) if calls else (0, 0, 0, timed_ns, 0, gpu)
     spans = [None] * dist.get_world_size(group)
     dist.all_gather_object(spans, mine, group=group)
-    if rank == 0 and all(s[0] > 0 for s in spans):
-        t0 = released or min(s[0] for s in spans)
+    spans = [(r, *s[:5]) for r, s in enumerate(spans) if s[5] == gpu]   # one clock: the ranks on rank 0's GPU
+    if rank == 0 and all(s[1] > 0 for s in spans):
+        t0 = released or min(s[1] for s in spans)
         print(f"[graph replay per rank, {what}: first call start / its end / last end, us after "
               f"{'the start line opened' if released else 'the first start'}; event-timed replay; own release] "
               + ", ".join(f"{r}: {(b - t0) / 1e3:.1f} / {(f - t0) / 1e3:.1f} / {(e - t0) / 1e3:.1f}; {ev / 1e3:.1f}; "
-                          f"{(rel - t0) / 1e3:.1f}" for r, (b, f, e, ev, rel) in enumerate(spans)), flush=True)
+                          f"{(rel - t0) / 1e3:.1f}" for r, b, f, e, ev, rel in spans), flush=True)

@@ -124,7 +124,8 @@ struct Common {
     int* error_host;
     int64_t timeout_ns;
     uint64_t* trace;                 // null, or [kTraceCalls][kTraceKernels][start, end] globaltimer ns (profiling)
-    int64_t phases;                  // kPhaseSend and / or kPhaseRecv: what this launch runs
+    int64_t phases;                  // kPhaseSend and / or kPhaseRecv: what this launch runs (the combine's
+                                     // kernels are compiled for one phase: -DPHASE, the same value)
     int64_t ctrl_stage_arrive;       // u32 in my control area: blocks past the first part of a launch (grid_barrier)
     int64_t ctrl_staged;             // u64 in my control area: the last grid_barrier ticket every block passed
     int* mask;                       // shrink mode: int32 [R], 1 = masked (see the top of the file); else null
@@ -249,8 +250,8 @@ DEEPEP_DEVICE uint64_t barrier_ticket(uint64_t seq, int which) {
 }
 
 // Every block of my grid waits here until all of them have arrived (one launch's second part reads
-// what other blocks wrote in its first: the dispatch's staged messages, the combine's slot table; or
-// the combine's signals wait until no block reads x any more).
+// what other blocks wrote in its first: the dispatch's staged messages; or the combine send's signals
+// wait until no block reads x any more).
 // The last block to arrive re-arms the arrival word and publishes STAGED = ticket with a release; the
 // others acquire-poll it (tickets grow with every call: no reset, no ABA). The blocks are co-resident
 // (Window.grid), so the wait ends; it is bounded anyway. System scope: a network put's NIC reads what
