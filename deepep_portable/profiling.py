@@ -59,6 +59,21 @@ class PhaseProfile:
         return out
 
 
+def _phases_done(call: List[List[int]], kernels: Sequence[str]) -> List[Tuple[str, int, int]]:
+    """(name, first block start, last block end) of every kernel entry a traced call slot holds."""
+    return [(name, s, e) for name, (s, e) in zip(kernels, call) if s != -1 and e != 0]
+
+
+def kernel_call_spans(calls: List[List[List[int]]], kernels: Sequence[str], phases: int) -> List[Tuple[int, int]]:
+    """(first start, last end), ns, of each traced call over its first `phases` entries, in start order."""
+    spans = []
+    for call in calls:
+        done = [d for d in _phases_done(call, kernels) if kernels.index(d[0]) < phases]
+        if done:
+            spans.append((done[0][1], done[-1][2]))
+    return sorted(spans)
+
+
 def kernel_trace_report(calls: List[List[List[int]]], kernels: Sequence[str], phases: int) -> dict:
     """Median microseconds over the traced calls of a kernel trace (the LL kernels' globaltimer stamps:
     calls[i][k] = [first block start, last block end] of phase k of call slot i, ns; -1 / 0 when unused):
@@ -69,9 +84,8 @@ def kernel_trace_report(calls: List[List[List[int]]], kernels: Sequence[str], ph
     are spreads over blocks (their span only); for the dispatch also offsets from its first block start:
     '+last block start', '+first staged', '+last staged' (the blocks' arrivals at the stage barrier)."""
     spans: Dict[str, List[float]] = {}
-    starts = []
     for call in calls:
-        done = [(name, s, e) for name, (s, e) in zip(kernels, call) if s != -1 and e != 0]
+        done = _phases_done(call, kernels)
         for name, s, e in done:
             spans.setdefault(name, []).append((e - s) / 1e3)
         named = {name: (s, e) for name, s, e in done}
@@ -83,10 +97,9 @@ def kernel_trace_report(calls: List[List[List[int]]], kernels: Sequence[str], ph
         done = [d for d in done if kernels.index(d[0]) < phases]
         for (a, _, ea), (b, sb, _) in zip(done, done[1:]):
             spans.setdefault(f"{a}>{b}", []).append((sb - ea) / 1e3)
-        if done:
-            spans.setdefault("call", []).append((done[-1][2] - done[0][1]) / 1e3)
-            starts.append(done[0][1])
-    starts.sort()
-    if len(starts) > 1:
-        spans["period"] = [(b - a) / 1e3 for a, b in zip(starts, starts[1:])]
+    whole = kernel_call_spans(calls, kernels, phases)
+    if whole:
+        spans["call"] = [(e - s) / 1e3 for s, e in whole]
+    if len(whole) > 1:
+        spans["period"] = [(b[0] - a[0]) / 1e3 for a, b in zip(whole, whole[1:])]
     return {k: statistics.median(v) for k, v in spans.items()}

@@ -56,7 +56,7 @@ from .. import layout as L
 from ..contract import (BufferContext, LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult,
                         allocate_low_latency_outputs)
 from ..handles import LowLatencyHandle
-from ..profiling import PhaseProfile, kernel_trace_report
+from ..profiling import PhaseProfile, kernel_call_spans, kernel_trace_report
 from ..jit import forced_arch
 from ..windows.base import Window
 from .base import Engine
@@ -211,8 +211,13 @@ class LowLatencyEngine(Engine):
 
     def trace_report(self) -> dict:
         """Median microseconds over the traced calls since trace_reset() (profiling.kernel_trace_report)."""
-        return kernel_trace_report(self.trace.view(TRACE_CALLS, len(TRACE_KERNELS), 2).cpu().tolist(), TRACE_KERNELS,
+        return kernel_trace_report(self.trace.view(TRACE_CALLS, len(TRACE_KERNELS), 2).tolist(), TRACE_KERNELS,
                                    TRACE_PHASES)
+
+    def trace_call_spans(self) -> List[Tuple[int, int]]:
+        """(first start, last end), globaltimer ns, of each traced call since trace_reset(), in start order."""
+        return kernel_call_spans(self.trace.view(TRACE_CALLS, len(TRACE_KERNELS), 2).tolist(), TRACE_KERNELS,
+                                 TRACE_PHASES)
 
     def _plan(self, op: str, num_max_tokens: int, hidden: int, num_experts: int, num_topk: int,
               logfmt: bool = False):

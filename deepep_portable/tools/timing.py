@@ -218,14 +218,7 @@ def print_graph_trace(engine, fn: Callable[[], None], what: str, group, rank: in
     # Every rank's replay on one clock (globaltimer is per GPU: only the ranks on rank 0's GPU are shown):
     # when its first kernel started and its last ended, against the moment the start line opened. The timed
     # replay runs from the start line to the slowest rank's end, so a late start shows what the call span misses.
-    from ..engines.low_latency import TRACE_CALLS, TRACE_KERNELS
-
-    calls = []
-    for call in engine.trace.view(TRACE_CALLS, len(TRACE_KERNELS), 2).tolist():
-        done = [(s, e) for s, e in call if s != -1 and e != 0]
-        if done:
-            calls.append((min(s for s, _ in done), max(e for _, e in done)))
-    calls.sort()
+    calls = engine.trace_call_spans()
     released = _START_LINE.released_ns() if _START_LINE is not None else 0
     gpu = device_uuid(torch.cuda.current_device())
     mine = (calls[0][0], calls[0][1], calls[-1][1], timed_ns, released, gpu) if calls else (0, 0, 0, timed_ns, 0, gpu)

@@ -42,13 +42,18 @@ DEEPEP_HOST_DEVICE float fp8_scale(float amax, bool round_scale) {
     return scale;
 }
 
+// Two quotients as two e4m3 bytes (round to nearest even, saturating; see above).
+DEEPEP_HOST_DEVICE uint16_t to_fp8x2(float2 q) {
+    return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3));
+}
+
+// By division: the reference the tests compare div_by_scale with.
 DEEPEP_HOST_DEVICE uint16_t fp8x2(float a, float b, float scale) {
 #ifdef __CUDA_ARCH__
-    const float2 q = make_float2(__fdiv_rn(a, scale), __fdiv_rn(b, scale));
+    return to_fp8x2(make_float2(__fdiv_rn(a, scale), __fdiv_rn(b, scale)));
 #else
-    const float2 q = make_float2(a / scale, b / scale);
+    return to_fp8x2(make_float2(a / scale, b / scale));
 #endif
-    return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3));
 }
 
 // x / scale correctly rounded without a division per element (div.rn is a dozen instructions and the
@@ -82,8 +87,7 @@ DEEPEP_HOST_DEVICE float div_by_scale(float x, float scale, float inv) {
 
 // fp8x2 with the quotients from div_by_scale: the same bytes (the kernels' path).
 DEEPEP_HOST_DEVICE uint16_t fp8x2_inv(float a, float b, float scale, float inv) {
-    const float2 q = make_float2(div_by_scale(a, scale, inv), div_by_scale(b, scale, inv));
-    return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3));
+    return to_fp8x2(make_float2(div_by_scale(a, scale, inv), div_by_scale(b, scale, inv)));
 }
 
 // FP8 cast of 128-channel blocks [b_begin, b_end) of one bf16 row by a warp (b_begin even): lanes

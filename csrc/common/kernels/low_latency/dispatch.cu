@@ -370,9 +370,11 @@ DEEPEP_DEVICE void stage_and_send(const LLDispatchParams& p, const Transport& tr
     trace_mark(c.trace, call.seq, kTraceDispatchBlocks, true);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
     stage_tokens(p);
-    __syncthreads();
-    trace_mark(c.trace, call.seq, kTraceDispatchStaged, false);
-    trace_mark(c.trace, call.seq, kTraceDispatchStaged, true);
+    if (c.trace != nullptr) {   // profiling: this block's arrival, once all its warps staged (same for every thread)
+        __syncthreads();
+        trace_mark(c.trace, call.seq, kTraceDispatchStaged, false);
+        trace_mark(c.trace, call.seq, kTraceDispatchStaged, true);
+    }
     const bool ok = grid_barrier(c, barrier_ticket(call.seq, 0), deadline, kOpLowLatencyDispatch);
     trace_mark(c.trace, call.seq, kTraceDispatchStage, true);
     trace_mark(c.trace, call.seq, kTraceDispatchSend, false);
