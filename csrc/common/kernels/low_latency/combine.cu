@@ -11,7 +11,7 @@
 //       of the global expert's combine receive slots at s, then s's combine signal of the expert is
 //       SET to signal_value(seq, count) (also for count 0). It never waits for a peer (x inside my dispatch
 //       area: every signal waits for a barrier over my grid, see send_phase). With zero-copy, x already lies
-//       in my buffer: same code, no copy. Its warps also fill my slot table for my receive phase:
+//       in my buffer: same code, no copy. Then its warps fill my slot table for my receive phase:
 //       slot[t][k] = j such that row j of expert topk_idx[t][k] holds my token t (the number of my
 //       tokens before t that selected that expert: the order the expert's rank sends them in).
 //   receive: every block waits for the combine signals of all experts, then the warps share
@@ -180,7 +180,6 @@ DEEPEP_DEVICE void send_phase(const LLCombineParams& p, const Transport& tr, con
         // number of LL calls): x may overlap messages peers write. Report it; the data still moves.
         report_error(sink_of(c, kOpLowLatencyCombine), kErrorOverrun, -1, static_cast<int>(half));
 
-    fill_slot_table(p, warp, num_warps, lane);
     // x inside my dispatch area (recv_x passed back, or an expert that wrote it in place): a peer whose
     // combine receive is complete may start its next dispatch and reserve rows of that area that other
     // warps of mine are still reading for other ranks. So then no signal leaves before every warp of
@@ -201,6 +200,9 @@ DEEPEP_DEVICE void send_phase(const LLCombineParams& p, const Transport& tr, con
     // per warp, after its last signal; a no-op for load/store peers).
     if (lane == 0)
         tr.flush(0);
+    // Only my receive kernel, launched after this one, reads the slot table: filled once the rows and
+    // signals the peers wait for are out, not before.
+    fill_slot_table(p, warp, num_warps, lane);
     if (signal_last) {
         __syncwarp();
         // On a timeout (reported) the signals still go out: no peer is left waiting for this rank.
