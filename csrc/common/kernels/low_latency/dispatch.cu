@@ -157,6 +157,12 @@ DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr,
     const int64_t side = side_bytes(p.use_fp8 != 0), row = row_bytes(p.use_fp8 != 0);
 
     constexpr bool kReserve = kPlacement == Placement::kReserveRows;
+    // The ballots of my first kKeptRounds * 32 tokens for expert g, kept from the count pass for the
+    // send pass (one slot row per warp of the block): topk_idx is read once, not twice, and the count
+    // pass issues several rounds' loads together (its ballots do not depend on each other).
+    constexpr int kKeptRounds = 8;
+    __shared__ uint32_t s_hits[kThreads / 32][kKeptRounds];
+    uint32_t* hits = s_hits[threadIdx.x / 32];
     for (int g = warp; g < num_experts; g += num_warps) {
         const int dst = g / num_local, local = g % num_local;
         if (__shfl_sync(0xffffffffu, lane == 0 && rank_masked(c, dst), 0))
@@ -170,8 +176,14 @@ DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr,
             // How many of my tokens selected g; reserve that many of g's rows at dst. The word was
             // zeroed by dst's receive of the half's previous dispatch; a block past the end means it was
             // not (see protocol.cuh): report, write nothing.
-            for (int64_t t0 = 0; ok && t0 < p.num_tokens; t0 += 32)
-                count += __popc(__ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g)));
+#pragma unroll 4
+            for (int64_t t0 = 0; ok && t0 < p.num_tokens; t0 += 32) {
+                const uint32_t m = __ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g));
+                if (lane == 0 && t0 < 32 * kKeptRounds)
+                    hits[t0 / 32] = m;
+                count += __popc(m);
+            }
+            __syncwarp();   // the kept ballots, stored by lane 0, are read by every lane below
             if (lane == 0 && count > 0) {
                 begin = tr.fetch_add(0, dst, dispatch_reserve_off(c, half, local), count);
                 if (begin + count > static_cast<uint64_t>(slots)) {
@@ -185,7 +197,9 @@ DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr,
         }
         uint32_t j = 0;
         for (int64_t t0 = 0; ok && t0 < p.num_tokens && (!kReserve || j < count); t0 += 32) {
-            uint32_t mask = __ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g));
+            uint32_t mask = kReserve && t0 < 32 * kKeptRounds
+                                ? hits[t0 / 32]
+                                : __ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g));
             while (mask != 0) {
                 const int64_t token = t0 + __ffs(mask) - 1;
                 mask &= mask - 1;
