@@ -361,9 +361,11 @@ DEEPEP_DEVICE void receive_phase(const LLCombineParams& p, const Transport& tr, 
     if (threadIdx.x == 0)
         s_ok = 1;
     __syncthreads();
-    // One warp per block polls (its lanes stride over the experts); the others wait at the barrier.
-    // Polling with every thread multiplied the loads on the very lines the peers are signalling.
-    for (int g = threadIdx.x; threadIdx.x < 32 && g < num_experts; g += 32) {
+    // kPollThreads threads per block poll, one expert each where there are few enough (a thread's waits
+    // are serial: acquire loads do not overlap); the others wait at the barrier. Polling with every
+    // thread multiplied the loads on the very lines the peers are signalling.
+    constexpr int kPollThreads = 256;
+    for (int g = threadIdx.x; threadIdx.x < kPollThreads && g < num_experts; g += kPollThreads) {
         const long long t_start = clock64();
         if (wait_signal(tr, c, combine_signal_off(c, half, g), seq, deadline, sink, g / num_local) < 0)
             s_ok = 0;
