@@ -155,3 +155,26 @@ def test_soak_verdict_catches_growth_and_slowdown():
     assert any("fds grew" in p for p in _verdict([row(1), row(2), row(3), row(4, fds=31)], cfg))
     assert any("rss_mb grew" in p for p in _verdict([row(1), row(2), row(3), row(4, rss_mb=600)], cfg))
     assert any("last window" in p for p in _verdict([row(1), row(2), row(3), row(4, ms=2.0)], cfg))
+
+
+def test_ceiling_blocks_follow_the_engine_of_the_mode_benched():
+    # An LL-only Buffer has no normal engine: its rows and ceilings must take the LL engine's cap (16 blocks
+    # for 8 ranks on a 132-SM GPU), not the caller's uncapped budget.
+    from types import SimpleNamespace
+
+    from deepep_portable import Buffer
+    from deepep_portable.tools import bench
+
+    class Engine:
+        def grid(self, num_sms):
+            return min(num_sms, 16)
+
+    engines = {"normal": None, "low_latency": Engine()}
+    buf = SimpleNamespace(backend=SimpleNamespace(engine=engines.get))
+    old = Buffer.num_sms
+    Buffer.set_num_sms(20)
+    try:
+        assert bench._blocks(buf, "low_latency") == 16
+        assert bench._blocks(buf) == 20   # no normal engine: the budget itself (the reference transport)
+    finally:
+        Buffer.set_num_sms(old)

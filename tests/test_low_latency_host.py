@@ -399,7 +399,7 @@ def _fake_engine(monkeypatch):
     eng._calls = eng._recvs = eng._epoch = 0
     eng._signal_experts = None
     eng.profile = PhaseProfile(0)
-    eng._grid = lambda num_sms: 1
+    eng.grid = lambda num_sms: 1
     stream = _Stream()
     eng._current_stream = lambda: stream
     monkeypatch.setattr(ll, "launch", lambda fn, grid, threads, params, stream: fn.record(params))

@@ -243,7 +243,7 @@ class LowLatencyEngine(Engine):
             plan = self._plans[key] = (kernel, template)
         return plan
 
-    def _grid(self, num_sms: int) -> int:
+    def grid(self, num_sms: int) -> int:
         """The caller's SM budget (Buffer.num_sms), capped so every rank sharing this GPU fits at once."""
         return self.window.grid(num_sms)
 
@@ -274,7 +274,7 @@ class LowLatencyEngine(Engine):
                                f"pending: call them (in call order) before a low-latency op without "
                                f"return_recv_hook=True")
         comm = self.ctx.comm_stream
-        grid = self._grid(num_sms)
+        grid = self.grid(num_sms)
         per_phase = isinstance(kernel, tuple)   # (send, receive): a kernel per phase; else one for both
         send, recv = kernel if per_phase else (kernel, kernel)
         if not return_recv_hook:

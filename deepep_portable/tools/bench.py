@@ -54,16 +54,18 @@ HEADER = ["op", "tokens", "hidden", "topk", "experts", "prec", "time_us", "GB/s"
           "SMs", "transport"]
 
 
-def _add_rows(rows: List[Row], buf, cfg: argparse.Namespace, tokens: int, measured) -> None:
+def _add_rows(rows: List[Row], buf, cfg: argparse.Namespace, tokens: int, measured, mode: str = "normal") -> None:
     """One Row per (op, seconds, ceiling seconds, payload bytes, precision)."""
     for op, t, c, nbytes, prec in measured:
         rows.append(Row(op, tokens, cfg.hidden, cfg.topk, cfg.experts, prec, t * 1e6, nbytes / t / 1e9, c * 1e6,
-                        nbytes / c / 1e9, buf.transport, _blocks(buf)))
+                        nbytes / c / 1e9, buf.transport, _blocks(buf, mode)))
 
 
-def _blocks(buf: Buffer) -> int:
-    """Blocks the communication kernels really use (the engine caps them when ranks share a GPU)."""
-    engine = buf.backend.engine("normal")
+def _blocks(buf: Buffer, mode: str = "normal") -> int:
+    """Blocks the communication kernels of `mode` ("normal" or "low_latency") really use: the engine caps
+    the caller's budget when ranks share a GPU. (The LL rows once took the normal engine's, absent from an
+    LL-only Buffer, so their ceilings ran uncapped: 20 blocks against the LL kernels' 16 on 8 ranks.)"""
+    engine = buf.backend.engine(mode)
     return engine.grid(Buffer.num_sms) if engine is not None else Buffer.num_sms
 
 
@@ -300,25 +302,26 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
         gathered = [torch.zeros_like(per_rank) for _ in range(world)]
         dist.all_gather(gathered, per_rank, group=group)
         matrix = [[int(v) for v in t.tolist()] for t in gathered]
-        c_dispatch = ceiling(buf, matrix, True, d_row, dispatch_bytes, _blocks(buf), device, cfg, group, loop)
-        c_combine = ceiling(buf, matrix, False, hidden * 2, combine_bytes, _blocks(buf), device, cfg, group, loop)
+        blocks = _blocks(buf, "low_latency")
+        c_dispatch = ceiling(buf, matrix, True, d_row, dispatch_bytes, blocks, device, cfg, group, loop)
+        c_combine = ceiling(buf, matrix, False, hidden * 2, combine_bytes, blocks, device, cfg, group, loop)
         if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (collective ops)
             print_host_profile(f"low_latency_dispatch, {tokens} tokens", dispatch, device, rank == 0)
             print_host_profile(f"low_latency_combine, {tokens} tokens", combine, device, rank == 0)
         print_profile(buf.backend.engine("low_latency"), rank, tokens)
         prec = "fp8" if cfg.fp8 else "bf16"
         _add_rows(rows, buf, cfg, tokens, (("ll_dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
-                                           ("ll_combine", t_combine, c_combine, combine_bytes, "bf16")))
+                                           ("ll_combine", t_combine, c_combine, combine_bytes, "bf16")), "low_latency")
         if device.type == "cuda":
             # The same calls replayed from CUDA graphs (how decode steps run them): GPU time without the
             # Python host path, which the eager rows above include whenever the GPU waits for the host.
             g_dispatch = graph_seconds(dispatch, device, cfg, group)
             g_combine = graph_seconds(combine, device, cfg, group)
-            blocks = _blocks(buf)
             gc_dispatch = ceiling(buf, matrix, True, d_row, dispatch_bytes, blocks, device, cfg, group, graph=True)
             gc_combine = ceiling(buf, matrix, False, hidden * 2, combine_bytes, blocks, device, cfg, group, graph=True)
             _add_rows(rows, buf, cfg, tokens, (("ll_dispatch_graph", g_dispatch, gc_dispatch, dispatch_bytes, prec),
-                                               ("ll_combine_graph", g_combine, gc_combine, combine_bytes, "bf16")))
+                                               ("ll_combine_graph", g_combine, gc_combine, combine_bytes, "bf16")),
+                      "low_latency")
             engine = buf.backend.engine("low_latency")
             if getattr(engine, "trace", None) is not None:   # DEEPEP_PORTABLE_PROFILE=1
                 for what, fn in (("low_latency_dispatch", dispatch), ("low_latency_combine", combine)):
