@@ -365,6 +365,7 @@ DEEPEP_DEVICE void receive_phase(const LLCombineParams& p, const Transport& tr, 
     // are serial: acquire loads do not overlap); the others wait at the barrier. Polling with every
     // thread multiplied the loads on the very lines the peers are signalling.
     constexpr int kPollThreads = 256;
+    static_assert(kPollThreads <= kThreads, "every polled expert needs a thread of the block");
     for (int g = threadIdx.x; threadIdx.x < kPollThreads && g < num_experts; g += kPollThreads) {
         const long long t_start = clock64();
         if (wait_signal(tr, c, combine_signal_off(c, half, g), seq, deadline, sink, g / num_local) < 0)
