@@ -80,7 +80,8 @@ struct LLCombineParams {
     const float* topk_weights;        // [N, NUM_TOPK]
     int4* out;                        // [N, HIDDEN] bf16
     int64_t num_tokens;
-    int64_t* wait_stats;              // [R] or null: clock64 cycles spent waiting per source rank
+    int64_t* wait_stats;              // [R] or null: per source rank, the clock64 cycles block 0 waited for
+                                      // each of its experts' signals, summed (the waits run concurrently)
     int* slot_table;                  // [N, NUM_TOPK]: written by the send kernel, read by the receive kernel
 };
 
@@ -200,8 +201,9 @@ DEEPEP_DEVICE void send_phase(const LLCombineParams& p, const Transport& tr, con
     // per warp, after its last signal; a no-op for load/store peers).
     if (lane == 0)
         tr.flush(0);
-    // Only my receive kernel, launched after this one, reads the slot table: filled once the rows and
-    // signals the peers wait for are out, not before.
+    // Only my receive kernel, launched after this one, reads the slot table: filled after this warp's
+    // rows and signals (with signal_last, after its rows; the signals then wait for the whole grid at the
+    // barrier below, this fill included).
     fill_slot_table(p, warp, num_warps, lane);
     if (signal_last) {
         __syncwarp();
@@ -361,12 +363,12 @@ DEEPEP_DEVICE void receive_phase(const LLCombineParams& p, const Transport& tr, 
     if (threadIdx.x == 0)
         s_ok = 1;
     __syncthreads();
-    // kPollThreads threads per block poll, one expert each where there are few enough (a thread's waits
-    // are serial: acquire loads do not overlap); the others wait at the barrier. Polling with every
-    // thread multiplied the loads on the very lines the peers are signalling.
-    constexpr int kPollThreads = 256;
-    static_assert(kPollThreads <= kThreads, "every polled expert needs a thread of the block");
-    for (int g = threadIdx.x; threadIdx.x < kPollThreads && g < num_experts; g += kPollThreads) {
+    // Every thread of the block polls one expert (more than kThreads experts: a thread takes several, in
+    // series): a thread's waits are serial (acquire loads do not overlap), so one warp polling 256 experts
+    // made each lane acquire 8 signals one after another. Each signal line is still polled once per block
+    // (several polls of one line, every thread on every expert, had multiplied the loads on the very lines
+    // the peers are signalling).
+    for (int g = threadIdx.x; g < num_experts; g += kThreads) {
         const long long t_start = clock64();
         if (wait_signal(tr, c, combine_signal_off(c, half, g), seq, deadline, sink, g / num_local) < 0)
             s_ok = 0;
