@@ -23,6 +23,7 @@ before hook().
   hook() (poisoned before it).
 - CUDA graph capture of dispatch + combine (no hook), replayed with new contents; combine(x=recv_x) replayed
   back to back (peers' next dispatch must not overwrite rows the combine still reads).
+- More than 256 tokens and more than 256 experts (a Buffer of its own: 320 tokens, 288 experts).
 - Two micro-batches in flight (dispatch, dispatch, hook, hook, combine, combine), hooks out of order refused.
 - Timeout (last): rank 1 skips a call; the others raise CommTimeoutError naming the op, their rank and
   peer 1 at their next call; a fresh Buffer works afterwards.
@@ -76,10 +77,11 @@ def _engine_of(buf):
     return buf.backend.engine("low_latency")
 
 
-def _ll_buffer(pg, hidden: int = MAX_HIDDEN, timeout_s: Optional[float] = None):
+def _ll_buffer(pg, hidden: int = MAX_HIDDEN, timeout_s: Optional[float] = None, tokens: int = T,
+               experts: Optional[int] = None):
     _, num_ranks = world(pg)
-    experts = num_experts_for(EXPERTS, num_ranks)
-    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, hidden, num_ranks, experts)
+    experts = num_experts_for(EXPERTS, num_ranks) if experts is None else experts
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts)
     kw = {} if timeout_s is None else dict(timeout_s=timeout_s)
     buf = deep_ep.Buffer(pg, 0, rdma, low_latency_mode=True, num_qps_per_rank=experts // num_ranks,
                          transport=TRANSPORT, **kw)
@@ -128,10 +130,10 @@ def _row_map(ck: GpuChecker, layout_range, exp_layout_range, what: str):
     return ck.run(f"{what} layout_range", lambda: oracle.low_latency_row_map(layout_range, exp_layout_range))
 
 
-def _poison_next_recv_x(buf, hidden: int, experts: int, fp8: bool) -> bool:
+def _poison_next_recv_x(buf, hidden: int, experts: int, fp8: bool, max_tokens: int = T) -> bool:
     """Fill the recv_x the next dispatch returns when it lies in the Buffer (rows reserved: peers write
     it during their send phase). False when it will be a fresh tensor (DEEPEP_PORTABLE_LL_VMM=0)."""
-    view = _engine_of(buf).next_dispatch_recv_x(T, hidden, experts, fp8)
+    view = _engine_of(buf).next_dispatch_recv_x(max_tokens, hidden, experts, fp8)
     if view is None:
         return False
     view.view(torch.uint8).fill_(0xFF)
@@ -148,10 +150,13 @@ def make_x(gen, num_tokens: int, hidden: int) -> torch.Tensor:
 
 def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: int, mode: str, topk: int = TOPK,
              hook: bool = False, zero_copy: bool = False, use_out: bool = False, p_none: float = 0.1,
-             tag: str = "", late_rank: Optional[int] = None, logfmt: bool = False) -> None:
-    """Every collective runs on every rank whatever fails locally; kernels run while all ranks are healthy."""
+             tag: str = "", late_rank: Optional[int] = None, logfmt: bool = False, max_tokens: int = T,
+             experts: Optional[int] = None) -> None:
+    """Every collective runs on every rank whatever fails locally; kernels run while all ranks are healthy.
+    `max_tokens` (num_max_dispatch_tokens_per_rank) and `experts` must be what `buf` was sized for."""
     rank, num_ranks = world(pg)
-    experts = num_experts_for(EXPERTS, num_ranks)
+    experts = num_experts_for(EXPERTS, num_ranks) if experts is None else experts
+    T = max_tokens   # noqa: N806 - the module's T unless this Buffer was sized for another
     local, slots = experts // num_ranks, num_ranks * T
     fp8, round_scale, ue8m0 = mode != "bf16", mode in ("fp8-round", "fp8-ue8m0"), mode == "fp8-ue8m0"
     tag = f"[{tag} {mode} h{hidden} {num_tokens} tokens{' hook' if hook else ''}{' zero-copy' if zero_copy else ''}]"
@@ -180,7 +185,7 @@ def run_pair(buf, pg, gen, device, ck: GpuChecker, *, hidden: int, num_tokens: i
     d_x, d_idx, d_w = x.to(device), idx.to(device), w.to(device)
     recv_stats = torch.zeros(local, dtype=torch.int32, device=device)
     wait_stats = torch.zeros(num_ranks, dtype=torch.int64, device=device)
-    in_buffer = ck.run(f"{tag} poison recv_x", lambda: _poison_next_recv_x(buf, hidden, experts, fp8))
+    in_buffer = ck.run(f"{tag} poison recv_x", lambda: _poison_next_recv_x(buf, hidden, experts, fp8, T))
     torch.cuda.synchronize()
     dist.barrier(group=pg)   # nobody writes my recv_x before it is poisoned
 
@@ -605,6 +610,24 @@ def test_ll_rounds_after_clean_low_latency_buffer(pg, device, request, base_seed
         if ck.agree(not ck.errors):
             ck.run(f"clean_low_latency_buffer after round {rnd}",
                    lambda: (buf.clean_low_latency_buffer(T, MAX_HIDDEN, experts), torch.cuda.synchronize()))
+    ck.done()
+
+
+def test_ll_many_tokens_and_experts(pg, device, request, base_seed):
+    """More than 256 tokens per rank and more than 256 experts, on a Buffer of its own: the dispatch send keeps
+    the ballots of its first 256 tokens only and takes the rest again, and the combine receive polls more
+    experts than it has polling threads (a thread then waits for a second one)."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    tokens, hidden, experts = 320, 2048, num_experts_for(288, num_ranks)
+    ck = GpuChecker(pg)
+    buf = ck.run("Buffer for 320 tokens and 288 experts",
+                 lambda: _ll_buffer(pg, hidden, tokens=tokens, experts=experts))
+    for rnd, mode in enumerate(("fp8", "bf16", "fp8")):
+        if not ck.agree(buf is not None and not ck.errors):
+            break
+        run_pair(buf, pg, gen, device, ck, hidden=hidden, num_tokens=tokens - 7 * rank, mode=mode, hook=rnd == 1,
+                 max_tokens=tokens, experts=experts, tag=f"many, round {rnd}")
     ck.done()
 
 
