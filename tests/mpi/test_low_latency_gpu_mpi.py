@@ -615,8 +615,8 @@ def test_ll_rounds_after_clean_low_latency_buffer(pg, device, request, base_seed
 
 def test_ll_many_tokens_and_experts(pg, device, request, base_seed):
     """More than 256 tokens per rank and more than 256 experts, on a Buffer of its own: the dispatch send keeps
-    the ballots of its first 256 tokens only and takes the rest again, and the combine receive polls more
-    experts than it has polling threads (a thread then waits for a second one)."""
+    the ballots of its first 256 tokens only and takes the rest again, and the combine receive polls the
+    signals of 288 experts (the other cases: 256)."""
     rank, num_ranks = world(pg)
     gen = generator(request, base_seed, rank)
     tokens, hidden, experts = 320, 2048, num_experts_for(288, num_ranks)
