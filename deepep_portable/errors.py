@@ -18,8 +18,9 @@ class CommTimeoutError(RuntimeError):
     """A wait for a peer ran past the Buffer's timeout. The Buffer is unusable afterwards."""
 
     def __init__(self, op: str, rank: int, peer: int, channel: int, timeout_s: float) -> None:
-        if peer == rank:   # a barrier over the rank's own grid (the LL dispatch's stage barrier)
-            why = (f"waiting for its own blocks (block {channel}) after {timeout_s:g} s: not all blocks of the "
+        if peer == rank:   # a wait on the rank's own grid (the LL dispatch's stage flags, a grid barrier)
+            which = f" (block {channel})" if channel >= 0 else ""
+            why = (f"waiting for its own blocks{which} after {timeout_s:g} s: not all blocks of the "
                    f"kernel could run at once (other kernels holding the SMs?)")
         else:
             why = (f"waiting for peer {peer} (channel {channel}) after {timeout_s:g} s: the peer did not reach "

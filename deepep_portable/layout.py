@@ -187,12 +187,18 @@ LL_CTRL_SEND_ARRIVE = 16         # u32: blocks of the running send kernel that f
 LL_CTRL_RECV_ARRIVE = 20         # u32: same for the receive kernel
 LL_CTRL_ERROR = 24               # u32: first error code (device-side claim)
 LL_CTRL_LAST = 32                # u64 [kind (dispatch, combine)][half]: last call of that kind that used that half
-LL_CTRL_STAGE_ARRIVE = 64        # u32: blocks of the running dispatch past its stage phase (grid barrier)
-LL_CTRL_STAGED = 72              # u64: the last dispatch call whose stage phase every block finished
+LL_CTRL_STAGE_ARRIVE = 64        # u32: blocks of the running kernel past a grid barrier (the combine's signal-last one)
+LL_CTRL_STAGED = 72              # u64: the last ticket of that barrier every block passed
 LL_MSG_HEADER = ALIGN            # head of a dispatch side message (int32 source token), before its scales
-# After the control words: the barrier words, u64 [R] (slot q: how many device barriers rank q has entered,
-# written by q; my own slot is my count). Never cleaned: clean_low_latency_buffer's barriers use them.
-LL_BARRIER_OFFSET = LL_CONTROL_BYTES
+# After the control words: the dispatch's stage flags, u64 [LL_MAX_STAGE_BLOCKS] (flag b: the last call whose
+# stage phase block b finished; at a fixed place, whatever the call's shape, and zeroed with the control words
+# by clean_low_latency_buffer), so the LL grid is capped at LL_MAX_STAGE_BLOCKS blocks.
+LL_STAGE_FLAGS_OFFSET = LL_CONTROL_BYTES
+LL_MAX_STAGE_BLOCKS = 1024       # kMaxStageBlocks in protocol.cuh
+LL_CLEANED_BYTES = LL_STAGE_FLAGS_OFFSET + 8 * LL_MAX_STAGE_BLOCKS   # [0, this): zeroed by clean_low_latency_buffer
+# Then the barrier words, u64 [R] (slot q: how many device barriers rank q has entered, written by q; my own
+# slot is my count). Never cleaned: clean_low_latency_buffer's barriers use them.
+LL_BARRIER_OFFSET = LL_CLEANED_BYTES
 LL_FP8_BLOCK = 128               # channels per scale (FP8) and per LogFMT amax/amin pair
 
 
@@ -277,8 +283,8 @@ class LowLatencyLayout:
     # byte offsets (half 0; add `signal_half_stride` / `data_half_stride` for half 1)
     @property
     def control_bytes(self) -> int:
-        """Control words, then the barrier words u64 [R]."""
-        return LL_CONTROL_BYTES + align_up(8 * self.num_ranks, 128)
+        """Control words, the stage flags, then the barrier words u64 [R]."""
+        return LL_BARRIER_OFFSET + align_up(8 * self.num_ranks, 128)
 
     def dispatch_signal_offset(self, half: int = 0) -> int:
         return self.control_bytes + half * self.signal_bytes

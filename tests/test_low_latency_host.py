@@ -148,7 +148,9 @@ def test_layout_regions(tokens, hidden, ranks, experts):
     # a message holds the header and the larger of the BF16 row and FP8 row + float32 scales
     assert lay.message_bytes >= L.LL_MSG_HEADER + max(2 * hidden, hidden + hidden // 128 * 4)
     assert lay.message_bytes % 16 == 0 and (L.LL_MSG_HEADER + hidden) % 16 == 0
-    regions = [("control", 0, L.LL_CONTROL_BYTES), ("barrier words", L.LL_BARRIER_OFFSET, 8 * ranks)]
+    regions = [("control", 0, L.LL_CONTROL_BYTES), ("stage flags", L.LL_STAGE_FLAGS_OFFSET, 8 * L.LL_MAX_STAGE_BLOCKS),
+               ("barrier words", L.LL_BARRIER_OFFSET, 8 * ranks)]
+    assert L.LL_CLEANED_BYTES == L.LL_STAGE_FLAGS_OFFSET + 8 * L.LL_MAX_STAGE_BLOCKS <= L.LL_BARRIER_OFFSET
     for half in (0, 1):
         regions.append((f"dispatch signals {half}", lay.dispatch_signal_offset(half), 8 * experts))
         regions.append((f"combine signals {half}", lay.combine_signal_offset(half), 8 * experts))
@@ -450,11 +452,12 @@ def test_a_kernel_per_phase_runs_send_then_receive(monkeypatch):
 
 
 def test_timeout_on_own_blocks_is_named_so():
-    """The LL dispatch's stage barrier waits for the rank's own blocks and reports itself as the peer."""
+    """The LL dispatch's send waits for its own blocks' stage flags and reports itself as the peer."""
     from deepep_portable.errors import CommTimeoutError
 
     own = str(CommTimeoutError("low_latency_dispatch", 3, 3, 5, 2.0))
     assert "its own blocks" in own and "block 5" in own and "rank 3" in own
+    assert "its own blocks after" in str(CommTimeoutError("low_latency_dispatch", 3, 3, -1, 2.0))
     peer = str(CommTimeoutError("low_latency_dispatch", 3, 1, 5, 2.0))
     assert "waiting for peer 1 (channel 5)" in peer
 

@@ -2,11 +2,10 @@
 
 `LowLatencyEngine` owns one LL buffer per rank (`num_rdma_bytes`; geometry in
 layout.LowLatencyLayout, protocol in csrc/common/kernels/low_latency/protocol.cuh) on a window the
-transport makes (windows.base.Window): it knows how to build the kernels for that transport
-(Window.kernel: the backend's device header and Transport struct, see
-csrc/common/kernels/selected_transport.cuh) and fills the struct the kernels take
-(Window.transport_params). The engine never asks which transport it serves: the nvlink window (CUDA
-IPC / shareable VMM memory) and NVSHMEM's symmetric heap (kernels device-linked) look alike here.
+transport makes (windows.base.Window): it knows how to build the kernels for that transport (Window.kernel:
+the backend's device header and Transport struct, see csrc/common/kernels/selected_transport.cuh) and fills
+the struct the kernels take (Window.transport_params). The engine never asks which transport it serves: the
+nvlink window (CUDA IPC / shareable VMM memory) and NVSHMEM's symmetric heap (kernels device-linked) look alike.
 
 Every LL op is one *call*: a SEND phase, then a RECEIVE phase, both on `ctx.comm_stream` (Buffer
 orders that stream against the caller's), run by one kernel name per op (`deepep_portable::low_latency::
@@ -84,9 +83,9 @@ _COMMON = ["local_base", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_s
            "dispatch_recv_offset", "dispatch_side_offset", "combine_send_offset", "combine_recv_offset",
            "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes", "error_claim", "error_host",
            "timeout_ns", "trace", "phases", "ctrl_stage_arrive", "ctrl_staged", "mask", "barrier_offset"]
-_DISPATCH = ["x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "recv_x", "expect_half",
-             "recv_scales", "src_info", "layout_range", "recv_count", "cumulative_recv_stats", "wait_stats",
-             "use_ue8m0"]
+_DISPATCH = ["x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "stage_flags_offset",
+             "recv_x", "expect_half", "recv_scales", "src_info", "layout_range", "recv_count", "cumulative_recv_stats",
+             "wait_stats", "use_ue8m0"]
 _COMBINE = ["x", "src_info", "layout_range", "expect_half", "x_in_dispatch_area", "topk_idx", "topk_weights", "out",
             "num_tokens", "wait_stats", "slot_table"]
 _CLEAN = ["control_bytes", "signals_begin", "signals_end"]
@@ -232,6 +231,7 @@ class LowLatencyEngine(Engine):
             self._common(template, lay)
             if dispatch:
                 template.send_stage_offset = lay.send_stage_offset
+                template.stage_flags_offset = L.LL_STAGE_FLAGS_OFFSET
                 defines = kernel_defines(hidden, num_topk)
                 if self.window.cheap_fetch_add and not self.recv_x_in_buffer:   # shrink mode: pack on receive
                     defines["PACK_ON_RECEIVE"] = 1
@@ -244,8 +244,8 @@ class LowLatencyEngine(Engine):
         return plan
 
     def grid(self, num_sms: int) -> int:
-        """The caller's SM budget (Buffer.num_sms), capped so every rank sharing this GPU fits at once."""
-        return self.window.grid(num_sms)
+        """Buffer.num_sms, capped so every rank sharing this GPU fits at once (and to the stage flags)."""
+        return min(self.window.grid(num_sms), L.LL_MAX_STAGE_BLOCKS)
 
     def _check_signal_geometry(self, num_experts: int) -> None:
         """The signal slots' places depend on num_experts only; with another num_experts they would land on
@@ -459,7 +459,7 @@ class LowLatencyEngine(Engine):
         kernel = self.window.kernel(CLEAN_SOURCE, CLEAN_KERNEL, {})
         p = self._params[2]()
         self._common(p, lay)
-        p.control_bytes = L.LL_CONTROL_BYTES
+        p.control_bytes = L.LL_CLEANED_BYTES   # the control words and the dispatch's stage flags
         p.signals_begin = lay.dispatch_signal_offset(0)
         p.signals_end = lay.dispatch_signal_offset(0) + 2 * lay.signal_bytes
         comm, current = self.ctx.comm_stream, self._current_stream()

@@ -5,12 +5,12 @@
 //            builds its message once in my send stage, however many experts selected it (a token goes
 //            to up to top-k experts: casting per expert would repeat the work). A message is a side
 //            message (int32 source token; with FP8 the token's float32 scales) followed by the payload
-//            (the bf16 row, or its FP8 cast).
+//            (the bf16 row, or its FP8 cast). Each part then sets its stage flag to the call number.
 //   send:    one warp per global expert g (experts strided over every warp of the grid). The warp
 //            scans my tokens in order (32 at a time, __ballot_sync on "token lists g"), so the k-th
 //            token of mine that selected g is my k-th message for g, sent into g's rank's buffer; then
 //            it SETs the (local expert, me) signal there to signal_value(seq, count), also for count 0.
-//            It never waits for a peer (the stage barrier before it waits for the rank's own blocks only).
+//            It never waits for a peer, only for the stage flags of its own tokens (set by my warps).
 //   receive: one warp per (local expert e, source s) pair: waits for s's signal, writes
 //            layout_range[e][s] and the pair's rows of the outputs; the pair with s = R-1 also waits
 //            for every other source and writes recv_count[e] and the stats.
@@ -27,101 +27,47 @@
 //            payloads into recv_x (a fresh tensor) after the rows of sources 0..s-1 (it waits for their
 //            signals too): source order, but every payload is copied twice, which on the one-GPU
 //            emulation is twice the HBM traffic.
-// Stage and send are separated by a barrier over my grid (grid_barrier), not by a kernel boundary:
-// one launch and no gap between them. One kernel, `dispatch`, runs the phases its params name
-// (protocol.cuh): stage + send (the send phase of a call with return_recv_hook=True), receive
+// Stage and send are ordered by the stage flags, not by a kernel boundary or a barrier over my grid: one
+// launch, and a warp sends as soon as its own tokens are staged (a grid barrier made every warp wait for
+// the last block and its barrier, ~5 us past the first staged block on the H200 emulation). One kernel,
+// `dispatch`, runs the phases its params name (protocol.cuh): stage + send (the send phase of a call with return_recv_hook=True), receive
 // (launched by the hook), or all three in one launch (calls without a hook: a block moves on to its
 // receive pairs once its warps' sends are out, while peers are still sending).
 // Shrink mode: experts of a masked rank get nothing, a masked source's pairs count 0 rows.
-// Grids spin (stage barrier, receive waits), so every block of every rank sharing the GPU must be
+// Grids spin (stage flags, receive waits), so every block of every rank sharing the GPU must be
 // resident at once: the host caps the grid accordingly (Window.grid).
 // Either way a source's rows of an expert are contiguous and in its token order (the combine relies on it).
 //
-// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK; the transport (selected_transport.cuh).
-// Run-time: ranks, experts, T, FP8 flags.
+// Compile-time (-D): see dispatch_params.cuh. Run-time: ranks, experts, T, FP8 flags.
 #include <cstdint>
 
-#include "common/kernels/low_latency/protocol.cuh"
-
-#ifndef HIDDEN
-#error "low_latency/dispatch.cu needs -DHIDDEN"
-#endif
-#ifndef NUM_TOPK
-#error "low_latency/dispatch.cu needs -DNUM_TOPK"
-#endif
-
-using namespace deepep_portable;
-using namespace deepep_portable::low_latency;
-using namespace deepep_portable::fp8;
-
-namespace {
-constexpr int kHidden = HIDDEN;
-constexpr int kNumTopk = NUM_TOPK;
-constexpr int kNumScales = kHidden / kFp8Block;
-constexpr int kRowInt4 = kHidden * 2 / 16;      // bf16 row in 16-byte words
-// Side message bytes: the int32 source token in a 16-byte head, then (FP8) the float32 scales.
-constexpr int kSideFp8 = kMsgHeader + (kNumScales * 4 + 15) / 16 * 16;
-constexpr int kSideBf16 = kMsgHeader;
-enum class Placement { kReserveRows, kPackOnReceive };
-// PACK_ON_RECEIVE=1 (shrink mode) takes the second placement whatever the transport: there every
-// source writes only its own (expert, source) slots, so a masked rank that is still running (masked by
-// hand, or slow and timed out) cannot move rows of the live sources, as its reservations would.
-#ifndef PACK_ON_RECEIVE
-#define PACK_ON_RECEIVE 0
-#endif
-constexpr Placement kPlacement = Transport::kCheapFetchAdd && !PACK_ON_RECEIVE ? Placement::kReserveRows
-                                                                               : Placement::kPackOnReceive;
-static_assert(kHidden % kFp8Block == 0, "LL hidden must be a multiple of 128");
-static_assert(kNumTopk >= 1 && kNumTopk <= 128, "bad top-k");
-}  // namespace
-
-struct LLDispatchParams {
-    Common c;
-    // send
-    const int4* x;                    // [N, HIDDEN] bf16
-    const int64_t* topk_idx;          // [N, NUM_TOPK], -1 = none
-    int64_t num_tokens;
-    int64_t use_fp8;
-    int64_t round_scale;
-    int64_t send_stage_offset;        // my send stage: [T] messages
-    // receive
-    int4* recv_x;                     // kPackOnReceive: [E_local, R*T, HIDDEN] bf16 or fp8 (kReserveRows: in the buffer)
-    int64_t expect_half;              // kReserveRows: the half whose recv_x the host handed out (checked on the device)
-    void* recv_scales;                // fp32 [E_local][S][R*T] or int32 [E_local][S/4][R*T] (column-major views)
-    int* src_info;                    // [E_local, R*T]
-    int64_t* layout_range;            // [E_local, R]
-    int* recv_count;                  // [E_local]
-    int* cumulative_recv_stats;       // [E_local] or null
-    int64_t* wait_stats;              // [R] or null: clock64 cycles spent waiting per source
-    int64_t use_ue8m0;
-};
+#include "common/kernels/low_latency/dispatch_params.cuh"
 
 namespace {
 
-// A message's two parts (multiples of 16): the side message, and the payload (one recv_x row).
-DEEPEP_DEVICE int64_t side_bytes(bool use_fp8) {
-    return use_fp8 ? kSideFp8 : kSideBf16;
+// How many warps stage each token: a decode batch has fewer tokens than warps, so each row is split
+// over up to kMaxParts warps, and a warp waits for fewer serial rounds of loads (a part is a range
+// of 128-channel block pairs). Part q of token t is item t * parts + q, staged by warp item % warps.
+constexpr int kMaxParts = 4;
+
+DEEPEP_DEVICE int stage_parts(const LLDispatchParams& p) {
+    const int64_t spare = p.num_tokens > 0 ? gridDim.x * (kThreads / 32) / p.num_tokens : 1;
+    return static_cast<int>(spare < 1 ? 1 : (spare > kMaxParts ? kMaxParts : spare));
 }
 
-DEEPEP_DEVICE int64_t row_bytes(bool use_fp8) {
-    return use_fp8 ? kHidden : kRowInt4 * 16;
+DEEPEP_DEVICE volatile uint64_t* stage_flag(const LLDispatchParams& p, int block) {
+    return own<volatile uint64_t>(p.c, p.stage_flags_offset) + block;
 }
 
-}  // namespace
-
-namespace {
-
-// Stage phase: my tokens' messages into my send stage (see the top of the file).
-DEEPEP_DEVICE void stage_tokens(const LLDispatchParams& p) {
+// Stage phase of call `seq`: my tokens' messages into my send stage (see the top of the file). Once
+// every warp of the block staged its items, the block's flag is set to seq: no barrier over the grid,
+// a send warp waits only for the blocks that staged its tokens (wait_staged).
+DEEPEP_DEVICE void stage_tokens(const LLDispatchParams& p, uint64_t seq) {
     const Common& c = p.c;
     const int lane = threadIdx.x % 32;
     const int num_warps = gridDim.x * (kThreads / 32);
-    // A decode batch has fewer tokens than warps: split each row over up to kMaxParts warps, so a
-    // warp waits for fewer serial rounds of loads (a part is a range of 128-channel block pairs).
-    constexpr int kMaxParts = 4;
     constexpr int kPairs = (kNumScales + 1) / 2;
-    const int64_t spare = p.num_tokens > 0 ? num_warps / p.num_tokens : 1;
-    const int parts = static_cast<int>(spare < 1 ? 1 : (spare > kMaxParts ? kMaxParts : spare));
+    const int parts = stage_parts(p);
     const int pairs_per_part = (kPairs + parts - 1) / parts;
     for (int64_t item = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; item < p.num_tokens * parts; item += num_warps) {
         const int64_t t = item / parts;
@@ -138,97 +84,157 @@ DEEPEP_DEVICE void stage_tokens(const LLDispatchParams& p) {
         else   // a 128-channel block is 16 words of bf16
             transport::warp_copy_bytes(msg + kSideBf16 + b_begin * 256, row + b_begin * 16, (b_end - b_begin) * 256, lane);
     }
+    // Every thread's stores before thread 0's flag (block barrier + fence, as grid_barrier's arrival;
+    // system scope: a network put's NIC reads the message after the sender saw the flag).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        st_release_sys(const_cast<uint64_t*>(stage_flag(p, blockIdx.x)), seq);
+    }
 }
 
-// Send phase of call `call` (see the top of the file). `ok`: the stage barrier passed; when it did
-// not (reported), the messages are not trusted and not sent, but every signal is still set with
-// count 0 so no peer is left waiting for this rank.
-DEEPEP_DEVICE void send_messages(const LLDispatchParams& p, const Transport& tr, const Call& call, bool ok) {
+// The ballots of my first kKeptRounds * 32 tokens for one expert, kept from the count pass for the send
+// pass (one slot row per warp of the block): topk_idx is read once, not twice, and the count pass issues
+// several rounds' loads together (its ballots do not depend on each other).
+constexpr int kKeptRounds = 8;
+__shared__ uint32_t s_hits[kThreads / 32][kKeptRounds];
+
+// One expert's share of the send phase before any message moves: how many of my tokens selected g, and
+// (kReserveRows) that many rows reserved at g's rank. (Made before the stage for the warp's first expert,
+// to overlap the cast, it made the dispatch 2 % slower: the fetch_add's result was spilled, so the warp
+// waited for it before casting.)
+struct Reservation {
+    bool skip;         // shrink mode: g's rank is masked, nothing is sent to it
+    uint32_t count;    // my tokens that selected g
+    uint64_t begin;    // kReserveRows, lane 0: the first of the rows reserved at g's rank
+    uint64_t recvd;    // lane 0: g's rank's RECVD (checked before the signal, see check_overwrite)
+};
+
+DEEPEP_DEVICE Reservation reserve(const LLDispatchParams& p, const Transport& tr, const Call& call, int g,
+                                  uint32_t* hits, int lane) {
+    const Common& c = p.c;
+    const int num_local = static_cast<int>(c.num_experts / c.num_ranks);
+    const int dst = g / num_local;
+    Reservation r{false, 0, 0, ~0ull};
+    r.skip = __shfl_sync(0xffffffffu, lane == 0 && rank_masked(c, dst), 0);
+    if (r.skip)
+        return r;
+    // Not in shrink mode: a blocking get from a dead peer would never return (the check guards the hook
+    // order, which shrink mode callers keep anyway).
+    if (lane == 0 && c.mask == nullptr)
+        r.recvd = peer_recvd(tr, c, dst);
+#pragma unroll 4
+    for (int64_t t0 = 0; t0 < p.num_tokens; t0 += 32) {
+        const uint32_t m = __ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g));
+        if (lane == 0 && t0 < 32 * kKeptRounds)
+            hits[t0 / 32] = m;
+        r.count += __popc(m);
+    }
+    __syncwarp();   // the kept ballots, stored by lane 0, are read by every lane in send_expert
+    // The word was zeroed by dst's receive of the half's previous dispatch (protocol.cuh).
+    if (kPlacement == Placement::kReserveRows && lane == 0 && r.count > 0)
+        r.begin = tr.fetch_add(0, dst, dispatch_reserve_off(c, static_cast<int>(call.seq & 1), g % num_local), r.count);
+    return r;
+}
+
+// Until the tokens t0 + 32 r + lane (r < rounds) that masks[r] selects are staged for call seq: each
+// lane polls the flags of the blocks that staged its tokens' parts, all together (one round of loads
+// covers up to kKeptRounds rounds of tokens), then acquires. False (reported, naming this rank: its own
+// blocks did not stage in time) on timeout; the same answer on every lane.
+DEEPEP_DEVICE bool wait_staged(const LLDispatchParams& p, uint64_t seq, int64_t t0, const uint32_t* masks,
+                               int rounds, int parts, uint64_t deadline, int lane) {
+    const int64_t num_warps = gridDim.x * (kThreads / 32);
+    bool ok = true;
+    for (;;) {
+        bool staged = true;
+#pragma unroll
+        for (int r = 0; r < kKeptRounds; ++r) {
+            if (r < rounds && (masks[r] >> lane & 1u)) {
+                const int64_t item = (t0 + 32 * r + lane) * parts;
+#pragma unroll
+                for (int q = 0; q < kMaxParts; ++q)
+                    staged &= q >= parts || *stage_flag(p, static_cast<int>((item + q) % num_warps / (kThreads / 32))) == seq;
+            }
+        }
+        if (staged)
+            break;
+        if (globaltimer_ns() > deadline) {
+            // No block named (channel -1): finding the late one here costs the loop above registers.
+            report_error(sink_of(p.c, kOpLowLatencyDispatch), kErrorTimeout, static_cast<int>(p.c.rank), -1);
+            ok = false;
+            break;
+        }
+    }
+    __threadfence_system();   // acquire: the flags above before the messages, which every lane reads
+    __syncwarp();
+    return __all_sync(0xffffffffu, ok);
+}
+
+// Send phase of call `call` for expert g (see the top of the file), after reserve(g). A warp waits for
+// its tokens' stage flags; when a wait times out (reported), the messages are not trusted and not
+// sent, but the signal is still set with count 0 so no peer is left waiting for this rank.
+DEEPEP_DEVICE void send_expert(const LLDispatchParams& p, const Transport& tr, const Call& call, int g,
+                               Reservation r, const uint32_t* hits, uint64_t deadline, int lane) {
+    if (r.skip)
+        return;
     const Common& c = p.c;
     const uint64_t seq = call.seq;
     const int half = static_cast<int>(seq & 1);
-    const int lane = threadIdx.x % 32;
-    const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
-    const int num_warps = gridDim.x * (kThreads / 32);
-    const int num_experts = static_cast<int>(c.num_experts);
-    const int num_local = num_experts / static_cast<int>(c.num_ranks);
+    const int num_local = static_cast<int>(c.num_experts / c.num_ranks);
+    const int dst = g / num_local, local = g % num_local;
     const int me = static_cast<int>(c.rank);
     const int64_t slots = c.num_ranks * c.num_max_tokens;
     const int64_t side = side_bytes(p.use_fp8 != 0), row = row_bytes(p.use_fp8 != 0);
-
     constexpr bool kReserve = kPlacement == Placement::kReserveRows;
-    // The ballots of my first kKeptRounds * 32 tokens for expert g, kept from the count pass for the
-    // send pass (one slot row per warp of the block): topk_idx is read once, not twice, and the count
-    // pass issues several rounds' loads together (its ballots do not depend on each other).
-    constexpr int kKeptRounds = 8;
-    __shared__ uint32_t s_hits[kThreads / 32][kKeptRounds];
-    uint32_t* hits = s_hits[threadIdx.x / 32];
-    for (int g = warp; g < num_experts; g += num_warps) {
-        const int dst = g / num_local, local = g % num_local;
-        if (__shfl_sync(0xffffffffu, lane == 0 && rank_masked(c, dst), 0))
-            continue;   // shrink mode: a masked rank is not sent to
-        // Checked below, before the signal. Not in shrink mode: a blocking get from a dead peer would never
-        // return (the check guards the hook order, which shrink mode callers keep anyway).
-        const uint64_t recvd = lane == 0 && c.mask == nullptr ? peer_recvd(tr, c, dst) : ~0ull;
-        uint32_t count = 0;
-        uint64_t begin = 0;
-        if constexpr (kReserve) {
-            // How many of my tokens selected g; reserve that many of g's rows at dst. The word was
-            // zeroed by dst's receive of the half's previous dispatch; a block past the end means it was
-            // not (see protocol.cuh): report, write nothing.
-#pragma unroll 4
-            for (int64_t t0 = 0; ok && t0 < p.num_tokens; t0 += 32) {
-                const uint32_t m = __ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g));
-                if (lane == 0 && t0 < 32 * kKeptRounds)
-                    hits[t0 / 32] = m;
-                count += __popc(m);
-            }
-            __syncwarp();   // the kept ballots, stored by lane 0, are read by every lane below
-            if (lane == 0 && count > 0) {
-                begin = tr.fetch_add(0, dst, dispatch_reserve_off(c, half, local), count);
-                if (begin + count > static_cast<uint64_t>(slots)) {
-                    report_error(sink_of(c, kOpLowLatencyDispatch), kErrorOverwrite, dst, static_cast<int>(seq));
-                    begin = 0;
-                    count = 0;
-                }
-            }
-            begin = __shfl_sync(0xffffffffu, begin, 0);
-            count = __shfl_sync(0xffffffffu, count, 0);
+    const int parts = stage_parts(p);
+    const int kept = static_cast<int>((p.num_tokens + 31) / 32 < kKeptRounds ? (p.num_tokens + 31) / 32 : kKeptRounds);
+    bool ok = r.count == 0 || wait_staged(p, seq, 0, hits, kept, parts, deadline, lane);
+    uint32_t count = ok ? r.count : 0;
+    uint64_t begin = 0;
+    if constexpr (kReserve) {
+        // A block past the end means the word was not zeroed (see protocol.cuh): report, write nothing.
+        if (lane == 0 && r.count > 0 && r.begin + r.count > static_cast<uint64_t>(slots)) {
+            report_error(sink_of(c, kOpLowLatencyDispatch), kErrorOverwrite, dst, static_cast<int>(seq));
+            count = 0;
         }
-        uint32_t j = 0;
-        for (int64_t t0 = 0; ok && t0 < p.num_tokens && (!kReserve || j < count); t0 += 32) {
-            uint32_t mask = kReserve && t0 < 32 * kKeptRounds
-                                ? hits[t0 / 32]
-                                : __ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g));
-            while (mask != 0) {
-                const int64_t token = t0 + __ffs(mask) - 1;
-                mask &= mask - 1;
-                const char* msg = own<const char>(c, p.send_stage_offset + token * c.msg_bytes);
-                if constexpr (kReserve)
-                    tr.put2_warp(0, dst, dispatch_side_off(c, half, local, me, j, side), side,
-                                 dispatch_row_off(c, half, local, static_cast<int64_t>(begin) + j, row), msg, row, lane);
-                else
-                    tr.put_warp(0, dst, dispatch_slot_off(c, half, local, me, j), msg, side + row, lane);
-                ++j;
-            }
+        begin = __shfl_sync(0xffffffffu, r.begin, 0);
+        count = __shfl_sync(0xffffffffu, count, 0);
+    }
+    uint32_t j = 0;
+    for (int64_t t0 = 0; ok && t0 < p.num_tokens && (!kReserve || j < count); t0 += 32) {
+        uint32_t mask = t0 < 32 * kKeptRounds
+                            ? hits[t0 / 32]
+                            : __ballot_sync(0xffffffffu, token_selects<kNumTopk>(p.topk_idx, p.num_tokens, t0 + lane, g));
+        if (t0 >= 32 * kKeptRounds && mask != 0 && !wait_staged(p, seq, t0, &mask, 1, parts, deadline, lane)) {
+            ok = false;   // the rows sent so far are not counted: the signal says 0
+            break;
         }
-        if constexpr (!kReserve)
-            count = j;
-        // Every lane's stores are ordered before lane 0's release (fence + warp barrier), as
-        // put_signal_warp does: the receiver that reads the count sees the rows, side messages and range.
-        __threadfence_system();
-        __syncwarp();
-        if (lane == 0) {
-            check_overwrite(c, kOpLowLatencyDispatch, recvd, call, dst);
-            if (kReserve && count > 0)
-                tr.put_value(0, dst, dispatch_range_off(c, half, local, me), begin);
-            tr.signal(0, dst, dispatch_signal_off(c, half, local, me), signal_value(seq, count));
+        while (mask != 0) {
+            const int64_t token = t0 + __ffs(mask) - 1;
+            mask &= mask - 1;
+            const char* msg = own<const char>(c, p.send_stage_offset + token * c.msg_bytes);
+            if constexpr (kReserve)
+                tr.put2_warp(0, dst, dispatch_side_off(c, half, local, me, j, side), side,
+                             dispatch_row_off(c, half, local, static_cast<int64_t>(begin) + j, row), msg, row, lane);
+            else
+                tr.put_warp(0, dst, dispatch_slot_off(c, half, local, me, j), msg, side + row, lane);
+            ++j;
         }
     }
-    // The puts read my send stage, which the next dispatch's stage phase rewrites: complete this
-    // warp's puts before the phase ends (one quiet per warp; a no-op for load/store peers).
-    if (lane == 0)
-        tr.flush(0);
+    if (!ok)
+        count = 0;
+    else if constexpr (!kReserve)
+        count = j;
+    // Every lane's stores are ordered before lane 0's release (fence + warp barrier), as
+    // put_signal_warp does: the receiver that reads the count sees the rows, side messages and range.
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) {
+        check_overwrite(c, kOpLowLatencyDispatch, r.recvd, call, dst);
+        if (kReserve && count > 0)
+            tr.put_value(0, dst, dispatch_range_off(c, half, local, me), begin);
+        tr.signal(0, dst, dispatch_signal_off(c, half, local, me), signal_value(seq, count));
+    }
 }
 
 // The side messages of one (local expert e, source) block, rows [begin, begin + count) of e, into
@@ -376,23 +382,32 @@ DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& 
 }
 
 
-// Stage + send of one call: the trace's stage span ends and its send span starts at the barrier.
+// Stage + send of one call: the trace's stage span ends and its send span starts when the block set its
+// stage flag.
 DEEPEP_DEVICE void stage_and_send(const LLDispatchParams& p, const Transport& tr) {
     const Common& c = p.c;
     const Call call = begin_call(c, c.ctrl_sent, kTraceDispatchStage, kKindDispatch);
     trace_mark(c.trace, call.seq, kTraceDispatchBlocks, false);
     trace_mark(c.trace, call.seq, kTraceDispatchBlocks, true);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
-    stage_tokens(p);
-    if (c.trace != nullptr) {   // profiling: this block's arrival, once all its warps staged (same for every thread)
-        __syncthreads();
+    const int lane = threadIdx.x % 32;
+    const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
+    const int num_warps = gridDim.x * (kThreads / 32);
+    const int num_experts = static_cast<int>(c.num_experts);
+    uint32_t* hits = s_hits[threadIdx.x / 32];
+    stage_tokens(p, call.seq);
+    if (c.trace != nullptr) {   // profiling: this block's staged point (stage_tokens ends with a block barrier)
         trace_mark(c.trace, call.seq, kTraceDispatchStaged, false);
         trace_mark(c.trace, call.seq, kTraceDispatchStaged, true);
+        trace_mark(c.trace, call.seq, kTraceDispatchStage, true);
+        trace_mark(c.trace, call.seq, kTraceDispatchSend, false);
     }
-    const bool ok = grid_barrier(c, barrier_ticket(call.seq, 0), deadline, kOpLowLatencyDispatch);
-    trace_mark(c.trace, call.seq, kTraceDispatchStage, true);
-    trace_mark(c.trace, call.seq, kTraceDispatchSend, false);
-    send_messages(p, tr, call, ok);
+    for (int g = warp; g < num_experts; g += num_warps)
+        send_expert(p, tr, call, g, reserve(p, tr, call, g, hits, lane), hits, deadline, lane);
+    // The puts read my send stage, which the next dispatch's stage phase rewrites: complete this
+    // warp's puts before the phase ends (one quiet per warp; a no-op for load/store peers).
+    if (lane == 0)
+        tr.flush(0);
     end_call(c, c.ctrl_sent, c.ctrl_send_arrive, call.seq, kTraceDispatchSend, kKindDispatch);
 }
 

@@ -4,7 +4,12 @@
 //   [ control | signals of half 0 | signals of half 1 | data of half 0 | data of half 1 | send stage ]
 //   control: SENT (u64, calls whose send phase finished), RECVD (u64, calls whose receive phase
 //            finished), two block-arrival words, the error claim word, LAST (see below), and the
-//            dispatch's grid-barrier words STAGE_ARRIVE (u32) and STAGED (u64) (layout.py LL_CTRL_*).
+//            grid-barrier words STAGE_ARRIVE (u32) and STAGED (u64) (layout.py LL_CTRL_*; grid_barrier); then the
+//            stage flags, u64 [kMaxStageBlocks]: flag b = the last dispatch call whose stage phase block b
+//            of my grid finished (set with a release after the block's messages; a send warp waits for the
+//            flags of the blocks that staged its tokens). A fixed place whatever the call's shape, so no
+//            payload of another shape can ever pass for a flag; zeroed with the control words by
+//            clean_low_latency_buffer (call numbers start again from 1 there). Then the barrier words.
 //   signals of a half: dispatch [E_local][R] u64 (slot (e, s) written only by source rank s),
 //                      combine  [E] u64 (slot g written only by the rank that owns expert g),
 //                      dispatch ranges [E_local][R] u64 (the first row of s's block of e, written by s),
@@ -18,8 +23,7 @@
 //                   token: int32 source token, then its float32 scales); kPackOnReceive: whole messages
 //                   [E_local][R][T] (side message + payload) from its start (they fit in the same bytes).
 //   send stage: [T] dispatch messages built by the dispatch's stage phase (side message, then the
-//               payload; written only by this rank, read by its send phase after a barrier over the grid;
-//               the send quiets before it ends).
+//               payload; written only by this rank, read by its send phase; the send quiets before it ends).
 //
 // Calls: every LL op (dispatch or combine) is one call, numbered 1, 2, ... on every rank in the same
 // order. A call has two phases: SEND (never waits for a peer) and RECEIVE (waits for the peers'
@@ -93,6 +97,7 @@ constexpr int kThreads = 512;          // __launch_bounds__ of every LL kernel (
 constexpr int kKindDispatch = 0;       // index of ctrl_last[kind][half]
 constexpr int kKindCombine = 1;
 constexpr int kMsgHeader = 16;         // head of a dispatch side message (int32 source token), before its scales
+constexpr int kMaxStageBlocks = 1024;  // stage flags, one per block: the LL grid's cap (layout.LL_MAX_STAGE_BLOCKS)
 constexpr int kMaxShrinkRanks = 4096;  // shrink mode's rank limit (the combine's per-block live bitmap)
 constexpr int kPhaseSend = 1;          // Common::phases: what a launch runs
 constexpr int kPhaseRecv = 2;
