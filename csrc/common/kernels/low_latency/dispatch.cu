@@ -5,12 +5,12 @@
 //            builds its message once in my send stage, however many experts selected it (a token goes
 //            to up to top-k experts: casting per expert would repeat the work). A message is a side
 //            message (int32 source token; with FP8 the token's float32 scales) followed by the payload
-//            (the bf16 row, or its FP8 cast). Each part then sets its stage flag to the call number.
+//            (the bf16 row, or its FP8 cast). Each block then sets its stage flag to the call number.
 //   send:    one warp per global expert g (experts strided over every warp of the grid). The warp
 //            scans my tokens in order (32 at a time, __ballot_sync on "token lists g"), so the k-th
 //            token of mine that selected g is my k-th message for g, sent into g's rank's buffer; then
 //            it SETs the (local expert, me) signal there to signal_value(seq, count), also for count 0.
-//            It never waits for a peer, only for the stage flags of its own tokens (set by my warps).
+//            It never waits for a peer, only for the stage flags of the blocks that staged its tokens.
 //   receive: one warp per (local expert e, source s) pair: waits for s's signal, writes
 //            layout_range[e][s] and the pair's rows of the outputs; the pair with s = R-1 also waits
 //            for every other source and writes recv_count[e] and the stats.
