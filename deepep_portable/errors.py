@@ -19,8 +19,7 @@ class CommTimeoutError(RuntimeError):
 
     def __init__(self, op: str, rank: int, peer: int, channel: int, timeout_s: float) -> None:
         if peer == rank:   # a wait on the rank's own grid (the LL dispatch's stage flags, a grid barrier)
-            which = f" (block {channel})" if channel >= 0 else ""
-            why = (f"waiting for its own blocks{which} after {timeout_s:g} s: not all blocks of the "
+            why = (f"waiting for its own blocks (block {channel}) after {timeout_s:g} s: not all blocks of the "
                    f"kernel could run at once (other kernels holding the SMs?)")
         else:
             why = (f"waiting for peer {peer} (channel {channel}) after {timeout_s:g} s: the peer did not reach "

@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import pytest
 
 from deepep_portable import errors, jit
+from deepep_portable import layout as L
 from deepep_portable.contract import Capabilities
 from deepep_portable.engines import dispatch_layout, intranode, transport_selftest
 from deepep_portable.engines import low_latency as ll
@@ -105,7 +106,11 @@ def _ll_checks(transport_struct: type, c_transport: str, op: str) -> List[str]:
         return f"c.{name}" if name in common else name
 
     c_struct = {"dispatch": "LLDispatchParams", "combine": "LLCombineParams", "clean": "LLCleanParams"}[op]
-    return _asserts(c_transport, transport_struct) + _asserts(c_struct, mirrors[op], path)
+    ns = "deepep_portable::low_latency"
+    constants = [f'static_assert({ns}::kMaxStageBlocks == {L.LL_MAX_STAGE_BLOCKS}, "stage flags");',
+                 f'static_assert({ns}::kThreads == {ll.THREADS}, "threads");',
+                 f'static_assert({ns}::kMsgHeader == {L.LL_MSG_HEADER}, "message head");']
+    return _asserts(c_transport, transport_struct) + _asserts(c_struct, mirrors[op], path) + constants
 
 
 def _selftest_checks(transport_struct: type, c_transport: str) -> List[str]:

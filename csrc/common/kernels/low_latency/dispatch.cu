@@ -159,8 +159,10 @@ DEEPEP_DEVICE bool wait_staged(const LLDispatchParams& p, uint64_t seq, int64_t 
         if (staged)
             break;
         if (globaltimer_ns() > deadline) {
-            // No block named (channel -1): finding the late one here costs the loop above registers.
-            report_error(sink_of(p.c, kOpLowLatencyDispatch), kErrorTimeout, static_cast<int>(p.c.rank), -1);
+            // The record names the waiting block, as a grid barrier's does (finding the late one here
+            // would cost the loop above registers).
+            report_error(sink_of(p.c, kOpLowLatencyDispatch), kErrorTimeout, static_cast<int>(p.c.rank),
+                         static_cast<int>(seq));
             ok = false;
             break;
         }
@@ -172,7 +174,8 @@ DEEPEP_DEVICE bool wait_staged(const LLDispatchParams& p, uint64_t seq, int64_t 
 
 // Send phase of call `call` for expert g (see the top of the file), after reserve(g). A warp waits for
 // its tokens' stage flags; when a wait times out (reported), the messages are not trusted and not
-// sent, but the signal is still set with count 0 so no peer is left waiting for this rank.
+// sent (rows it reserved stay unused), but the signal is still set with count 0 so no peer is left
+// waiting for this rank.
 DEEPEP_DEVICE void send_expert(const LLDispatchParams& p, const Transport& tr, const Call& call, int g,
                                Reservation r, const uint32_t* hits, uint64_t deadline, int lane) {
     if (r.skip)
