@@ -128,7 +128,7 @@ class _Kernel:
     def __init__(self, name, log, on_launch=None):
         self.name, self.log, self.on_launch = name, log, on_launch
 
-    def launch(self, grid, block, shmem, stream, params, cluster, cooperative):
+    def launch(self, grid, block, shmem, stream, params, cluster, cooperative, programmatic=False):
         self.log.append((self.name, grid, block, bytes(params)))
         if self.on_launch is not None:
             self.on_launch()

@@ -407,10 +407,11 @@ def _fake_engine(monkeypatch):
     eng._calls = eng._recvs = eng._epoch = 0
     eng._signal_experts = None
     eng.profile = PhaseProfile(0)
+    eng.programmatic = False
     eng.grid = lambda num_sms: 1
     stream = _Stream()
     eng._current_stream = lambda: stream
-    monkeypatch.setattr(ll, "launch", lambda fn, grid, threads, params, stream: fn.record(params))
+    monkeypatch.setattr(ll, "launch", lambda fn, grid, threads, params, stream, programmatic: fn.record(params))
     monkeypatch.setattr(ll, "stream_handle", lambda *a, **k: 0)
     return eng
 
@@ -469,9 +470,9 @@ def test_timeout_on_own_blocks_is_named_so():
 
 def test_misaligned_rows_refused():
     x = torch.zeros(33, dtype=torch.bfloat16)
-    ll.LowLatencyEngine._check_aligned("x", x[:32])
+    ll.check_aligned("x", x[:32])
     with pytest.raises(ValueError, match="16-byte"):
-        ll.LowLatencyEngine._check_aligned("x", x[1:])
+        ll.check_aligned("x", x[1:])
 
 
 def test_num_experts_change_needs_clean(monkeypatch):
@@ -506,3 +507,25 @@ def test_trace_report_spans_gaps_and_period():
     assert report["+first staged"] == 7.0 and report["+last staged"] == 9.0
     assert not any(">" in k and "dispatch_blocks" in k or "dispatch_staged>" in k for k in report)   # not phases
     assert not any(k.startswith("combine") for k in report)   # untouched slots are not calls
+
+
+@needs_nvcc
+def test_kernels_wait_for_the_previous_grid(tmp_path):
+    """Every LL kernel may be a programmatic dependent launch on sm_90 (grid_dependency.cuh): it waits for the
+    previous grid before anything else and lets the next one be scheduled at its last phase's end; sm_80 has
+    neither instruction (its launches are never programmatic)."""
+    for source, defines in ((ll.DISPATCH_SOURCE, ll.kernel_defines(2048, 8)),
+                            *((ll.COMBINE_SOURCE, ll.kernel_defines(2048, 8, False, ph)) for ph in ll.COMBINE_PHASES)):
+        body = _kernel_body(_ptx(tmp_path, source, "sm_90", defines), ll.DISPATCH_KERNEL if source == ll.DISPATCH_SOURCE
+                            else ll.COMBINE_KERNEL)
+        assert "griddepcontrol.wait" in body and "griddepcontrol.launch_dependents" in body, (source, defines)
+        assert body.index("griddepcontrol.wait") < body.index("ld.volatile"), "the wait comes before any counter read"
+        assert "griddepcontrol" not in _ptx(tmp_path, source, "sm_80", defines)
+
+
+def test_programmatic_launches_switch(monkeypatch):
+    from deepep_portable.engines.launch import PDL_SWITCH, programmatic_launches
+
+    assert not programmatic_launches(torch.device("cpu"))
+    monkeypatch.setenv(PDL_SWITCH, "0")
+    assert not programmatic_launches(torch.device("cuda", 0))   # switched off: no device query at all

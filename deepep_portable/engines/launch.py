@@ -14,6 +14,7 @@ Streams: outputs are allocated with torch on the *current* stream; device work i
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -91,9 +92,30 @@ def stream_handle(stream: StreamLike, device: Optional[int] = None) -> int:
 
 
 def launch(fn, grid: Dim, block: Dim, params: ctypes.Structure, stream: StreamLike = None,
-           shared_mem: int = 0, cluster: Optional[Dim] = None, cooperative: bool = False) -> None:
-    """Launch `fn` (a `_C.Function`) with the packed `params` struct on `stream`."""
-    fn.launch(grid, block, shared_mem, stream_handle(stream, fn.device), bytes(params), cluster, cooperative)
+           shared_mem: int = 0, cluster: Optional[Dim] = None, cooperative: bool = False,
+           programmatic: bool = False) -> None:
+    """Launch `fn` (a `_C.Function`) with the packed `params` struct on `stream` (`programmatic`: a
+    programmatic dependent launch, for kernels that wait for the previous grid first, sm_90+)."""
+    fn.launch(grid, block, shared_mem, stream_handle(stream, fn.device), bytes(params), cluster, cooperative,
+              programmatic)
+
+
+def check_aligned(name: str, t: torch.Tensor) -> None:
+    """Kernels that move rows as 16-byte words: a misaligned view would fault (and kill the context)."""
+    if t.numel() and t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address (got a view at offset "
+                         f"{t.data_ptr() % 16} mod 16): pass a fresh tensor or .clone() it")
+
+
+PDL_SWITCH = "DEEPEP_PORTABLE_PDL"
+
+
+def programmatic_launches(device: torch.device) -> bool:
+    """Whether kernels written for it (csrc/common/kernels/grid_dependency.cuh) are launched as programmatic
+    dependent launches on `device`: compute capability 9.0 or newer, and DEEPEP_PORTABLE_PDL not 0."""
+    if os.environ.get(PDL_SWITCH, "1") == "0" or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def zero_async(t: torch.Tensor, stream: StreamLike) -> None:

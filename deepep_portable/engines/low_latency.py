@@ -59,7 +59,7 @@ from ..profiling import PhaseProfile, kernel_call_spans, kernel_trace_report
 from ..jit import forced_arch
 from ..windows.base import Window
 from .base import Engine
-from .launch import launch, params_struct, ptr, stream_handle
+from .launch import check_aligned, launch, params_struct, programmatic_launches, ptr, stream_handle
 
 DISPATCH_SOURCE = "common/kernels/low_latency/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
@@ -162,6 +162,7 @@ class LowLatencyEngine(Engine):
         self.mask = (torch.zeros(self.num_ranks, dtype=torch.int32, device=ctx.device)
                      if ctx.options.get("enable_shrink") else None)
         self.recv_x_in_buffer = self.window.cheap_fetch_add and self.mask is None
+        self.programmatic = programmatic_launches(ctx.device)   # the LL kernels wait for the previous grid first
         self.profile = PhaseProfile(self.dev)   # DEEPEP_PORTABLE_PROFILE=1 (used by `bench`)
         # With profiling, the kernels also stamp their start / end per call (see trace_report).
         self.trace = (torch.zeros(TRACE_CALLS * len(TRACE_KERNELS) * 2, dtype=torch.int64, device=ctx.device)
@@ -284,14 +285,14 @@ class LowLatencyEngine(Engine):
             # DEEPEP_PORTABLE_PROFILE=1: events around the op (both phases in one launch)
             marks = self.profile.start(comm)
             params.phases = PHASE_SEND | PHASE_RECV
-            launch(both, grid, THREADS, params, stream_handle(comm))
+            launch(both, grid, THREADS, params, stream_handle(comm), programmatic=self.programmatic)
             self._calls += 1
             self._recvs += 1
             self.profile.mark(marks, comm)
             self.profile.finish(op, ("send+recv",), marks)
             return None
         params.phases = PHASE_SEND
-        launch(send, grid, THREADS, params, stream_handle(comm))
+        launch(send, grid, THREADS, params, stream_handle(comm), programmatic=self.programmatic)
         self._calls += 1
         params.phases = PHASE_RECV
         blob = bytes(params)   # frozen now: the hook launches exactly this call's receive
@@ -309,7 +310,7 @@ class LowLatencyEngine(Engine):
             self.check()
             current = self._current_stream()
             comm.wait_stream(current)
-            recv.launch(grid, THREADS, 0, stream_handle(comm), blob, None, False)
+            recv.launch(grid, THREADS, 0, stream_handle(comm), blob, None, False, self.programmatic)
             self._recvs += 1
             # Tensors the receive kernel uses were allocated on the caller's stream at op time: their
             # memory must not be reused before the kernel ran, whatever stream frees them.
@@ -322,13 +323,6 @@ class LowLatencyEngine(Engine):
 
         return hook
 
-    @staticmethod
-    def _check_aligned(name: str, t: torch.Tensor) -> None:
-        """The kernels move rows as 16-byte words: a misaligned view would fault (and kill the context)."""
-        if t.numel() and t.data_ptr() % 16:
-            raise ValueError(f"{name} must start at a 16-byte aligned address (got a view at offset "
-                             f"{t.data_ptr() % 16} mod 16): pass a fresh tensor or .clone() it")
-
     # ---- ops ---------------------------------------------------------------------------------------
     def dispatch(self, args: LowLatencyDispatchArgs) -> LowLatencyDispatchResult:
         self._require()
@@ -339,7 +333,7 @@ class LowLatencyEngine(Engine):
         num_local = E // R
         kernel, template = self._plan("dispatch", T, hidden, E, num_topk)
         self._check_signal_geometry(E)
-        self._check_aligned("x", x)
+        check_aligned("x", x)
         dev = x.device
         # recv_x is the half's output area in the window (the peers write it); the small outputs are
         # allocated on the current stream (Buffer made the right one current), like the reference's
@@ -375,8 +369,8 @@ class LowLatencyEngine(Engine):
         if not out.is_contiguous():
             raise ValueError("low_latency_combine(out=...) must be contiguous")
         self._check_signal_geometry(E)
-        self._check_aligned("x", x)
-        self._check_aligned("out", out)
+        check_aligned("x", x)
+        check_aligned("out", out)
         p = type(template).from_buffer_copy(template)
         p.x, p.src_info, p.layout_range = x.data_ptr(), handle.src_info.data_ptr(), handle.layout_range.data_ptr()
         p.expect_half = -1

@@ -111,7 +111,7 @@ PYBIND11_MODULE(_C, m) {
              py::arg("block_threads"), py::arg("dynamic_smem") = 0)
         .def("launch", [](const Function& f, const py::object& grid, const py::object& block,
                           unsigned shared_mem, std::uintptr_t stream, const py::object& params,
-                          const py::object& cluster, bool cooperative) {
+                          const py::object& cluster, bool cooperative, bool programmatic) {
             LaunchConfig cfg;
             cfg.grid = to_dim3(grid, "grid");
             cfg.block = to_dim3(block, "block");
@@ -119,6 +119,7 @@ PYBIND11_MODULE(_C, m) {
             cfg.shared_mem = shared_mem;
             cfg.stream = stream;
             cfg.cooperative = cooperative;
+            cfg.programmatic = programmatic;
             // Copy the parameter bytes while holding the GIL (bytes fast path, else any buffer).
             std::vector<unsigned char> bytes;
             if (PyBytes_Check(params.ptr())) {
@@ -135,10 +136,11 @@ PYBIND11_MODULE(_C, m) {
             f.launch(cfg, bytes.data(), bytes.size());
         }, py::arg("grid"), py::arg("block"), py::arg("shared_mem") = 0, py::arg("stream") = 0,
            py::arg("params") = py::none(), py::arg("cluster") = py::none(),
-           py::arg("cooperative") = false,
+           py::arg("cooperative") = false, py::arg("programmatic") = false,
            "Launch with cuLaunchKernelEx. grid/block/cluster: int or tuple of 1..3 ints (cluster None =\n"
            "no cluster); params: bytes (or any buffer, e.g. a ctypes.Structure) of the kernel's single\n"
-           "struct parameter; stream: CUstream as int (0 = legacy default). Releases the GIL.");
+           "struct parameter; stream: CUstream as int (0 = legacy default); programmatic: a programmatic\n"
+           "dependent launch (sm_90+; the kernel must griddepcontrol.wait first). Releases the GIL.");
 
     py::class_<ModuleHandle, std::shared_ptr<ModuleHandle>>(m, "Module")
         .def(py::init([](const py::bytes& image, int device) {

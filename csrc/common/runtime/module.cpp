@@ -82,7 +82,7 @@ void Function::launch(const LaunchConfig& cfg, const void* params, std::size_t p
             throw std::invalid_argument("kernel '" + name_ + "': grid, block and cluster dimensions must be >= 1");
     }
 
-    CUlaunchAttribute attrs[2];
+    CUlaunchAttribute attrs[3];
     unsigned num_attrs = 0;
     if (cfg.cluster[0] * cfg.cluster[1] * cfg.cluster[2] > 1) {
         attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
@@ -94,6 +94,11 @@ void Function::launch(const LaunchConfig& cfg, const void* params, std::size_t p
     if (cfg.cooperative) {
         attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
         attrs[num_attrs].value.cooperative = 1;
+        ++num_attrs;
+    }
+    if (cfg.programmatic) {
+        attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attrs[num_attrs].value.programmaticStreamSerializationAllowed = 1;
         ++num_attrs;
     }
 

@@ -39,6 +39,10 @@ struct LaunchConfig {
     std::uintptr_t stream = 0;
     std::array<unsigned, 3> cluster{1, 1, 1};
     bool cooperative = false;
+    // Programmatic dependent launch (sm_90+): the kernel may start once every block of the previous
+    // kernel in the stream has triggered (griddepcontrol.launch_dependents) or exited; it must execute
+    // griddepcontrol.wait before it touches anything that kernel wrote.
+    bool programmatic = false;
 };
 
 class Function {

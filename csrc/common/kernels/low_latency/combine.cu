@@ -411,17 +411,19 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ LLCo
     static_assert(PHASE >= kPhaseSend && PHASE <= (kPhaseSend | kPhaseRecv), "a combine kernel runs its phases");
     const Common& c = p.c;
     const Transport tr = c.transport;
+    wait_previous_grid();   // a programmatic launch: nothing of the previous kernel is read before
     if constexpr ((PHASE & kPhaseSend) != 0) {
         const Call call = begin_call(c, c.ctrl_sent, kTraceCombineSend, kKindCombine);
         send_phase(p, tr, call);
         if constexpr ((PHASE & kPhaseRecv) != 0)
             set_block_flag(c, call.seq);   // this block's part of the slot table is written
-        end_call(c, c.ctrl_sent, c.ctrl_send_arrive, call.seq, kTraceCombineSend, kKindCombine);
+        end_call(c, c.ctrl_sent, c.ctrl_send_arrive, call.seq, kTraceCombineSend, kKindCombine,
+                 /*last_phase=*/PHASE == kPhaseSend);
     }
     if constexpr ((PHASE & kPhaseRecv) != 0) {
         const uint64_t seq = begin_call(c, c.ctrl_recvd, kTraceCombineRecv).seq;
         receive_phase(p, tr, seq);
-        end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq, kTraceCombineRecv);
+        end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq, kTraceCombineRecv, kNoKind, /*last_phase=*/true);
     }
 }
 

@@ -403,14 +403,15 @@ DEEPEP_DEVICE void stage_and_send(const LLDispatchParams& p, const Transport& tr
     // warp's puts before the phase ends (one quiet per warp; a no-op for load/store peers).
     if (lane == 0)
         tr.flush(0);
-    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, call.seq, kTraceDispatchSend, kKindDispatch);
+    end_call(c, c.ctrl_sent, c.ctrl_send_arrive, call.seq, kTraceDispatchSend, kKindDispatch,
+             /*last_phase=*/(c.phases & kPhaseRecv) == 0);
 }
 
 DEEPEP_DEVICE void receive(const LLDispatchParams& p, const Transport& tr) {
     const Common& c = p.c;
     const uint64_t seq = begin_call(c, c.ctrl_recvd, kTraceDispatchRecv).seq;
     receive_messages(p, tr, seq);
-    end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq, kTraceDispatchRecv);
+    end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq, kTraceDispatchRecv, kNoKind, /*last_phase=*/true);
 }
 
 }  // namespace
@@ -424,6 +425,7 @@ namespace deepep_portable::low_latency {
 // (end_call), so the sequence numbers agree.
 __global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ LLDispatchParams p) {
     const Transport tr = p.c.transport;
+    wait_previous_grid();   // a programmatic launch: nothing of the previous kernel is read before
     if (p.c.phases & kPhaseSend)
         stage_and_send(p, tr);
     if (p.c.phases & kPhaseRecv)

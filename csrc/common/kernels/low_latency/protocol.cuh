@@ -86,6 +86,7 @@
 
 #include "common/kernels/common.cuh"
 #include "common/kernels/fp8.cuh"
+#include "common/kernels/grid_dependency.cuh"
 #include "common/kernels/selected_transport.cuh"
 #include "common/kernels/signal.cuh"
 
@@ -98,6 +99,7 @@ using Transport = transport::Selected;
 constexpr int kThreads = 512;          // __launch_bounds__ of every LL kernel (host: engines/low_latency.THREADS)
 constexpr int kKindDispatch = 0;       // index of ctrl_last[kind][half]
 constexpr int kKindCombine = 1;
+constexpr int kNoKind = -1;            // a receive phase: begin_call / end_call record no ctrl_last
 constexpr int kMsgHeader = 16;         // head of a dispatch side message (int32 source token), before its scales
 constexpr int kMaxBlocks = 1024;       // block flags, one per block: the LL grid's cap (layout.LL_MAX_BLOCKS)
 constexpr int kMaxShrinkRanks = 4096;  // shrink mode's rank limit (the combine's per-block live bitmap)
@@ -189,7 +191,7 @@ struct Call {
     uint64_t prev;
 };
 
-DEEPEP_DEVICE Call begin_call(const Common& c, int64_t counter_off, int trace_kernel, int kind = -1) {
+DEEPEP_DEVICE Call begin_call(const Common& c, int64_t counter_off, int trace_kernel, int kind = kNoKind) {
     __shared__ uint64_t s_seq, s_prev;
     if (threadIdx.x == 0) {
         const uint64_t seq = *own<volatile uint64_t>(c, counter_off) + 1;
@@ -219,9 +221,13 @@ DEEPEP_DEVICE bool arrive_last(const Common& c, int64_t arrive_off) {
     return true;
 }
 
+// `last_phase`: no wait of this block on a peer follows in this launch, so the next kernel in the stream
+// (a programmatic launch) may be scheduled now (grid_dependency.cuh says why not earlier).
 DEEPEP_DEVICE void end_call(const Common& c, int64_t counter_off, int64_t arrive_off, uint64_t seq, int trace_kernel,
-                            int kind = -1) {
+                            int kind, bool last_phase) {
     __syncthreads();
+    if (last_phase)
+        allow_next_grid();
     trace_mark(c.trace, seq, trace_kernel, true);
     if (threadIdx.x == 0 && arrive_last(c, arrive_off)) {
         if (kind >= 0)
