@@ -190,13 +190,12 @@ LL_CTRL_LAST = 32                # u64 [kind (dispatch, combine)][half]: last ca
 LL_CTRL_STAGE_ARRIVE = 64        # u32: blocks of the running kernel past a grid barrier (the combine's signal-last one)
 LL_CTRL_STAGED = 72              # u64: the last ticket of that barrier every block passed
 LL_MSG_HEADER = ALIGN            # head of a dispatch side message (int32 source token), before its scales
-# After the control words: the block flags, u64 [LL_MAX_BLOCKS] (flag b: the last call in which block b of the
-# grid finished what other blocks of its launch read: the dispatch's stage, the one-launch combine's send; at a
-# fixed place, whatever the call's shape, and zeroed with the control words by clean_low_latency_buffer), so the
-# LL grid is capped at LL_MAX_BLOCKS blocks.
-LL_BLOCK_FLAGS_OFFSET = LL_CONTROL_BYTES
-LL_MAX_BLOCKS = 1024             # kMaxBlocks in protocol.cuh
-LL_CLEANED_BYTES = LL_BLOCK_FLAGS_OFFSET + 8 * LL_MAX_BLOCKS   # [0, this): zeroed by clean_low_latency_buffer
+# After the control words: the dispatch's stage flags, u64 [LL_MAX_STAGE_BLOCKS] (flag b: the last call whose
+# stage phase block b finished; at a fixed place, whatever the call's shape, and zeroed with the control words
+# by clean_low_latency_buffer), so the LL grid is capped at LL_MAX_STAGE_BLOCKS blocks.
+LL_STAGE_FLAGS_OFFSET = LL_CONTROL_BYTES
+LL_MAX_STAGE_BLOCKS = 1024       # kMaxStageBlocks in protocol.cuh
+LL_CLEANED_BYTES = LL_STAGE_FLAGS_OFFSET + 8 * LL_MAX_STAGE_BLOCKS   # [0, this): zeroed by clean_low_latency_buffer
 # Then the barrier words, u64 [R] (slot q: how many device barriers rank q has entered, written by q; my own
 # slot is my count). Never cleaned: clean_low_latency_buffer's barriers use them.
 LL_BARRIER_OFFSET = LL_CLEANED_BYTES

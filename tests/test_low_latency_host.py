@@ -28,8 +28,8 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="no nvcc")
 LLDispatchParams, LLCombineParams, LLCleanParams = ll.params_types(NvlinkTransportParams)
 VMM, LEGACY = nvlink_build(shareable=True), nvlink_build(shareable=False)   # the nvlink window's two builds
 # (source, kernel symbol, params mirror, defines, id): one kernel name per op (the dispatch's phases in its params,
-# the combine's compiled in: a kernel per set of phases)
-SEND, RECV, BOTH = ll.COMBINE_PHASES
+# the combine's compiled in: a kernel per phase)
+SEND, RECV = ll.PHASE_SEND, ll.PHASE_RECV
 KERNELS = [(ll.DISPATCH_SOURCE, ll.DISPATCH_KERNEL, LLDispatchParams, ll.kernel_defines(256, 3), "dispatch"),
            (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, LLCombineParams, ll.kernel_defines(256, 3, False, SEND),
             "combine-send"),
@@ -39,10 +39,6 @@ KERNELS = [(ll.DISPATCH_SOURCE, ll.DISPATCH_KERNEL, LLDispatchParams, ll.kernel_
             "combine-logfmt-send"),
            (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, LLCombineParams, ll.kernel_defines(512, 3, True, RECV),
             "combine-logfmt-recv"),
-           (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, LLCombineParams, ll.kernel_defines(256, 3, False, BOTH),
-            "combine-both"),
-           (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, LLCombineParams, ll.kernel_defines(512, 3, True, BOTH),
-            "combine-logfmt-both"),
            (ll.CLEAN_SOURCE, ll.CLEAN_KERNEL, LLCleanParams, {}, "clean")]
 
 
@@ -72,7 +68,7 @@ def test_param_struct_size_matches_ptx(tmp_path, arch, source, kernel, struct, d
 def test_kernels_compile(source, hidden, topk):
     variants = [ll.kernel_defines(hidden, topk)] if source == ll.DISPATCH_SOURCE else \
         [ll.kernel_defines(hidden, topk, logfmt, phase) for logfmt in ((False, True) if hidden % 512 == 0 else (False,))
-         for phase in ll.COMBINE_PHASES]
+         for phase in (SEND, RECV)]
     for arch in ("sm_90", "sm_80"):
         for defines in variants:
             assert jit.compile(source, VMM.kernel_defines(defines), arch, extra_flags=VMM.flags)
@@ -112,8 +108,7 @@ def test_no_fused_multiply_add(tmp_path, arch):
     LogFMT combine (LOGFMT=1), where DeepEP's LogFMT arithmetic does (logfmt.cuh)."""
     for source, defines in ((ll.DISPATCH_SOURCE, ll.kernel_defines(7680, 9)),
                             (ll.COMBINE_SOURCE, ll.kernel_defines(7680, 9, False, SEND)),
-                            (ll.COMBINE_SOURCE, ll.kernel_defines(7680, 9, False, RECV)),
-                            (ll.COMBINE_SOURCE, ll.kernel_defines(7680, 9, False, BOTH))):
+                            (ll.COMBINE_SOURCE, ll.kernel_defines(7680, 9, False, RECV))):
         text = _ptx(tmp_path, source, arch, defines)
         assert ".entry" in text
         assert text == _ptx(tmp_path, source, arch, defines, extra=("-fmad=false",)), \
@@ -127,8 +122,7 @@ def test_sender_checks_overwrite_and_counters_are_released(tmp_path):
     """The send kernels read the destination's RECVD (overwrite detection) and the counters are stored
     with a system-scope release (a peer reads RECVD across the fabric)."""
     for source, kernel, defines in ((ll.DISPATCH_SOURCE, ll.DISPATCH_KERNEL, ll.kernel_defines(2048, 8)),
-                                    (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, ll.kernel_defines(2048, 8, False, SEND)),
-                                    (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, ll.kernel_defines(2048, 8, False, BOTH))):
+                                    (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, ll.kernel_defines(2048, 8, False, SEND))):
         body = _kernel_body(_ptx(tmp_path, source, "sm_90", defines), kernel)
         assert "st.release.sys.global.u64" in body, kernel
         assert "ld.volatile" in body
@@ -154,9 +148,9 @@ def test_layout_regions(tokens, hidden, ranks, experts):
     # a message holds the header and the larger of the BF16 row and FP8 row + float32 scales
     assert lay.message_bytes >= L.LL_MSG_HEADER + max(2 * hidden, hidden + hidden // 128 * 4)
     assert lay.message_bytes % 16 == 0 and (L.LL_MSG_HEADER + hidden) % 16 == 0
-    regions = [("control", 0, L.LL_CONTROL_BYTES), ("block flags", L.LL_BLOCK_FLAGS_OFFSET, 8 * L.LL_MAX_BLOCKS),
+    regions = [("control", 0, L.LL_CONTROL_BYTES), ("stage flags", L.LL_STAGE_FLAGS_OFFSET, 8 * L.LL_MAX_STAGE_BLOCKS),
                ("barrier words", L.LL_BARRIER_OFFSET, 8 * ranks)]
-    assert L.LL_CLEANED_BYTES == L.LL_BLOCK_FLAGS_OFFSET + 8 * L.LL_MAX_BLOCKS <= L.LL_BARRIER_OFFSET
+    assert L.LL_CLEANED_BYTES == L.LL_STAGE_FLAGS_OFFSET + 8 * L.LL_MAX_STAGE_BLOCKS <= L.LL_BARRIER_OFFSET
     for half in (0, 1):
         regions.append((f"dispatch signals {half}", lay.dispatch_signal_offset(half), 8 * experts))
         regions.append((f"combine signals {half}", lay.combine_signal_offset(half), 8 * experts))
@@ -444,16 +438,16 @@ def test_receive_hooks_run_in_call_order_once(monkeypatch):
         h4()
 
 
-def test_a_kernel_per_launch_shape(monkeypatch):
-    """The combine has a kernel per set of phases: without a hook the kernel for both runs alone; with one,
+def test_a_kernel_per_phase_runs_send_then_receive(monkeypatch):
+    """The combine has a kernel per phase: without a hook both launch back to back, send first; with one,
     the send kernel now and the receive kernel in the hook."""
     log: list = []
     eng = _fake_engine(monkeypatch)
     p = LLDispatchParams()
-    kernels = (_Kernel("send", log), _Kernel("recv", log), _Kernel("one", log))
-    assert eng._two_phase("op", kernels, p, False, 1, (torch.zeros(1),)) is None
-    hook = eng._two_phase("op", kernels, p, True, 1, (torch.zeros(1),))
-    assert log == ["one:both", "send:send"]
+    pair = (_Kernel("send", log), _Kernel("recv", log))
+    assert eng._two_phase("op", pair, p, False, 1, (torch.zeros(1),)) is None
+    hook = eng._two_phase("op", pair, p, True, 1, (torch.zeros(1),))
+    assert log == ["send:send", "recv:recv", "send:send"]
     hook()
     assert log[-1] == "recv:recv" and (eng._calls, eng._recvs) == (2, 2)
 
@@ -515,7 +509,7 @@ def test_kernels_wait_for_the_previous_grid(tmp_path):
     previous grid before anything else and lets the next one be scheduled at its last phase's end; sm_80 has
     neither instruction (its launches are never programmatic)."""
     for source, defines in ((ll.DISPATCH_SOURCE, ll.kernel_defines(2048, 8)),
-                            *((ll.COMBINE_SOURCE, ll.kernel_defines(2048, 8, False, ph)) for ph in ll.COMBINE_PHASES)):
+                            *((ll.COMBINE_SOURCE, ll.kernel_defines(2048, 8, False, ph)) for ph in (ll.PHASE_SEND, ll.PHASE_RECV))):
         body = _kernel_body(_ptx(tmp_path, source, "sm_90", defines), ll.DISPATCH_KERNEL if source == ll.DISPATCH_SOURCE
                             else ll.COMBINE_KERNEL)
         assert "griddepcontrol.wait" in body and "griddepcontrol.launch_dependents" in body, (source, defines)

@@ -107,7 +107,7 @@ def _ll_checks(transport_struct: type, c_transport: str, op: str) -> List[str]:
 
     c_struct = {"dispatch": "LLDispatchParams", "combine": "LLCombineParams", "clean": "LLCleanParams"}[op]
     ns = "deepep_portable::low_latency"
-    constants = [f'static_assert({ns}::kMaxBlocks == {L.LL_MAX_BLOCKS}, "block flags");',
+    constants = [f'static_assert({ns}::kMaxStageBlocks == {L.LL_MAX_STAGE_BLOCKS}, "stage flags");',
                  f'static_assert({ns}::kThreads == {ll.THREADS}, "threads");',
                  f'static_assert({ns}::kMsgHeader == {L.LL_MSG_HEADER}, "message head");']
     return _asserts(c_transport, transport_struct) + _asserts(c_struct, mirrors[op], path) + constants
@@ -127,7 +127,7 @@ def test_nvlink_backend_params(tmp_path, shareable):
     shape = ll.kernel_defines(256, 3)
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(NvlinkTransportParams, c_struct, "dispatch") + [cheap], shape,
              build)
-    for phase in ll.COMBINE_PHASES:
+    for phase in (ll.PHASE_SEND, ll.PHASE_RECV):
         _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(NvlinkTransportParams, c_struct, "combine"),
                  ll.kernel_defines(512, 3, True, phase), build)
     _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(NvlinkTransportParams, c_struct, "clean"), {}, build)
@@ -145,7 +145,7 @@ def test_nvshmem_backend_params(tmp_path):
             f'{str(NvshmemWindow.cheap_fetch_add).lower()}, "NvshmemWindow.cheap_fetch_add");'
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(NvshmemTransportParams, c_struct, "dispatch") + [cheap],
              ll.kernel_defines(256, 3), NVSHMEM_BUILD, nvshmem=True)
-    for phase in ll.COMBINE_PHASES:
+    for phase in (ll.PHASE_SEND, ll.PHASE_RECV):
         _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(NvshmemTransportParams, c_struct, "combine"),
                  ll.kernel_defines(256, 3, False, phase), NVSHMEM_BUILD, nvshmem=True)
     _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(NvshmemTransportParams, c_struct, "clean"), {},
@@ -228,7 +228,7 @@ def test_ibgda_backend_params(tmp_path):
              IBGDA_BUILD)
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(IbgdaTransportParams, c_struct, "dispatch"),
              ll.kernel_defines(7168, 8), IBGDA_BUILD)
-    for phase in ll.COMBINE_PHASES:
+    for phase in (ll.PHASE_SEND, ll.PHASE_RECV):
         _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(IbgdaTransportParams, c_struct, "combine"),
                  ll.kernel_defines(7168, 8, True, phase), IBGDA_BUILD)
     _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(IbgdaTransportParams, c_struct, "clean"), {}, IBGDA_BUILD)

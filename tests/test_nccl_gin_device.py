@@ -50,7 +50,7 @@ def test_selftest_and_low_latency_kernels(tmp_path, build):
     _compile(tmp_path, transport_selftest.SOURCE, _asserts(C_STRUCT, T) + _asserts(
         "SelftestParams", transport_selftest.params_type(T)) + [cheap], {}, build)
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(T, C_STRUCT, "dispatch"), ll.kernel_defines(256, 3), build)
-    for phase in ll.COMBINE_PHASES:
+    for phase in (ll.PHASE_SEND, ll.PHASE_RECV):
         _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(T, C_STRUCT, "combine"),
                  ll.kernel_defines(512, 3, True, phase), build)
     _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(T, C_STRUCT, "clean"), {}, build)
@@ -97,7 +97,7 @@ def test_kernels_compile_against_the_tests_mock_of_nccls_device_api(tmp_path):
         _asserts("ncclWindow_vidmem", nccl_gin_mock.MockWindowStruct)
     _compile(tmp_path, transport_selftest.SOURCE, mock_structs + _asserts(C_STRUCT, T), {}, build)
     _compile(tmp_path, ll.DISPATCH_SOURCE, _ll_checks(T, C_STRUCT, "dispatch"), ll.kernel_defines(256, 3), build)
-    for phase in ll.COMBINE_PHASES:
+    for phase in (ll.PHASE_SEND, ll.PHASE_RECV):
         _compile(tmp_path, ll.COMBINE_SOURCE, _ll_checks(T, C_STRUCT, "combine"),
                  ll.kernel_defines(512, 3, True, phase), build)
     _compile(tmp_path, ll.CLEAN_SOURCE, _ll_checks(T, C_STRUCT, "clean"), {}, build)

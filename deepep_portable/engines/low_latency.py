@@ -9,10 +9,10 @@ nvlink window (CUDA IPC / shareable VMM memory) and NVSHMEM's symmetric heap (ke
 
 Every LL op is one *call*: a SEND phase, then a RECEIVE phase, both on `ctx.comm_stream` (Buffer
 orders that stream against the caller's), run by one kernel name per op (`deepep_portable::low_latency::
-dispatch` / `::combine`, the names a profiler shows). Without a hook one launch runs both phases of an op
-(its receive overlaps the peers' sends): the dispatch kernel by Common.phases, the combine by a kernel
-compiled for both (-DPHASE; with a hook its send and receive phases are kernels of their own, combine.cu
-says why). The call counter that picks the buffer half and the signal values lives in
+dispatch` / `::combine`, the names a profiler shows). The dispatch is one kernel: without a hook one
+launch runs both phases (its receive overlaps the peers' sends). The combine is compiled once per phase
+(-DPHASE): without a hook its send and receive kernels launch back to back (combine.cu says why two
+launches beat one there). The call counter that picks the buffer half and the signal values lives in
 device memory, so CUDA-graph replays keep counting. With `return_recv_hook=True` the op launches the
 send phase only and returns `hook`; calling it later does `comm_stream.wait_stream(current)`, launches
 the receive phase on the comm stream, then `current.wait_stream(comm_stream)` (current = the torch
@@ -65,13 +65,11 @@ DISPATCH_SOURCE = "common/kernels/low_latency/dispatch.cu"
 COMBINE_SOURCE = "common/kernels/low_latency/combine.cu"
 CLEAN_SOURCE = "common/kernels/low_latency/clean.cu"
 # One kernel name per op. Common.phases says what a dispatch launch runs (kPhaseSend / kPhaseRecv in
-# protocol.cuh); the combine is compiled for the phases it runs (PHASE, kernel_defines) and phases just names them.
-# COMBINE_PHASES: its kernels (send and receive for a call with a hook, both for a call without one).
+# protocol.cuh); the combine is compiled once per phase (PHASE, kernel_defines) and phases just names it.
 DISPATCH_KERNEL = jit.kernel_symbol("deepep_portable::low_latency::dispatch", "LLDispatchParams")
 COMBINE_KERNEL = jit.kernel_symbol("deepep_portable::low_latency::combine", "LLCombineParams")
 CLEAN_KERNEL = jit.kernel_symbol("deepep_portable::low_latency::clean_buffer", "LLCleanParams")
 PHASE_SEND, PHASE_RECV = 1, 2
-COMBINE_PHASES = (PHASE_SEND, PHASE_RECV, PHASE_SEND | PHASE_RECV)
 THREADS = 512                      # kThreads in protocol.cuh
 MAX_SHRINK_RANKS = 4096            # kMaxShrinkRanks in protocol.cuh
 TRACE_CALLS = 64                   # kTraceCalls in protocol.cuh
@@ -84,10 +82,9 @@ _COMMON = ["local_base", "rank", "num_ranks", "ctrl_sent", "ctrl_recvd", "ctrl_s
            "ctrl_last", "dispatch_signal_offset", "combine_signal_offset", "signal_half_stride",
            "dispatch_recv_offset", "dispatch_side_offset", "combine_send_offset", "combine_recv_offset",
            "data_half_stride", "num_experts", "num_max_tokens", "msg_bytes", "error_claim", "error_host",
-           "timeout_ns", "trace", "phases", "ctrl_stage_arrive", "ctrl_staged", "mask", "barrier_offset",
-           "block_flags_offset"]
-_DISPATCH = ["x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "recv_x",
-             "expect_half", "recv_scales", "src_info", "layout_range", "recv_count", "cumulative_recv_stats",
+           "timeout_ns", "trace", "phases", "ctrl_stage_arrive", "ctrl_staged", "mask", "barrier_offset"]
+_DISPATCH = ["x", "topk_idx", "num_tokens", "use_fp8", "round_scale", "send_stage_offset", "stage_flags_offset",
+             "recv_x", "expect_half", "recv_scales", "src_info", "layout_range", "recv_count", "cumulative_recv_stats",
              "wait_stats", "use_ue8m0"]
 _COMBINE = ["x", "src_info", "layout_range", "expect_half", "x_in_dispatch_area", "topk_idx", "topk_weights", "out",
             "num_tokens", "wait_stats", "slot_table"]
@@ -106,7 +103,7 @@ def params_types(transport_struct: type) -> Tuple[type, type, type]:
 
 def kernel_defines(hidden: int, num_topk: int, logfmt: Optional[bool] = None, phase: Optional[int] = None) -> dict:
     """The shape a kernel is compiled for (the window's KernelBuild adds the backend's defines); the
-    combine also takes `logfmt` (LogFMT-10 rows, use_logfmt=True) and its `phase` (one of COMBINE_PHASES)."""
+    combine also takes `logfmt` (LogFMT-10 rows, use_logfmt=True) and its `phase` (PHASE_SEND / PHASE_RECV)."""
     defines = {"HIDDEN": hidden, "NUM_TOPK": num_topk}
     if logfmt is not None:
         defines["LOGFMT"] = int(logfmt)
@@ -118,7 +115,7 @@ def kernel_defines(hidden: int, num_topk: int, logfmt: Optional[bool] = None, ph
 def round_variants(hidden: int, num_topk: int) -> List[Tuple[str, dict]]:
     """(source, defines) of one low-latency round's kernels (BF16 combine), for compiling ahead of use."""
     return [(DISPATCH_SOURCE, kernel_defines(hidden, num_topk))] + [
-        (COMBINE_SOURCE, kernel_defines(hidden, num_topk, False, phase)) for phase in COMBINE_PHASES]
+        (COMBINE_SOURCE, kernel_defines(hidden, num_topk, False, phase)) for phase in (PHASE_SEND, PHASE_RECV)]
 
 
 class LowLatencyEngine(Engine):
@@ -204,7 +201,6 @@ class LowLatencyEngine(Engine):
         p.ctrl_stage_arrive, p.ctrl_staged = L.LL_CTRL_STAGE_ARRIVE, L.LL_CTRL_STAGED
         p.mask = ptr(self.mask)
         p.barrier_offset = L.LL_BARRIER_OFFSET
-        p.block_flags_offset = L.LL_BLOCK_FLAGS_OFFSET
 
     # ---- kernel timing trace (profiling only) ---------------------------------------------------------
     def trace_reset(self) -> None:
@@ -226,7 +222,7 @@ class LowLatencyEngine(Engine):
     def _plan(self, op: str, num_max_tokens: int, hidden: int, num_experts: int, num_topk: int,
               logfmt: bool = False):
         """(kernel, params template) of one call shape of `op` ("dispatch" / "combine"; the combine's kernel is
-        a (send, receive, both) triple), built once (the layout is checked then)."""
+        a (send, receive) pair), built once (the layout is checked then)."""
         key = (op, num_max_tokens, hidden, num_experts, num_topk, logfmt, forced_arch())
         plan = self._plans.get(key)
         if plan is None:
@@ -236,20 +232,21 @@ class LowLatencyEngine(Engine):
             self._common(template, lay)
             if dispatch:
                 template.send_stage_offset = lay.send_stage_offset
+                template.stage_flags_offset = L.LL_STAGE_FLAGS_OFFSET
                 defines = kernel_defines(hidden, num_topk)
                 if self.window.cheap_fetch_add and not self.recv_x_in_buffer:   # shrink mode: pack on receive
                     defines["PACK_ON_RECEIVE"] = 1
                 kernel = self.window.kernel(DISPATCH_SOURCE, DISPATCH_KERNEL, defines)
-            else:   # a kernel per set of phases (see the module docstring)
+            else:   # one kernel per phase (see the module docstring)
                 kernel = tuple(self.window.kernel(COMBINE_SOURCE, COMBINE_KERNEL,
                                                   kernel_defines(hidden, num_topk, logfmt, phase))
-                               for phase in COMBINE_PHASES)
+                               for phase in (PHASE_SEND, PHASE_RECV))
             plan = self._plans[key] = (kernel, template)
         return plan
 
     def grid(self, num_sms: int) -> int:
-        """Buffer.num_sms, capped so every rank sharing this GPU fits at once (and to the block flags)."""
-        return min(self.window.grid(num_sms), L.LL_MAX_BLOCKS)
+        """Buffer.num_sms, capped so every rank sharing this GPU fits at once (and to the stage flags)."""
+        return min(self.window.grid(num_sms), L.LL_MAX_STAGE_BLOCKS)
 
     def _check_signal_geometry(self, num_experts: int) -> None:
         """The signal slots' places depend on num_experts only; with another num_experts they would land on
@@ -279,13 +276,16 @@ class LowLatencyEngine(Engine):
                                f"return_recv_hook=True")
         comm = self.ctx.comm_stream
         grid = self.grid(num_sms)
-        # (send, receive, both): a kernel compiled per set of phases; else one kernel for all, told by params.phases
-        send, recv, both = kernel if isinstance(kernel, tuple) else (kernel, kernel, kernel)
+        per_phase = isinstance(kernel, tuple)   # (send, receive): a kernel per phase; else one for both
+        send, recv = kernel if per_phase else (kernel, kernel)
         if not return_recv_hook:
-            # DEEPEP_PORTABLE_PROFILE=1: events around the op (both phases in one launch)
+            # DEEPEP_PORTABLE_PROFILE=1: events around the op (both phases, in one launch or two back to back)
             marks = self.profile.start(comm)
-            params.phases = PHASE_SEND | PHASE_RECV
-            launch(both, grid, THREADS, params, stream_handle(comm), programmatic=self.programmatic)
+            params.phases = PHASE_SEND if per_phase else PHASE_SEND | PHASE_RECV
+            launch(send, grid, THREADS, params, stream_handle(comm), programmatic=self.programmatic)
+            if per_phase:
+                params.phases = PHASE_RECV
+                launch(recv, grid, THREADS, params, stream_handle(comm), programmatic=self.programmatic)
             self._calls += 1
             self._recvs += 1
             self.profile.mark(marks, comm)
@@ -488,7 +488,7 @@ def register_families(build) -> None:
                         variants=[build.kernel_defines(kernel_defines(h, 8)) for h in HIDDENS], extra_flags=build.flags)
     jit.register_family("low_latency_combine", COMBINE_SOURCE, [COMBINE_KERNEL],
                         variants=[build.kernel_defines(kernel_defines(h, 8, lf, ph)) for h, lf in
-                                  [(h, False) for h in HIDDENS] + [(7168, True)] for ph in COMBINE_PHASES],
+                                  [(h, False) for h in HIDDENS] + [(7168, True)] for ph in (PHASE_SEND, PHASE_RECV)],
                         extra_flags=build.flags)
     jit.register_family("low_latency_clean", CLEAN_SOURCE, [CLEAN_KERNEL], variants=[build.kernel_defines({})],
                         extra_flags=build.flags)

@@ -52,7 +52,7 @@ def precompile(archs=("sm_90",), jobs: Optional[int] = None, variants: Optional[
     if variants is None:
         ll = low_latency
         variants = [v for h in ll.HIDDENS for v in ll.round_variants(h, 8)] + \
-            [(ll.COMBINE_SOURCE, ll.kernel_defines(7168, 8, True, ph)) for ph in ll.COMBINE_PHASES] + \
+            [(ll.COMBINE_SOURCE, ll.kernel_defines(7168, 8, True, ph)) for ph in (ll.PHASE_SEND, ll.PHASE_RECV)] + \
             [(ll.CLEAN_SOURCE, {})]
         variants += internode.precompile_variants()
     tasks = [(source, defines, arch) for source, defines in variants for arch in archs]

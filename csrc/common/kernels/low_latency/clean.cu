@@ -1,5 +1,5 @@
 // clean_low_latency_buffer on the device (DeepEP's order): a barrier over the live ranks, zero my
-// control words and block flags and both halves' signals (and forget what I set in the peers' signals: transport.cuh's
+// control words and stage flags and both halves' signals (and forget what I set in the peers' signals: transport.cuh's
 // reset), a second barrier. The first barrier means every live peer
 // has finished the LL calls it made before (its stream runs them before this kernel), so nobody
 // signals into my buffer any more; the second that nobody starts signalling before everyone is clean.
@@ -23,7 +23,7 @@ using namespace deepep_portable::low_latency;
 
 struct LLCleanParams {
     Common c;
-    int64_t control_bytes;    // [0, control_bytes) is zeroed: the control words (error claim excepted), the block flags
+    int64_t control_bytes;    // [0, control_bytes) is zeroed: the control words (error claim excepted), the stage flags
     int64_t signals_begin;    // and the signals of both halves, [signals_begin, signals_end)
     int64_t signals_end;
 };

@@ -1,12 +1,12 @@
 // Low-latency combine (see protocol.cuh for the buffer, the call counter and the signals). The kernel
-// `combine` is compiled for the phases it runs (-DPHASE): the send kernel and the receive kernel of a
-// call with a hook (the hook launches the second), and one kernel running both for a call without one.
-// The receive reads the slot table every block's send wrote: in the one-launch kernel each block flags
-// its send done (protocol.cuh block flags) and the receive waits for every block's flag after its
-// signal waits, when the peers' rows, not my own blocks, are what it is waiting for. (A barrier over the
-// grid there, in the ninth session's one-launch form, cost more than a second launch: 132-134 us against
-// 126-128 us, H200 emulation, 8 ranks, 128 tokens, graph-replayed. The two launches left a ~8 us gap
-// between the kernels.)
+// `combine` is compiled once per phase (-DPHASE): the send kernel, then the receive kernel (launched
+// right after it, or by the hook). Two launches beat one: a kernel holding both phases needed a barrier
+// over its grid between them (the receive reads the slot table every block's send wrote) and one
+// register allocation for both; on the H200 emulation (8 ranks, 128 tokens, graph-replayed) the two
+// kernels took 126-128 us against 132-134 us. A one-launch form without that barrier (each block flags
+// its part of the slot table, the receive waits for every block's flag after its signals) was slower
+// too: 128.7-129.2 us against 119.3-119.8 (twenty-fifth session), although the two kernels leave a gap
+// of ~8 us between them.
 //
 //   send: one warp per (local expert e, source rank s) pair. The dispatch handle gives the
 //       pair's rows (layout_range[e][s] = begin << 32 | count): x[e][begin + j] for j < count, in the
@@ -32,8 +32,8 @@
 // write (one put over a network), on one or two pages. Page spread costs: a dispatch layout that
 // gave each message of a warp its own page measured 2x slower on the H200 emulation.
 //
-// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, LOGFMT (0 / 1), PHASE (kPhaseSend,
-// kPhaseRecv, or both: kPhaseSend | kPhaseRecv); the transport (selected_transport.cuh).
+// Compile-time (-D): HIDDEN (bf16 elements, multiple of 128), NUM_TOPK, LOGFMT (0 / 1), PHASE (kPhaseSend /
+// kPhaseRecv); the transport (selected_transport.cuh).
 #include <cstdint>
 
 #include "common/kernels/low_latency/logfmt.cuh"
@@ -48,8 +48,8 @@
 #ifndef LOGFMT
 #error "low_latency/combine.cu needs -DLOGFMT (0 or 1)"
 #endif
-#if !defined(PHASE) || (PHASE != 1 && PHASE != 2 && PHASE != 3)
-#error "low_latency/combine.cu needs -DPHASE (1: send, 2: receive, 3: both; protocol.cuh kPhaseSend / kPhaseRecv)"
+#if !defined(PHASE) || (PHASE != 1 && PHASE != 2)
+#error "low_latency/combine.cu needs -DPHASE (1: send, 2: receive; protocol.cuh kPhaseSend / kPhaseRecv)"
 #endif
 
 using namespace deepep_portable;
@@ -85,7 +85,7 @@ struct LLCombineParams {
     int64_t num_tokens;
     int64_t* wait_stats;              // [R] or null: per source rank, the clock64 cycles block 0 waited for
                                       // each of its experts' signals, summed (the waits run concurrently)
-    int* slot_table;                  // [N, NUM_TOPK]: written by the send phase, read by the receive phase
+    int* slot_table;                  // [N, NUM_TOPK]: written by the send kernel, read by the receive kernel
 };
 
 namespace {
@@ -204,9 +204,9 @@ DEEPEP_DEVICE void send_phase(const LLCombineParams& p, const Transport& tr, con
     // per warp, after its last signal; a no-op for load/store peers).
     if (lane == 0)
         tr.flush(0);
-    // Only my receive phase reads the slot table: filled after this warp's rows and signals (with
-    // signal_last, after its rows; the signals then wait for the whole grid at the barrier below, this
-    // fill included). In the one-launch kernel each block then flags it (combine below).
+    // Only my receive kernel, launched after this one, reads the slot table: filled after this warp's
+    // rows and signals (with signal_last, after its rows; the signals then wait for the whole grid at the
+    // barrier below, this fill included).
     fill_slot_table(p, warp, num_warps, lane);
     if (signal_last) {
         __syncwarp();
@@ -382,11 +382,6 @@ DEEPEP_DEVICE void receive_phase(const LLCombineParams& p, const Transport& tr, 
     // Order every thread's reads of the rows after the acquires of the signals.
     __threadfence_system();
     __syncthreads();
-    // One launch for both phases: the slot table other blocks of my grid filled (their send phase) is
-    // read below. Waited for after the signals: by then my own blocks are usually long done.
-    if (PHASE == (kPhaseSend | kPhaseRecv) && !wait_block_flags(c, seq, deadline, kOpLowLatencyCombine) &&
-        threadIdx.x == 0)
-        s_ok = 0;
     snapshot_live(c);
     __syncthreads();
     if (!s_ok)
@@ -404,23 +399,17 @@ DEEPEP_DEVICE void receive_phase(const LLCombineParams& p, const Transport& tr, 
 
 namespace deepep_portable::low_latency {
 
-// The combine kernel of the phases PHASE names (see the top of the file). Both in one launch: as the
-// dispatch's, the receive reads RECVD before any block can finish the receive's end_call, and RECVD + 1 is
-// this call (the host allows no hook-less op while a hook is pending).
+// The combine kernel of phase PHASE (see the top of the file).
 __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ LLCombineParams p) {
-    static_assert(PHASE >= kPhaseSend && PHASE <= (kPhaseSend | kPhaseRecv), "a combine kernel runs its phases");
+    static_assert(PHASE == kPhaseSend || PHASE == kPhaseRecv, "one phase per combine kernel");
     const Common& c = p.c;
     const Transport tr = c.transport;
     wait_previous_grid();   // a programmatic launch: nothing of the previous kernel is read before
-    if constexpr ((PHASE & kPhaseSend) != 0) {
+    if constexpr (PHASE == kPhaseSend) {
         const Call call = begin_call(c, c.ctrl_sent, kTraceCombineSend, kKindCombine);
         send_phase(p, tr, call);
-        if constexpr ((PHASE & kPhaseRecv) != 0)
-            set_block_flag(c, call.seq);   // this block's part of the slot table is written
-        end_call(c, c.ctrl_sent, c.ctrl_send_arrive, call.seq, kTraceCombineSend, kKindCombine,
-                 /*last_phase=*/PHASE == kPhaseSend);
-    }
-    if constexpr ((PHASE & kPhaseRecv) != 0) {
+        end_call(c, c.ctrl_sent, c.ctrl_send_arrive, call.seq, kTraceCombineSend, kKindCombine, /*last_phase=*/true);
+    } else {
         const uint64_t seq = begin_call(c, c.ctrl_recvd, kTraceCombineRecv).seq;
         receive_phase(p, tr, seq);
         end_call(c, c.ctrl_recvd, c.ctrl_recv_arrive, seq, kTraceCombineRecv, kNoKind, /*last_phase=*/true);

@@ -5,7 +5,7 @@
 //            builds its message once in my send stage, however many experts selected it (a token goes
 //            to up to top-k experts: casting per expert would repeat the work). A message is a side
 //            message (int32 source token; with FP8 the token's float32 scales) followed by the payload
-//            (the bf16 row, or its FP8 cast). Each block then sets its block flag (protocol.cuh) to the call number.
+//            (the bf16 row, or its FP8 cast). Each block then sets its stage flag to the call number.
 //   send:    one warp per global expert g (experts strided over every warp of the grid). The warp
 //            scans my tokens in order (32 at a time, __ballot_sync on "token lists g"), so the k-th
 //            token of mine that selected g is my k-th message for g, sent into g's rank's buffer; then
@@ -55,6 +55,10 @@ DEEPEP_DEVICE int stage_parts(const LLDispatchParams& p) {
     return static_cast<int>(spare < 1 ? 1 : (spare > kMaxParts ? kMaxParts : spare));
 }
 
+DEEPEP_DEVICE volatile uint64_t* stage_flag(const LLDispatchParams& p, int block) {
+    return own<volatile uint64_t>(p.c, p.stage_flags_offset) + block;
+}
+
 // Stage phase of call `seq`: my tokens' messages into my send stage (see the top of the file). Once
 // every warp of the block staged its items, the block's flag is set to seq: no barrier over the grid,
 // a send warp waits only for the blocks that staged its tokens (wait_staged).
@@ -80,9 +84,13 @@ DEEPEP_DEVICE void stage_tokens(const LLDispatchParams& p, uint64_t seq) {
         else   // a 128-channel block is 16 words of bf16
             transport::warp_copy_bytes(msg + kSideBf16 + b_begin * 256, row + b_begin * 16, (b_end - b_begin) * 256, lane);
     }
-    // Every thread's stores before the flag (system scope: a network put's NIC reads the message after
-    // the sender saw the flag).
-    set_block_flag(c, seq);
+    // Every thread's stores before thread 0's flag (block barrier + fence, as grid_barrier's arrival;
+    // system scope: a network put's NIC reads the message after the sender saw the flag).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        st_release_sys(const_cast<uint64_t*>(stage_flag(p, blockIdx.x)), seq);
+    }
 }
 
 // The ballots of my first kKeptRounds * 32 tokens for one expert, kept from the count pass for the send
@@ -145,7 +153,7 @@ DEEPEP_DEVICE bool wait_staged(const LLDispatchParams& p, uint64_t seq, int64_t 
                 const int64_t item = (t0 + 32 * r + lane) * parts;
 #pragma unroll
                 for (int q = 0; q < kMaxParts; ++q)
-                    staged &= q >= parts || *block_flag(p.c, static_cast<int>((item + q) % num_warps / (kThreads / 32))) == seq;
+                    staged &= q >= parts || *stage_flag(p, static_cast<int>((item + q) % num_warps / (kThreads / 32))) == seq;
             }
         }
         if (staged)

@@ -51,6 +51,7 @@ struct LLDispatchParams {
     int64_t use_fp8;
     int64_t round_scale;
     int64_t send_stage_offset;        // my send stage: [T] messages
+    int64_t stage_flags_offset;       // my stage flags: u64 [kMaxStageBlocks] in the control area (protocol.cuh)
     // receive
     int4* recv_x;                     // kPackOnReceive: [E_local, R*T, HIDDEN] bf16 or fp8 (kReserveRows: in the buffer)
     int64_t expect_half;              // kReserveRows: the half whose recv_x the host handed out (checked on the device)

@@ -5,13 +5,11 @@
 //   control: SENT (u64, calls whose send phase finished), RECVD (u64, calls whose receive phase
 //            finished), two block-arrival words, the error claim word, LAST (see below), and the
 //            grid-barrier words STAGE_ARRIVE (u32) and STAGED (u64) (layout.py LL_CTRL_*; grid_barrier); then the
-//            block flags, u64 [kMaxBlocks]: flag b = the last call in which block b of my grid finished the
-//            part of a launch that other blocks of the same launch read (set_block_flag, a release after
-//            the block's writes): the dispatch's staged messages (a send warp waits for the flags of the
-//            blocks that staged its tokens), the one-launch combine's slot table (its receive waits for
-//            every block's). A fixed place whatever the call's shape, so no payload of another shape can
-//            ever pass for a flag; zeroed with the control words by clean_low_latency_buffer (call numbers
-//            start again from 1 there). Then the barrier words.
+//            stage flags, u64 [kMaxStageBlocks]: flag b = the last dispatch call whose stage phase block b
+//            of my grid finished (set with a release after the block's messages; a send warp waits for the
+//            flags of the blocks that staged its tokens). A fixed place whatever the call's shape, so no
+//            payload of another shape can ever pass for a flag; zeroed with the control words by
+//            clean_low_latency_buffer (call numbers start again from 1 there). Then the barrier words.
 //   signals of a half: dispatch [E_local][R] u64 (slot (e, s) written only by source rank s),
 //                      combine  [E] u64 (slot g written only by the rank that owns expert g),
 //                      dispatch ranges [E_local][R] u64 (the first row of s's block of e, written by s),
@@ -69,8 +67,8 @@
 // One kernel name per op (`dispatch`, `combine`: what a profiler table shows, as DeepEP's). The dispatch
 // launch runs the phases its params name (kPhaseSend, kPhaseRecv, or both in one launch when the caller
 // wants no hook); the hook launches the same kernel again for the receive phase. The combine is compiled
-// for the phases it runs (-DPHASE, combine.cu says why): a send kernel and a receive kernel (the hook
-// launches the second), and a kernel running both for a call without a hook.
+// once per phase (-DPHASE, combine.cu says why): its send kernel, then its receive kernel (at once, or by
+// the hook).
 //
 // Shrink mode (Buffer(enable_shrink=True), DeepEP's dead-rank tolerance): Common::mask is an int32 [R]
 // the host owns. A masked rank is neither sent to nor waited for: its signals count as 0 rows and its
@@ -101,7 +99,7 @@ constexpr int kKindDispatch = 0;       // index of ctrl_last[kind][half]
 constexpr int kKindCombine = 1;
 constexpr int kNoKind = -1;            // a receive phase: begin_call / end_call record no ctrl_last
 constexpr int kMsgHeader = 16;         // head of a dispatch side message (int32 source token), before its scales
-constexpr int kMaxBlocks = 1024;       // block flags, one per block: the LL grid's cap (layout.LL_MAX_BLOCKS)
+constexpr int kMaxStageBlocks = 1024;  // stage flags, one per block: the LL grid's cap (layout.LL_MAX_STAGE_BLOCKS)
 constexpr int kMaxShrinkRanks = 4096;  // shrink mode's rank limit (the combine's per-block live bitmap)
 constexpr int kPhaseSend = 1;          // Common::phases: what a launch runs
 constexpr int kPhaseRecv = 2;
@@ -139,7 +137,6 @@ struct Common {
     int64_t ctrl_staged;             // u64 in my control area: the last grid_barrier ticket every block passed
     int* mask;                       // shrink mode: int32 [R], 1 = masked (see the top of the file); else null
     int64_t barrier_offset;          // u64 [R] barrier words (clean.cu), never cleaned
-    int64_t block_flags_offset;      // u64 [kMaxBlocks] in my control area (see the top of the file)
 };
 
 DEEPEP_DEVICE ErrorSink sink_of(const Common& c, int op) {
@@ -284,45 +281,6 @@ DEEPEP_DEVICE bool grid_barrier(const Common& c, uint64_t ticket, uint64_t deadl
     }
     __syncthreads();
     return s_ok != 0;
-}
-
-// Block flags (see the top of the file): what a block of my grid wrote for other blocks of the same
-// launch is published by its flag, so a reader waits only for the blocks it reads from, not for a
-// barrier over the grid (every block's arrival, then the last one's release).
-DEEPEP_DEVICE volatile uint64_t* block_flag(const Common& c, int block) {
-    return own<volatile uint64_t>(c, c.block_flags_offset) + block;
-}
-
-// Every thread of the block: flag my block with `seq` once the block's writes are done (block barrier,
-// then thread 0's system fence and release: a network put's NIC reads what was written before).
-DEEPEP_DEVICE void set_block_flag(const Common& c, uint64_t seq) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        st_release_sys(const_cast<uint64_t*>(block_flag(c, blockIdx.x)), seq);
-    }
-}
-
-// Every thread of the block: until every block of my grid has flagged `seq` (thread i polls blocks i,
-// i + kThreads, ...: the polls of one thread overlap nothing, so they are spread), then acquire. False on
-// every thread (reported, naming this rank: its own blocks were late) on timeout.
-DEEPEP_DEVICE bool wait_block_flags(const Common& c, uint64_t seq, uint64_t deadline, int op) {
-    __shared__ int s_flags_ok;
-    if (threadIdx.x == 0)
-        s_flags_ok = 1;
-    __syncthreads();
-    for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += kThreads) {
-        while (*block_flag(c, b) < seq) {
-            if (globaltimer_ns() > deadline) {
-                report_error(sink_of(c, op), kErrorTimeout, static_cast<int>(c.rank), static_cast<int>(seq));
-                s_flags_ok = 0;
-                break;
-            }
-        }
-    }
-    __threadfence_system();   // acquire: the flags above before what their blocks wrote
-    __syncthreads();
-    return s_flags_ok != 0;
 }
 
 // Wait (one thread) until my signal at `off` carries call `seq`; returns the count, or -1 after
