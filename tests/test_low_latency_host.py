@@ -508,10 +508,10 @@ def test_kernels_wait_for_the_previous_grid(tmp_path):
     """Every LL kernel may be a programmatic dependent launch on sm_90 (grid_dependency.cuh): it waits for the
     previous grid before anything else and lets the next one be scheduled at its last phase's end; sm_80 has
     neither instruction (its launches are never programmatic)."""
-    for source, defines in ((ll.DISPATCH_SOURCE, ll.kernel_defines(2048, 8)),
-                            *((ll.COMBINE_SOURCE, ll.kernel_defines(2048, 8, False, ph)) for ph in (ll.PHASE_SEND, ll.PHASE_RECV))):
-        body = _kernel_body(_ptx(tmp_path, source, "sm_90", defines), ll.DISPATCH_KERNEL if source == ll.DISPATCH_SOURCE
-                            else ll.COMBINE_KERNEL)
+    kernels = [(ll.DISPATCH_SOURCE, ll.DISPATCH_KERNEL, ll.kernel_defines(2048, 8))] + [
+        (ll.COMBINE_SOURCE, ll.COMBINE_KERNEL, ll.kernel_defines(2048, 8, False, phase)) for phase in (SEND, RECV)]
+    for source, kernel, defines in kernels:
+        body = _kernel_body(_ptx(tmp_path, source, "sm_90", defines), kernel)
         assert "griddepcontrol.wait" in body and "griddepcontrol.launch_dependents" in body, (source, defines)
         assert body.index("griddepcontrol.wait") < body.index("ld.volatile"), "the wait comes before any counter read"
         assert "griddepcontrol" not in _ptx(tmp_path, source, "sm_80", defines)
