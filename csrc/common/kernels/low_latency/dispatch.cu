@@ -59,10 +59,11 @@ DEEPEP_DEVICE volatile uint64_t* stage_flag(const LLDispatchParams& p, int block
     return own<volatile uint64_t>(p.c, p.stage_flags_offset) + block;
 }
 
-// Stage phase of call `seq`: my tokens' messages into my send stage (see the top of the file). Once
-// every warp of the block staged its items, the block's flag is set to seq: no barrier over the grid,
-// a send warp waits only for the blocks that staged its tokens (wait_staged).
-DEEPEP_DEVICE void stage_tokens(const LLDispatchParams& p, uint64_t seq) {
+// Stage phase: my tokens' messages into my send stage (see the top of the file). It does not depend on
+// the call number: the caller reads that meanwhile (read_call), then, once every warp of the block has
+// staged its items, sets the block's flag to the call (publish_staged). No barrier over the grid: a send
+// warp waits only for the blocks that staged its tokens (wait_staged).
+DEEPEP_DEVICE void stage_tokens(const LLDispatchParams& p) {
     const Common& c = p.c;
     const int lane = threadIdx.x % 32;
     const int num_warps = gridDim.x * (kThreads / 32);
@@ -84,9 +85,11 @@ DEEPEP_DEVICE void stage_tokens(const LLDispatchParams& p, uint64_t seq) {
         else   // a 128-channel block is 16 words of bf16
             transport::warp_copy_bytes(msg + kSideBf16 + b_begin * 256, row + b_begin * 16, (b_end - b_begin) * 256, lane);
     }
-    // Every thread's stores before thread 0's flag (block barrier + fence, as grid_barrier's arrival;
-    // system scope: a network put's NIC reads the message after the sender saw the flag).
-    __syncthreads();
+}
+
+// After finish_call's block barrier (every thread's stores are in): thread 0 sets the block's stage flag
+// to seq (fence first; system scope: a network put's NIC reads the message after the sender saw the flag).
+DEEPEP_DEVICE void publish_staged(const LLDispatchParams& p, uint64_t seq) {
     if (threadIdx.x == 0) {
         __threadfence_system();
         st_release_sys(const_cast<uint64_t*>(stage_flag(p, blockIdx.x)), seq);
@@ -230,13 +233,57 @@ DEEPEP_DEVICE void send_expert(const LLDispatchParams& p, const Transport& tr, c
         count = j;
     // Every lane's stores are ordered before lane 0's release (fence + warp barrier), as
     // put_signal_warp does: the receiver that reads the count sees the rows, side messages and range.
+    // The range goes out with the rows, before the fence: one fence then covers it too (after the
+    // fence, it made the signal wait for one more remote store to complete).
+    if (kReserve && lane == 0 && count > 0)
+        tr.put_value(0, dst, dispatch_range_off(c, half, local, me), begin);
     __threadfence_system();
     __syncwarp();
     if (lane == 0) {
         check_overwrite(c, kOpLowLatencyDispatch, r.recvd, call, dst);
-        if (kReserve && count > 0)
-            tr.put_value(0, dst, dispatch_range_off(c, half, local, me), begin);
         tr.signal(0, dst, dispatch_signal_off(c, half, local, me), signal_value(seq, count));
+    }
+}
+
+// One round of unpack_side: words i0 + 32 u (u < kUnroll) of the block's side messages, loaded together.
+template <int kWords, int kUnroll>
+DEEPEP_DEVICE void load_side_round(const int4* side, int stride, int i0, int n, int4 (&v)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+        if (i0 + 32 * u < n)
+            v[u] = side[(i0 + 32 * u) / kWords * stride + (i0 + 32 * u) % kWords];
+}
+
+// Their values into src_info (word 0 of a side message) and the scales output (the others), rows from begin.
+template <int kWords, int kUnroll>
+DEEPEP_DEVICE void store_side_round(const LLDispatchParams& p, int e, int64_t begin, int i0, int n,
+                                    const int4 (&v)[kUnroll]) {
+    const int64_t slots = p.c.num_ranks * p.c.num_max_tokens;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + 32 * u;
+        if (i >= n)
+            break;
+        const int64_t row = begin + i / kWords;
+        const int w = i % kWords;
+        if (w == 0) {
+            p.src_info[e * slots + row] = v[u].x;
+        } else if (p.use_ue8m0) {
+            // One int32 per 4 scales (word w holds scales 4(w-1)..4(w-1)+3): their exponent bytes.
+            const uint32_t word = ((static_cast<uint32_t>(v[u].x) >> 23) & 0xffu) |
+                                  (((static_cast<uint32_t>(v[u].y) >> 23) & 0xffu) << 8) |
+                                  (((static_cast<uint32_t>(v[u].z) >> 23) & 0xffu) << 16) |
+                                  (((static_cast<uint32_t>(v[u].w) >> 23) & 0xffu) << 24);
+            static_cast<int*>(p.recv_scales)[(static_cast<int64_t>(e) * (kNumScales / 4) + (w - 1)) * slots + row] =
+                static_cast<int>(word);
+        } else {
+            float* out = static_cast<float*>(p.recv_scales) + (static_cast<int64_t>(e) * kNumScales + 4 * (w - 1)) * slots + row;
+            const int vals[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                if (4 * (w - 1) + k < kNumScales)
+                    out[k * slots] = __int_as_float(vals[k]);
+        }
     }
 }
 
@@ -245,45 +292,33 @@ DEEPEP_DEVICE void send_expert(const LLDispatchParams& p, const Transport& tr, c
 // block of <= 8 FP8 side messages at hidden 7168 is one round trip; 8 words per lane made the
 // one-launch kernel spill). kWords: 16-byte words per side message (1: bf16, the head only);
 // `stride`: words from one side message to the next (kWords when packed, a whole message in slots).
+// `range_word` (kReserveRows; else null, and `begin` is given): where the sender wrote `begin`. It is
+// read after the first round's loads are issued, so both are in flight together: the side messages sit
+// in fixed slots, only the rows they are written to depend on it. Returns begin, or -1 (nothing written)
+// when the block would end past R*T rows.
 template <int kWords>
-DEEPEP_DEVICE void unpack_side(const LLDispatchParams& p, const int4* side, int stride, int e, int64_t begin,
-                               int64_t count, int lane) {
+DEEPEP_DEVICE int64_t unpack_side(const LLDispatchParams& p, const int4* side, int stride, int e, int64_t begin,
+                                  const volatile uint64_t* range_word, int64_t count, int lane) {
     constexpr int kUnroll = 4;
     const int64_t slots = p.c.num_ranks * p.c.num_max_tokens;
     const int n = static_cast<int>(count) * kWords;   // count <= T: 32-bit indices
+    if (count > 0 && range_word != nullptr) {
+        int4 v[kUnroll];
+        load_side_round<kWords, kUnroll>(side, stride, lane, n, v);
+        begin = static_cast<int64_t>(*range_word);
+        if (begin + count > slots)
+            return -1;
+        store_side_round<kWords, kUnroll>(p, e, begin, lane, n, v);
+        lane += 32 * kUnroll;   // the rounds below go on after the first
+    } else if (begin + count > slots) {
+        return -1;
+    }
     for (int i0 = lane; i0 < n; i0 += 32 * kUnroll) {
         int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-            if (i0 + 32 * u < n)
-                v[u] = side[(i0 + 32 * u) / kWords * stride + (i0 + 32 * u) % kWords];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int i = i0 + 32 * u;
-            if (i >= n)
-                break;
-            const int64_t row = begin + i / kWords;
-            const int w = i % kWords;
-            if (w == 0) {
-                p.src_info[e * slots + row] = v[u].x;
-            } else if (p.use_ue8m0) {
-                // One int32 per 4 scales (word w holds scales 4(w-1)..4(w-1)+3): their exponent bytes.
-                const uint32_t word = ((static_cast<uint32_t>(v[u].x) >> 23) & 0xffu) |
-                                      (((static_cast<uint32_t>(v[u].y) >> 23) & 0xffu) << 8) |
-                                      (((static_cast<uint32_t>(v[u].z) >> 23) & 0xffu) << 16) |
-                                      (((static_cast<uint32_t>(v[u].w) >> 23) & 0xffu) << 24);
-                static_cast<int*>(p.recv_scales)[(static_cast<int64_t>(e) * (kNumScales / 4) + (w - 1)) * slots + row] =
-                    static_cast<int>(word);
-            } else {
-                float* out = static_cast<float*>(p.recv_scales) + (static_cast<int64_t>(e) * kNumScales + 4 * (w - 1)) * slots + row;
-                const int vals[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-                    if (4 * (w - 1) + k < kNumScales)
-                        out[k * slots] = __int_as_float(vals[k]);
-            }
-        }
+        load_side_round<kWords, kUnroll>(side, stride, i0, n, v);
+        store_side_round<kWords, kUnroll>(p, e, begin, i0, n, v);
     }
+    return begin;
 }
 
 // Receive phase of call `seq` (see the top of the file).
@@ -343,10 +378,26 @@ DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& 
         // The lanes acquired the signals; order every lane's reads (range word, messages) after them.
         __threadfence_system();
         __syncwarp();
-        int64_t begin = before;
-        if constexpr (kReserve)
-            begin = mine > 0 ? static_cast<int64_t>(*own<volatile uint64_t>(c, dispatch_range_off(c, half, e, s))) : 0;
-        if (begin + mine > slots) {   // cannot happen when the sender checked its reservation; never write past
+        const int64_t row = row_bytes(p.use_fp8 != 0);
+        const int4* sides;
+        int stride;
+        const volatile uint64_t* range_word = nullptr;
+        if constexpr (kReserve) {
+            sides = own<const int4>(c, dispatch_side_off(c, half, e, s, 0, side));
+            stride = static_cast<int>(side / 16);
+            range_word = own<volatile uint64_t>(c, dispatch_range_off(c, half, e, s));
+        } else {
+            sides = own<const int4>(c, dispatch_slot_off(c, half, e, s, 0));
+            stride = static_cast<int>(c.msg_bytes / 16);
+            if (before + mine <= slots)
+                for (int64_t j = 0; j < mine; ++j)   // the payloads, one message per round trip
+                    transport::warp_copy_bytes(reinterpret_cast<char*>(p.recv_x) + (e * slots + before + j) * row,
+                                               reinterpret_cast<const char*>(sides + j * stride) + side, row, lane);
+        }
+        // kReserveRows: begin is the sender's (0 when it sent nothing); else the rows of sources < s come first.
+        const int64_t begin = p.use_fp8 ? unpack_side<kSideFp8 / 16>(p, sides, stride, e, kReserve ? 0 : before, range_word, mine, lane)
+                                        : unpack_side<kSideBf16 / 16>(p, sides, stride, e, kReserve ? 0 : before, range_word, mine, lane);
+        if (begin < 0) {   // cannot happen when the sender checked its reservation; nothing was written past
             if (lane == 0)
                 report_error(sink, kErrorOverwrite, s, static_cast<int>(seq));
             continue;
@@ -364,23 +415,6 @@ DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& 
                     *own<volatile uint64_t>(c, dispatch_reserve_off(c, half, e)) = 0;
             }
         }
-        const int64_t row = row_bytes(p.use_fp8 != 0);
-        const int4* sides;
-        int stride;
-        if constexpr (kReserve) {
-            sides = own<const int4>(c, dispatch_side_off(c, half, e, s, 0, side));
-            stride = static_cast<int>(side / 16);
-        } else {
-            sides = own<const int4>(c, dispatch_slot_off(c, half, e, s, 0));
-            stride = static_cast<int>(c.msg_bytes / 16);
-            for (int64_t j = 0; j < mine; ++j)   // the payloads, one message per round trip
-                transport::warp_copy_bytes(reinterpret_cast<char*>(p.recv_x) + (e * slots + begin + j) * row,
-                                           reinterpret_cast<const char*>(sides + j * stride) + side, row, lane);
-        }
-        if (p.use_fp8)
-            unpack_side<kSideFp8 / 16>(p, sides, stride, e, begin, mine, lane);
-        else
-            unpack_side<kSideBf16 / 16>(p, sides, stride, e, begin, mine, lane);
     }
 }
 
@@ -389,17 +423,19 @@ DEEPEP_DEVICE void receive_messages(const LLDispatchParams& p, const Transport& 
 // stage flag.
 DEEPEP_DEVICE void stage_and_send(const LLDispatchParams& p, const Transport& tr) {
     const Common& c = p.c;
-    const Call call = begin_call(c, c.ctrl_sent, kTraceDispatchStage, kKindDispatch);
-    trace_mark(c.trace, call.seq, kTraceDispatchBlocks, false);
-    trace_mark(c.trace, call.seq, kTraceDispatchBlocks, true);
+    const PendingCall pending = read_call(c, c.ctrl_sent, kKindDispatch);
+    stage_tokens(p);
+    const Call call = finish_call(c, pending, kTraceDispatchStage);
+    publish_staged(p, call.seq);
+    trace_mark_at(c.trace, call.seq, kTraceDispatchBlocks, false, pending.start_ns);
+    trace_mark_at(c.trace, call.seq, kTraceDispatchBlocks, true, pending.start_ns);
     const uint64_t deadline = globaltimer_ns() + static_cast<uint64_t>(c.timeout_ns);
     const int lane = threadIdx.x % 32;
     const int warp = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;
     const int num_warps = gridDim.x * (kThreads / 32);
     const int num_experts = static_cast<int>(c.num_experts);
     uint32_t* hits = s_hits[threadIdx.x / 32];
-    stage_tokens(p, call.seq);
-    if (c.trace != nullptr) {   // profiling: this block's staged point (stage_tokens ends with a block barrier)
+    if (c.trace != nullptr) {   // profiling: this block's staged point (finish_call ended with a block barrier)
         trace_mark(c.trace, call.seq, kTraceDispatchStaged, false);
         trace_mark(c.trace, call.seq, kTraceDispatchStaged, true);
         trace_mark(c.trace, call.seq, kTraceDispatchStage, true);

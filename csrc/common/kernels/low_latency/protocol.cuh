@@ -160,15 +160,20 @@ constexpr int kTraceCalls = 64;
 enum TraceKernel : int { kTraceDispatchStage = 0, kTraceDispatchSend, kTraceDispatchRecv, kTraceCombineSend,
                          kTraceCombineRecv, kTraceDispatchBlocks, kTraceDispatchStaged, kTraceKernels };
 
-DEEPEP_DEVICE void trace_mark(uint64_t* trace, uint64_t seq, int kernel, bool end) {
+// The mark at time `now` (thread 0 only).
+DEEPEP_DEVICE void trace_mark_at(uint64_t* trace, uint64_t seq, int kernel, bool end, unsigned long long now) {
     if (trace == nullptr || threadIdx.x != 0)
         return;
     unsigned long long* slot = reinterpret_cast<unsigned long long*>(trace) + ((seq % kTraceCalls) * kTraceKernels + kernel) * 2;
-    const unsigned long long now = globaltimer_ns();
     if (end)
         atomicMax(slot + 1, now);
     else
         atomicMin(slot, now);
+}
+
+DEEPEP_DEVICE void trace_mark(uint64_t* trace, uint64_t seq, int kernel, bool end) {
+    if (trace != nullptr && threadIdx.x == 0)
+        trace_mark_at(trace, seq, kernel, end, globaltimer_ns());
 }
 
 template <typename U>
@@ -188,23 +193,46 @@ struct Call {
     uint64_t prev;
 };
 
-DEEPEP_DEVICE Call begin_call(const Common& c, int64_t counter_off, int trace_kernel, int kind = kNoKind) {
+// A begin_call in two steps: read_call issues thread 0's loads (the counter, and both halves' ctrl_last
+// words, so no load waits for another), finish_call consumes them. Between the two a kernel may do work
+// that does not depend on the call (the dispatch stages its messages): the loads' latency then overlaps
+// it instead of delaying every thread of the block.
+struct PendingCall {
+    uint64_t counter;
+    uint64_t last[2];
+    uint64_t start_ns;   // for the trace: when the block began the call
+};
+
+DEEPEP_DEVICE PendingCall read_call(const Common& c, int64_t counter_off, int kind = kNoKind) {
+    PendingCall r{0, {0, 0}, 0};
+    if (threadIdx.x == 0) {
+        r.counter = *own<volatile uint64_t>(c, counter_off);
+        if (kind >= 0) {
+            r.last[0] = *own<volatile uint64_t>(c, last_off(c, kind, 0));
+            r.last[1] = *own<volatile uint64_t>(c, last_off(c, kind, 1));
+        }
+        if (c.trace != nullptr)
+            r.start_ns = globaltimer_ns();
+    }
+    return r;
+}
+
+DEEPEP_DEVICE Call finish_call(const Common& c, const PendingCall& r, int trace_kernel) {
     __shared__ uint64_t s_seq, s_prev;
     if (threadIdx.x == 0) {
-        const uint64_t seq = *own<volatile uint64_t>(c, counter_off) + 1;
+        const uint64_t seq = r.counter + 1;
         s_seq = seq;
-        s_prev = kind >= 0 ? *own<volatile uint64_t>(c, last_off(c, kind, static_cast<int>(seq & 1))) : 0;
-        trace_mark(c.trace, seq, trace_kernel, false);
+        s_prev = r.last[seq & 1];
+        trace_mark_at(c.trace, seq, trace_kernel, false, r.start_ns);
     }
     __syncthreads();
     return Call{s_seq, s_prev};
 }
 
-// The last block of the grid to get here stores counter = seq (all blocks read it in begin_call
-// before arriving), for a send kernel also ctrl_last[kind][half] = seq, and re-arms the arrival word
-// for the next launch. Every block's accesses (the receive kernel's reads of the half) are ordered
-// before the arrival (__syncthreads + system fence), and the counter store is a system-scope
-// release: a peer that reads RECVD >= seq (the sender-side overwrite check) knows they are done.
+DEEPEP_DEVICE Call begin_call(const Common& c, int64_t counter_off, int trace_kernel, int kind = kNoKind) {
+    return finish_call(c, read_call(c, counter_off, kind), trace_kernel);
+}
+
 // Thread 0 of a block, after a __syncthreads that gathered the block's accesses: arrive on the u32
 // word at `arrive_off` (system fence first, so those accesses are ordered before the arrival). True
 // for the grid's last block only, which has then acquired every other block's arrival (second fence)
@@ -218,6 +246,17 @@ DEEPEP_DEVICE bool arrive_last(const Common& c, int64_t arrive_off) {
     return true;
 }
 
+// The last block of the grid to get here stores counter = seq (all blocks read it in begin_call
+// before arriving), for a send kernel also ctrl_last[kind][half] = seq, and re-arms the arrival word
+// for the next launch. Every block's accesses are ordered before its arrival (__syncthreads + fence),
+// the last block acquires the arrivals (a fence after its arrival atomic) and its stores of the words
+// are strong: the fence and the stores are a release of everything the grid did.
+//   Scope: a receive kernel's RECVD is read by the peers (the sender-side overwrite check: they must
+//   see this grid's reads of the half done): system. A send kernel's SENT and ctrl_last are read only
+//   by this GPU's next send kernel (its puts and signals are ordered by their own system fences): device
+//   scope, a cheaper fence on the path from the grid's last block to the kernel's end.
+//   The arrival word is re-armed after the counter: its next use is the next launch of this phase, which
+//   waits for this grid to complete (stream order, or griddepcontrol.wait under a programmatic launch).
 // `last_phase`: no wait of this block on a peer follows in this launch, so the next kernel in the stream
 // (a programmatic launch) may be scheduled now (grid_dependency.cuh says why not earlier).
 DEEPEP_DEVICE void end_call(const Common& c, int64_t counter_off, int64_t arrive_off, uint64_t seq, int trace_kernel,
@@ -226,11 +265,17 @@ DEEPEP_DEVICE void end_call(const Common& c, int64_t counter_off, int64_t arrive
     if (last_phase)
         allow_next_grid();
     trace_mark(c.trace, seq, trace_kernel, true);
-    if (threadIdx.x == 0 && arrive_last(c, arrive_off)) {
-        if (kind >= 0)
-            *own<volatile uint64_t>(c, last_off(c, kind, static_cast<int>(seq & 1))) = seq;
-        st_release_sys(own<uint64_t>(c, counter_off), seq);
-    }
+    if (threadIdx.x != 0)
+        return;
+    const bool system = kind < 0;
+    system ? __threadfence_system() : __threadfence();
+    if (atomicAdd(own<unsigned int>(c, arrive_off), 1u) != gridDim.x - 1)
+        return;
+    system ? __threadfence_system() : __threadfence();
+    if (kind >= 0)
+        *own<volatile uint64_t>(c, last_off(c, kind, static_cast<int>(seq & 1))) = seq;
+    *own<volatile uint64_t>(c, counter_off) = seq;
+    atomicExch(own<unsigned int>(c, arrive_off), 0u);
 }
 
 // Sender-side overwrite check, part 1 (one lane, before writing into `peer`'s half): the peer's
