@@ -172,7 +172,7 @@ DEEPEP_DEVICE void trace_mark_at(uint64_t* trace, uint64_t seq, int kernel, bool
 }
 
 DEEPEP_DEVICE void trace_mark(uint64_t* trace, uint64_t seq, int kernel, bool end) {
-    if (trace != nullptr && threadIdx.x == 0)
+    if (trace != nullptr)
         trace_mark_at(trace, seq, kernel, end, globaltimer_ns());
 }
 
@@ -234,16 +234,19 @@ DEEPEP_DEVICE Call begin_call(const Common& c, int64_t counter_off, int trace_ke
 }
 
 // Thread 0 of a block, after a __syncthreads that gathered the block's accesses: arrive on the u32
-// word at `arrive_off` (system fence first, so those accesses are ordered before the arrival). True
-// for the grid's last block only, which has then acquired every other block's arrival (second fence)
-// and re-armed the word to 0 for the next use (no block arrives again before that).
-DEEPEP_DEVICE bool arrive_last(const Common& c, int64_t arrive_off) {
-    __threadfence_system();
+// word at `arrive_off` (a fence first, so those accesses are ordered before the arrival; `system`: at
+// system scope, else device scope). True for the grid's last block only, which has then acquired every
+// other block's arrival (second fence); it re-arms the word (rearm) before the word's next use.
+DEEPEP_DEVICE bool arrive_last(const Common& c, int64_t arrive_off, bool system = true) {
+    system ? __threadfence_system() : __threadfence();
     if (atomicAdd(own<unsigned int>(c, arrive_off), 1u) != gridDim.x - 1)
         return false;
-    __threadfence_system();
-    atomicExch(own<unsigned int>(c, arrive_off), 0u);
+    system ? __threadfence_system() : __threadfence();
     return true;
+}
+
+DEEPEP_DEVICE void rearm(const Common& c, int64_t arrive_off) {
+    atomicExch(own<unsigned int>(c, arrive_off), 0u);
 }
 
 // The last block of the grid to get here stores counter = seq (all blocks read it in begin_call
@@ -265,17 +268,12 @@ DEEPEP_DEVICE void end_call(const Common& c, int64_t counter_off, int64_t arrive
     if (last_phase)
         allow_next_grid();
     trace_mark(c.trace, seq, trace_kernel, true);
-    if (threadIdx.x != 0)
+    if (threadIdx.x != 0 || !arrive_last(c, arrive_off, /*system=*/kind < 0))
         return;
-    const bool system = kind < 0;
-    system ? __threadfence_system() : __threadfence();
-    if (atomicAdd(own<unsigned int>(c, arrive_off), 1u) != gridDim.x - 1)
-        return;
-    system ? __threadfence_system() : __threadfence();
     if (kind >= 0)
         *own<volatile uint64_t>(c, last_off(c, kind, static_cast<int>(seq & 1))) = seq;
     *own<volatile uint64_t>(c, counter_off) = seq;
-    atomicExch(own<unsigned int>(c, arrive_off), 0u);
+    rearm(c, arrive_off);
 }
 
 // Sender-side overwrite check, part 1 (one lane, before writing into `peer`'s half): the peer's
@@ -318,8 +316,10 @@ DEEPEP_DEVICE bool grid_barrier(const Common& c, uint64_t ticket, uint64_t deadl
     if (threadIdx.x == 0) {
         s_ok = 1;
         uint64_t* staged = own<uint64_t>(c, c.ctrl_staged);
-        if (arrive_last(c, c.ctrl_stage_arrive))
+        if (arrive_last(c, c.ctrl_stage_arrive)) {
+            rearm(c, c.ctrl_stage_arrive);   // before the release: a second barrier of the launch arrives again
             st_release_sys(staged, ticket);
+        }
         else if (!wait_ge(staged, ticket, deadline, ErrorSink{c.error_claim, c.error_host, op, static_cast<int>(c.rank)},
                           static_cast<int>(c.rank)))
             s_ok = 0;
