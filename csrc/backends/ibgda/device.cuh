@@ -69,6 +69,9 @@ struct IbgdaTransport {
     // A network FETCH_ADD costs a round trip per call: the LL dispatch takes its path without it.
     static constexpr bool kCheapFetchAdd = false;
 
+    // The NIC reads what the lanes stored: every lane fences before one lane posts the signal.
+    static constexpr bool kSignalCoversWarp = false;
+
     template <typename U = void>
     DEEPEP_DEVICE U* local_ptr(int64_t off) const {
         return reinterpret_cast<U*>(base + static_cast<uint64_t>(off));

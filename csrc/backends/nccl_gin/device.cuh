@@ -64,6 +64,7 @@ struct NcclGinTransport {
     }
 
     static constexpr bool kCheapFetchAdd = false;   // no fetching atomic over GIN
+    static constexpr bool kSignalCoversWarp = false;   // GIN's NIC reads what the lanes stored: every lane fences
 
     template <typename U = void>
     DEEPEP_DEVICE U* local_ptr(int64_t off) const {

@@ -93,6 +93,10 @@ struct NvshmemTransport {
     // VMM mapping for P2P peers (measured on the H200 emulation), one network AMO otherwise.
     static constexpr bool kCheapFetchAdd = true;
 
+    // A network peer's puts are the NVSHMEM routines', ordered by nvshmem_fence per calling thread as far
+    // as its documentation says: a kernel fences on every lane before one lane signals.
+    static constexpr bool kSignalCoversWarp = false;
+
     template <typename U = void>
     DEEPEP_DEVICE U* local_ptr(int64_t off) const {
         return reinterpret_cast<U*>(base + static_cast<uint64_t>(off));

@@ -26,5 +26,7 @@ static_assert(alignof(Selected) <= 8 && sizeof(Selected) % 8 == 0,
               "a Transport struct is packed in 8-byte words (the params after it stay 64-bit aligned)");
 static_assert(std::is_same_v<decltype(Selected::kCheapFetchAdd), const bool>,
               "a Transport states whether fetch_add is cheap (kCheapFetchAdd)");
+static_assert(std::is_same_v<decltype(Selected::kSignalCoversWarp), const bool>,
+              "a Transport states whether one lane's signal covers its warp's earlier puts (kSignalCoversWarp)");
 
 }  // namespace deepep_portable::transport

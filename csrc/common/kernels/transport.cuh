@@ -53,7 +53,9 @@
 // compile-time constant of each transport type; the LL dispatch has a path without it). Never rely
 // on two puts arriving in order.
 //
-// Each backend states in its device.cuh how it keeps "a signal never overtakes its data".
+// Each backend states in its device.cuh how it keeps "a signal never overtakes its data", and in its
+// compile-time kSignalCoversWarp whether one lane's signal, after a __syncwarp, also covers the other
+// lanes' earlier stores and puts to that peer (true: a kernel signals without a fence on every lane first).
 #pragma once
 
 #include <cstdint>

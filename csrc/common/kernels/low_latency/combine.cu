@@ -159,7 +159,8 @@ DEEPEP_DEVICE void signal_pair(const LLCombineParams& p, const Transport& tr, co
                                int64_t count, uint64_t recvd, int lane) {
     const Common& c = p.c;
     const int g = static_cast<int>(c.rank) * (static_cast<int>(c.num_experts) / static_cast<int>(c.num_ranks)) + e;
-    __threadfence_system();
+    if constexpr (!Transport::kSignalCoversWarp)   // every lane's rows before lane 0's signal (see transport.cuh)
+        __threadfence_system();
     __syncwarp();
     if (lane == 0) {
         check_overwrite(c, kOpLowLatencyCombine, recvd, call, s);

@@ -170,7 +170,12 @@ DEEPEP_DEVICE bool wait_staged(const LLDispatchParams& p, uint64_t seq, int64_t 
             break;
         }
     }
-    __threadfence_system();   // acquire: the flags above before the messages, which every lane reads
+    // Acquire: the flags above before the messages, which every lane reads. With load/store peers only
+    // this GPU's lanes read them (device scope; the flag's writer released at system scope for a NIC).
+    if constexpr (Transport::capabilities().peer_load_store)
+        __threadfence();
+    else
+        __threadfence_system();
     __syncwarp();
     return __all_sync(0xffffffffu, ok);
 }
@@ -231,13 +236,15 @@ DEEPEP_DEVICE void send_expert(const LLDispatchParams& p, const Transport& tr, c
         count = 0;
     else if constexpr (!kReserve)
         count = j;
-    // Every lane's stores are ordered before lane 0's release (fence + warp barrier), as
-    // put_signal_warp does: the receiver that reads the count sees the rows, side messages and range.
-    // The range goes out with the rows, before the fence: one fence then covers it too (after the
-    // fence, it made the signal wait for one more remote store to complete).
+    // Every lane's stores are ordered before lane 0's release (warp barrier, then the signal's release,
+    // after a fence on every lane unless the transport's signal covers the warp): the receiver that reads
+    // the count sees the rows, side messages and range. The range goes out with the rows, before the
+    // fence: one fence then covers it too (after the fence, it made the signal wait for one more remote
+    // store to complete).
     if (kReserve && lane == 0 && count > 0)
         tr.put_value(0, dst, dispatch_range_off(c, half, local, me), begin);
-    __threadfence_system();
+    if constexpr (!Transport::kSignalCoversWarp)
+        __threadfence_system();
     __syncwarp();
     if (lane == 0) {
         check_overwrite(c, kOpLowLatencyDispatch, r.recvd, call, dst);
