@@ -31,7 +31,7 @@ struct NvlinkTransport : PeerBuffers {
     // One lane's signal covers its warp's earlier stores: the lanes' stores come before the __syncwarp
     // (bar.warp.sync orders memory among the warp's lanes), and the signalling lane's system fence is
     // cumulative, so it releases them with the signal. A fence on every lane first only costs time
-    // (the LL dispatch's graph-replayed call 0.955x without it on the H200 emulation).
+    // (the LL dispatch's graph-replayed call 0.95-0.96x without it on the H200 emulation).
     static constexpr bool kSignalCoversWarp = true;
 
 #if defined(DEEPEP_WINDOW_VMM)
