@@ -170,9 +170,11 @@ DEEPEP_DEVICE bool wait_staged(const LLDispatchParams& p, uint64_t seq, int64_t 
             break;
         }
     }
-    // Acquire: the flags above before the messages, which every lane reads. With load/store peers only
-    // this GPU's lanes read them (device scope; the flag's writer released at system scope for a NIC).
-    if constexpr (Transport::capabilities().peer_load_store)
+    // Acquire: the flags above before the messages, which every lane reads. With load/store peers and no
+    // network only this GPU's lanes read them (device scope; the flag's writer released at system scope for
+    // a NIC, which may read them otherwise).
+    if constexpr (Transport::capabilities().peer_load_store &&
+                  Transport::capabilities().network == transport::Network::kNone)
         __threadfence();
     else
         __threadfence_system();
