@@ -28,17 +28,17 @@ struct NvlinkTransport : PeerBuffers {
     // device scope, made the LL dispatch's send phase 84-128 us instead of 38-54 us without it, while
     // shareable VMM mappings (DEEPEP_WINDOW_VMM, as NVSHMEM's heap) take it at full speed. Kernels
     // that would use it once per (expert, sender) take their other path when it is not cheap.
-    // One lane's signal covers its warp's earlier stores: the lanes' stores come before the __syncwarp
-    // (bar.warp.sync orders memory among the warp's lanes), and the signalling lane's system fence is
-    // cumulative, so it releases them with the signal. A fence on every lane first only costs time
-    // (the LL dispatch's graph-replayed call 0.95-0.96x without it on the H200 emulation).
-    static constexpr bool kSignalCoversWarp = true;
-
 #if defined(DEEPEP_WINDOW_VMM)
     static constexpr bool kCheapFetchAdd = true;
 #else
     static constexpr bool kCheapFetchAdd = false;
 #endif
+
+    // One lane's signal covers its warp's earlier stores: the lanes' stores come before the __syncwarp
+    // (bar.warp.sync orders memory among the warp's lanes), and the signalling lane's system fence is
+    // cumulative, so it releases them with the signal. A fence on every lane first only costs time
+    // (the LL dispatch's graph-replayed call 0.95-0.96x without it on the H200 emulation).
+    static constexpr bool kSignalCoversWarp = true;
 
     template <typename U = void>
     DEEPEP_DEVICE U* peer_ptr(int64_t off, int peer) const {

@@ -159,9 +159,7 @@ DEEPEP_DEVICE void signal_pair(const LLCombineParams& p, const Transport& tr, co
                                int64_t count, uint64_t recvd, int lane) {
     const Common& c = p.c;
     const int g = static_cast<int>(c.rank) * (static_cast<int>(c.num_experts) / static_cast<int>(c.num_ranks)) + e;
-    if constexpr (!Transport::kSignalCoversWarp)   // every lane's rows before lane 0's signal (see transport.cuh)
-        __threadfence_system();
-    __syncwarp();
+    warp_stores_before_signal();
     if (lane == 0) {
         check_overwrite(c, kOpLowLatencyCombine, recvd, call, s);
         tr.signal(0, s, combine_signal_off(c, static_cast<int>(call.seq & 1), g),

@@ -245,9 +245,7 @@ DEEPEP_DEVICE void send_expert(const LLDispatchParams& p, const Transport& tr, c
     // store to complete).
     if (kReserve && lane == 0 && count > 0)
         tr.put_value(0, dst, dispatch_range_off(c, half, local, me), begin);
-    if constexpr (!Transport::kSignalCoversWarp)
-        __threadfence_system();
-    __syncwarp();
+    warp_stores_before_signal();
     if (lane == 0) {
         check_overwrite(c, kOpLowLatencyDispatch, r.recvd, call, dst);
         tr.signal(0, dst, dispatch_signal_off(c, half, local, me), signal_value(seq, count));

@@ -276,6 +276,15 @@ DEEPEP_DEVICE void end_call(const Common& c, int64_t counter_off, int64_t arrive
     rearm(c, arrive_off);
 }
 
+// Before one lane signals a peer the rows its warp stored or put there: every lane's stores ordered
+// before the signal (a fence on every lane, unless the transport's signal covers the warp: transport.cuh),
+// then the warp barrier.
+DEEPEP_DEVICE void warp_stores_before_signal() {
+    if constexpr (!Transport::kSignalCoversWarp)
+        __threadfence_system();
+    __syncwarp();
+}
+
 // Sender-side overwrite check, part 1 (one lane, before writing into `peer`'s half): the peer's
 // RECVD, read through the transport (no ordering needed: in the valid case the peer stored RECVD >=
 // prev before the signals this rank already acquired, so it cannot read stale). The value is only
