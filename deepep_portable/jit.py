@@ -155,7 +155,7 @@ def cache_dir() -> str:
     return d
 
 
-def _arch_number(arch: str) -> int:
+def arch_number(arch: str) -> int:
     m = re.fullmatch(r"(?:sm|compute)_(\d+)[af]?", arch)
     if not m:
         raise ValueError(f"bad CUDA architecture {arch!r}; expected e.g. 'sm_90'")
@@ -176,7 +176,7 @@ def _normalize_defines(defines: Optional[Defines]) -> List[Tuple[str, str]]:
 
 
 def _target_flags(arch: str, ptx: bool) -> List[str]:
-    num = _arch_number(arch)
+    num = arch_number(arch)
     suffix = arch[len(f"sm_{num}"):] if arch.startswith("sm_") else ""
     if ptx:
         return ["-fatbin", f"-gencode=arch=compute_{num}{suffix},code=[sm_{num}{suffix},compute_{num}{suffix}]"]
@@ -333,7 +333,7 @@ def _load_target(device: int) -> Tuple[str, bool]:
     forced = (forced_arch() or "").strip()
     if not forced or forced == native:
         return native, False
-    if _arch_number(forced) > _arch_number(native):
+    if arch_number(forced) > arch_number(native):
         raise ValueError(f"DEEPEP_PORTABLE_FORCE_ARCH={forced} is newer than device {device} ({native}); "
                          "code for a newer architecture cannot run there")
     return forced, True  # older arch: embed PTX so the driver can JIT it for this device

@@ -154,7 +154,7 @@ CTRL_READY = 16         # u64: "my send area holds op n"  (written by me, read b
 CTRL_ERROR = 24         # u32: first error code of this buffer (device-side claim)
 CTRL_NUM_TOKENS = 28    # i32: tokens staged by the current dispatch
 CTRL_COUNTED = 32       # u64: "my count_to / expert_count hold op n's counts" (dispatch stage kernel)
-CTRL_STAGE_TICKET = 40  # u32: next token the dispatch stage kernel hands out (0 between kernels)
+CTRL_TOKEN_TICKET = 40  # u32: next token handed out (dispatch stage, combine pull; 0 between kernels)
 CTRL_PULL_ARRIVE = 44   # u32: blocks of the running pull kernel past their reads (0 between kernels)
 CTRL_DONE = 64          # u64[R]: DONE[p] = last op whose data peer p finished pulling from me (its pull's end)
 

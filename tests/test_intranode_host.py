@@ -6,6 +6,7 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 from deepep_portable import jit
 from deepep_portable import errors
@@ -34,6 +35,13 @@ def test_param_struct_matches_kernel(tmp_path, source, kernel, struct, defines):
     subprocess.run(cmd, check=True, capture_output=True)
     sizes = re.findall(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{kernel}_param_0\[(\d+)\]", out.read_text())
     assert sizes == [str(ctypes.sizeof(struct))]
+
+
+def test_no_programmatic_launch_for_kernels_forced_to_an_older_architecture(monkeypatch):
+    from deepep_portable.engines.launch import programmatic_launches
+
+    monkeypatch.setenv("DEEPEP_PORTABLE_FORCE_ARCH", "sm_80")   # their wait for the previous grid is compiled out
+    assert not programmatic_launches(torch.device("cuda", 0))   # decided without a device query
 
 
 def test_layout_capacity_is_consistent_with_hint():
@@ -65,7 +73,7 @@ def test_control_area_fits():
 def test_control_words_do_not_overlap():
     ranks = 8
     words = sorted([(L.CTRL_ROUND, 8), (L.CTRL_CURRENT, 8), (L.CTRL_READY, 8), (L.CTRL_ERROR, 4),
-                    (L.CTRL_NUM_TOKENS, 4), (L.CTRL_COUNTED, 8), (L.CTRL_STAGE_TICKET, 4), (L.CTRL_PULL_ARRIVE, 4),
+                    (L.CTRL_NUM_TOKENS, 4), (L.CTRL_COUNTED, 8), (L.CTRL_TOKEN_TICKET, 4), (L.CTRL_PULL_ARRIVE, 4),
                     (L.CTRL_DONE, 8 * ranks),
                     (L.ctrl_count_to(ranks), 4 * ranks), (L.ctrl_expert_count(ranks), 4)])
     for (a, size_a), (b, _) in zip(words, words[1:]):

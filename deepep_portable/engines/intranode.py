@@ -88,7 +88,7 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
                      L.ctrl_count_to(self.num_ranks), L.ctrl_expert_count(self.num_ranks), L.CTRL_COUNTED,
-                     L.CTRL_STAGE_TICKET, L.CTRL_PULL_ARRIVE]
+                     L.CTRL_TOKEN_TICKET, L.CTRL_PULL_ARRIVE]
 
     # ---- shared parameter setup ------------------------------------------------------------------
     def _common(self, params) -> None:
@@ -340,6 +340,7 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
 
     # ---- combine ----------------------------------------------------------------------------------
     def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        t_host = time.perf_counter()
         x, handle, topk_weights, bias_0, bias_1 = args.x, args.handle, args.topk_weights, args.bias_0, args.bias_1
         self.check()
         comm = self.ctx.comm_stream
@@ -369,6 +370,7 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
         grid = self.grid(args.num_sms)
         marks, phases = self._phases(in_place, comm)
         launch(stage, grid, THREADS, p, s)
+        self.profile.host_time("combine:until_stage_launch", t_host)
         self.profile.mark(marks, comm)
         launch(pull, grid, THREADS, p, s)
         self.profile.mark(marks, comm)

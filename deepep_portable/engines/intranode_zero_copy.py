@@ -21,7 +21,7 @@ THREADS = 512   # __launch_bounds__ of the intranode kernels (the opener's one b
 MAX_AREA_VIEWS = 4   # (op, shape)s whose view of the rows is kept between calls
 # Words of the control area every intranode kernel takes, in ControlLayout's order (protocol.cuh).
 CONTROL = ["round", "current", "ready", "error", "num_tokens", "done", "count_to", "expert_count", "counted",
-           "stage_ticket", "pull_arrive"]
+           "token_ticket", "pull_arrive"]
 OPEN_ROUND_SOURCE = "common/kernels/intranode/open_round.cu"
 # The next round's prologue alone, launched ahead of an op whose input the caller writes in place (one block).
 OPEN_ROUND_KERNEL = jit.kernel_symbol("deepep_portable::intranode::open_round", "OpenRoundParams")

@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .. import jit
 from ..device import device_index
 
 Dim = Union[int, Sequence[int]]
@@ -112,8 +113,13 @@ PDL_SWITCH = "DEEPEP_PORTABLE_PDL"
 
 def programmatic_launches(device: torch.device) -> bool:
     """Whether kernels written for it (csrc/common/kernels/grid_dependency.cuh) are launched as programmatic
-    dependent launches on `device`: compute capability 9.0 or newer, and DEEPEP_PORTABLE_PDL not 0."""
+    dependent launches on `device`: compute capability 9.0 or newer, kernels built for it (not forced to an
+    older architecture by DEEPEP_PORTABLE_FORCE_ARCH: their wait for the previous grid compiles to nothing
+    there), and DEEPEP_PORTABLE_PDL not 0."""
     if os.environ.get(PDL_SWITCH, "1") == "0" or device.type != "cuda":
+        return False
+    forced = (jit.forced_arch() or "").strip()
+    if forced and jit.arch_number(forced) < 90:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 

@@ -203,6 +203,7 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
         if os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1":   # every rank calls (a collective op)
             print_host_profile(f"dispatch, {tokens} tokens", dispatch, device, rank == 0)
             print_host_profile(f"get_dispatch_layout, {tokens} tokens", layout, device, rank == 0)
+            print_host_profile(f"combine, {tokens} tokens", lambda: buf.combine(combine_in, handle), device, rank == 0)
         t_combine = slowest(timer(device, lambda: buf.combine(combine_in, handle), cfg.warmup, cfg.iters, group),
                             group)
         t_dispatch_zc = t_combine_zc = None

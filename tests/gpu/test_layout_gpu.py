@@ -249,7 +249,7 @@ def test_param_size_known_to_driver():
 def test_layout_forced_sm80(monkeypatch, shape):
     """The sm_80 build (compute_80 PTX, JIT-compiled by the driver) on a newer GPU."""
     native = jit.device_arch(torch.cuda.current_device())
-    if jit._arch_number(native) < 80:
+    if jit.arch_number(native) < 80:
         pytest.skip(f"device is {native}")
     monkeypatch.setenv("DEEPEP_PORTABLE_FORCE_ARCH", "sm_80")
     jit.clear_memory_cache()  # the environment is read when a function is first loaded

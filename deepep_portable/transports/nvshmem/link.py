@@ -187,7 +187,7 @@ def compile_linked_cached(source: str, defines: Optional[Defines] = None, arch: 
     The kernel tree (-I<root>) is kernel_root() unless `root` is given."""
     if arch.startswith("compute_"):
         raise ValueError(f"device-linked NVSHMEM kernels are SASS only; got {arch!r}, want e.g. 'sm_90'")
-    jit._arch_number(arch)  # validates
+    jit.arch_number(arch)  # validates
     root = os.path.abspath(root or kernel_root())
     src = source if os.path.isabs(source) else os.path.join(root, source)
     if not os.path.isfile(src):

@@ -11,7 +11,8 @@
 //   combine:           for each of my tokens, read its row from every rank it was sent to (row index
 //                      from the dispatch handle; my own row from x when x is given) and sum in float32
 //                      in a fixed order: 0, + bias_0, + bias_1, + rows of ranks 0..R-1. Plain adds (no
-//                      multiply, so no FMA contraction): bit-identical to the torch oracle.
+//                      multiply, so no FMA contraction): bit-identical to the torch oracle. Warps
+//                      draw tokens from a counter (issue_draw, protocol.cuh).
 //
 // Compile-time (-D): NUM_RANKS, HIDDEN (bf16 elements, multiple of 8), NUM_TOPK (0 for none).
 #include <cuda_bf16.h>
@@ -94,6 +95,74 @@ DEEPEP_DEVICE int load_send_row(const CombineParams& p, int64_t t, int lane) {
     return lane < kNumRanks && lane < 32 ? p.send_rows[t * kNumRanks + lane] : -1;
 }
 
+// One token of the pull: `my_row` holds, in lane r < R, the token's row at rank r (-1: not sent there).
+DEEPEP_DEVICE void combine_token(const CombineParams& p, const PeerBuffers& bufs, int64_t t, int my_row, int lane) {
+    const int4* src[kNumRanks];
+    int rows_at[kNumRanks];
+#pragma unroll
+    for (int r = 0; r < kNumRanks; ++r) {
+        const int row = kNumRanks <= 32 ? __shfl_sync(0xffffffffu, my_row, r) : p.send_rows[t * kNumRanks + r];
+        // one past x's rows exists only after a num_worst_tokens overflow (reported)
+        const bool in_x = reads_in_x(p, bufs, r);
+        rows_at[r] = in_x && row >= p.x_rows ? -1 : row;
+        const int4* rows = in_x ? p.x : bufs.at<const int4>(r, p.send_area_offset);
+        src[r] = rows_at[r] >= 0 ? rows + static_cast<int64_t>(rows_at[r]) * kHiddenInt4 : nullptr;
+    }
+    // kColumns 16-byte columns per lane at a time, each read from a group of ranks: up to 16
+    // loads in flight per lane; ranks are still added in ascending order for every element.
+    for (int c0 = lane; c0 < kHiddenInt4; c0 += 32 * kColumns) {
+        float acc[kColumns][8];
+#pragma unroll
+        for (int u = 0; u < kColumns; ++u) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                acc[u][e] = 0.0f;
+            const int c = c0 + 32 * u;
+            if (c < kHiddenInt4) {
+                if (p.bias_0 != nullptr)
+                    add_bf16x8(acc[u], p.bias_0[t * kHiddenInt4 + c]);
+                if (p.bias_1 != nullptr)
+                    add_bf16x8(acc[u], p.bias_1[t * kHiddenInt4 + c]);
+            }
+        }
+#pragma unroll
+        for (int r0 = 0; r0 < kNumRanks; r0 += kRankGroup) {
+            int4 v[kRankGroup][kColumns];
+#pragma unroll
+            for (int g = 0; g < kRankGroup; ++g)
+#pragma unroll
+                for (int u = 0; u < kColumns; ++u)
+                    if (r0 + g < kNumRanks && src[r0 + g] != nullptr && c0 + 32 * u < kHiddenInt4)
+                        v[g][u] = src[r0 + g][c0 + 32 * u];
+#pragma unroll
+            for (int g = 0; g < kRankGroup; ++g)
+#pragma unroll
+                for (int u = 0; u < kColumns; ++u)
+                    if (r0 + g < kNumRanks && src[r0 + g] != nullptr && c0 + 32 * u < kHiddenInt4)
+                        add_bf16x8(acc[u], v[g][u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kColumns; ++u)
+            if (c0 + 32 * u < kHiddenInt4)
+                p.out[t * kHiddenInt4 + c0 + 32 * u] = pack_bf16x8(acc[u]);
+    }
+    if constexpr (kNumTopk > 0) {
+        if (p.out_topk_weights != nullptr) {
+            for (int k = lane; k < kNumTopk; k += 32) {
+                float w = 0.0f;
+#pragma unroll
+                for (int r = 0; r < kNumRanks; ++r) {
+                    const float* weights = reads_in_x(p, bufs, r) ? p.topk_weights
+                                                            : bufs.at<const float>(r, p.weights_area_offset);
+                    if (rows_at[r] >= 0)
+                        w = __fadd_rn(w, weights[static_cast<int64_t>(rows_at[r]) * kNumTopk + k]);
+                }
+                p.out_topk_weights[t * kNumTopk + k] = w;
+            }
+        }
+    }
+}
+
 }  // namespace
 
 namespace deepep_portable::intranode {
@@ -147,80 +216,23 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
                                          ErrorSink{p.error_claim, p.error_host, kOpCombine, static_cast<int>(p.rank)});
     if (n == 0)
         return;
+    // Tokens come from my TOKEN_TICKET (protocol.cuh), not a grid stride: a token's cost is the number of
+    // ranks it went to (1-8 rows), so fixed shares of 16 tokens a warp differ by several rows and the
+    // grid's last sweep runs on the unlucky warps alone. The draw and the token's rows (lanes r < R load
+    // send_rows[t][r], one coalesced load) are both issued one token ahead, behind the current token's reads.
     const int lane = threadIdx.x % 32;
-    const int warps = gridDim.x * (blockDim.x / 32);
-    const int64_t first = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    // Where a token sits on each rank: lanes r < R load send_rows[t][r] together (one coalesced load,
-    // issued one token ahead so its latency hides behind the previous token's rows).
-    int next_row = first < p.num_tokens ? load_send_row(p, first, lane) : -1;
-    for (int64_t t = first; t < p.num_tokens; t += warps) {
-        const int my_row = next_row;
-        if (t + warps < p.num_tokens)
-            next_row = load_send_row(p, t + warps, lane);
-        const int4* src[kNumRanks];
-        int rows_at[kNumRanks];
-#pragma unroll
-        for (int r = 0; r < kNumRanks; ++r) {
-            const int row = kNumRanks <= 32 ? __shfl_sync(0xffffffffu, my_row, r) : p.send_rows[t * kNumRanks + r];
-            // one past x's rows exists only after a num_worst_tokens overflow (reported)
-            const bool in_x = reads_in_x(p, bufs, r);
-            rows_at[r] = in_x && row >= p.x_rows ? -1 : row;
-            const int4* rows = in_x ? p.x : bufs.at<const int4>(r, p.send_area_offset);
-            src[r] = rows_at[r] >= 0 ? rows + static_cast<int64_t>(rows_at[r]) * kHiddenInt4 : nullptr;
-        }
-        // kColumns 16-byte columns per lane at a time, each read from a group of ranks: up to 16
-        // loads in flight per lane; ranks are still added in ascending order for every element.
-        for (int c0 = lane; c0 < kHiddenInt4; c0 += 32 * kColumns) {
-            float acc[kColumns][8];
-#pragma unroll
-            for (int u = 0; u < kColumns; ++u) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    acc[u][e] = 0.0f;
-                const int c = c0 + 32 * u;
-                if (c < kHiddenInt4) {
-                    if (p.bias_0 != nullptr)
-                        add_bf16x8(acc[u], p.bias_0[t * kHiddenInt4 + c]);
-                    if (p.bias_1 != nullptr)
-                        add_bf16x8(acc[u], p.bias_1[t * kHiddenInt4 + c]);
-                }
-            }
-#pragma unroll
-            for (int r0 = 0; r0 < kNumRanks; r0 += kRankGroup) {
-                int4 v[kRankGroup][kColumns];
-#pragma unroll
-                for (int g = 0; g < kRankGroup; ++g)
-#pragma unroll
-                    for (int u = 0; u < kColumns; ++u)
-                        if (r0 + g < kNumRanks && src[r0 + g] != nullptr && c0 + 32 * u < kHiddenInt4)
-                            v[g][u] = src[r0 + g][c0 + 32 * u];
-#pragma unroll
-                for (int g = 0; g < kRankGroup; ++g)
-#pragma unroll
-                    for (int u = 0; u < kColumns; ++u)
-                        if (r0 + g < kNumRanks && src[r0 + g] != nullptr && c0 + 32 * u < kHiddenInt4)
-                            add_bf16x8(acc[u], v[g][u]);
-            }
-#pragma unroll
-            for (int u = 0; u < kColumns; ++u)
-                if (c0 + 32 * u < kHiddenInt4)
-                    p.out[t * kHiddenInt4 + c0 + 32 * u] = pack_bf16x8(acc[u]);
-        }
-        if constexpr (kNumTopk > 0) {
-            if (p.out_topk_weights != nullptr) {
-                for (int k = lane; k < kNumTopk; k += 32) {
-                    float w = 0.0f;
-#pragma unroll
-                    for (int r = 0; r < kNumRanks; ++r) {
-                        const float* weights = reads_in_x(p, bufs, r) ? p.topk_weights
-                                                                : bufs.at<const float>(r, p.weights_area_offset);
-                        if (rows_at[r] >= 0)
-                            w = __fadd_rn(w, weights[static_cast<int64_t>(rows_at[r]) * kNumTopk + k]);
-                    }
-                    p.out_topk_weights[t * kNumTopk + k] = w;
-                }
-            }
-        }
+    unsigned int* ticket = bufs.at<unsigned int>(bufs.rank, p.ctrl.token_ticket);
+    int64_t t = take_draw(ticket, issue_draw(ticket, lane), p.num_tokens, lane);
+    int my_row = t < p.num_tokens ? load_send_row(p, t, lane) : -1;
+    unsigned int pending = t < p.num_tokens ? issue_draw(ticket, lane) : 0u;
+    while (t < p.num_tokens) {
+        const int64_t next = take_draw(ticket, pending, p.num_tokens, lane);
+        const int next_row = next < p.num_tokens ? load_send_row(p, next, lane) : -1;
+        if (next < p.num_tokens)
+            pending = issue_draw(ticket, lane);
+        combine_token(p, bufs, t, my_row, lane);
+        t = next;
+        my_row = next_row;
     }
     end_round(bufs, p.ctrl, n);
 }

@@ -200,23 +200,10 @@ DEEPEP_DEVICE void notify_host(const DispatchParams& p, const PeerBuffers& bufs,
     }
 }
 
-// The stage kernel hands my tokens out in tickets (one token each) through my STAGE_TICKET word
-// instead of striding them over the grid: block 0 (which first waits for every peer's counts) and the
-// blocks that scan send positions start copying late, and with a fixed share they would finish last.
-// A warp issues its next draw before copying the current token and reads it after (issue_draw /
-// take_draw): with one row in flight per warp, a draw between rows halved the copy rate.
-// Every warp draws until it gets a ticket past the last one, so num_tickets + warps tickets are drawn
-// in all; the warp that draws the last one re-arms the word for the next round (every other warp has
-// drawn its last ticket by then, and the next kernel on the stream starts after this one ends).
-DEEPEP_DEVICE unsigned int issue_draw(unsigned int* ticket, int lane) {
-    return lane == 0 ? atomicAdd(ticket, 1u) : 0u;
-}
-
-DEEPEP_DEVICE int64_t take_draw(unsigned int* ticket, unsigned int v, int64_t num_tickets, int lane) {
-    if (lane == 0 && v == static_cast<unsigned int>(num_tickets) + gridDim.x * (blockDim.x / 32) - 1)
-        atomicExch(ticket, 0u);
-    return static_cast<int64_t>(__shfl_sync(0xffffffffu, v, 0));
-}
+// The stage kernel hands my tokens out in tickets (one token each, issue_draw / take_draw in
+// protocol.cuh) instead of striding them over the grid: block 0 (which first waits for every peer's
+// counts) and the blocks that scan send positions start copying late, and with a fixed share they
+// would finish last.
 
 // A zero-copy dispatch's stage (x == nullptr: the payload is in place): the meta slots alone, one 4-byte
 // word per thread at a time over the grid, several loads in flight per thread. A warp per token would
@@ -345,7 +332,7 @@ __global__ void __launch_bounds__(kThreads) stage_tokens(const __grid_constant__
         return;
     }
     const int lane = threadIdx.x % 32;
-    unsigned int* ticket = bufs.at<unsigned int>(bufs.rank, p.ctrl.stage_ticket);
+    unsigned int* ticket = bufs.at<unsigned int>(bufs.rank, p.ctrl.token_ticket);
     int64_t t = take_draw(ticket, issue_draw(ticket, lane), p.num_tokens, lane);
     while (t < p.num_tokens) {
         const unsigned int next = issue_draw(ticket, lane);

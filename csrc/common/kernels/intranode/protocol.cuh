@@ -26,7 +26,7 @@ namespace deepep_portable::intranode {
 
 // Byte offsets of the control area (mirrors deepep_portable/layout.py).
 struct ControlLayout {
-    int64_t round, current, ready, error, num_tokens, done, count_to, expert_count, counted, stage_ticket,
+    int64_t round, current, ready, error, num_tokens, done, count_to, expert_count, counted, token_ticket,
         pull_arrive;
 };
 
@@ -102,6 +102,24 @@ DEEPEP_DEVICE void end_round(const PeerBuffers& bufs, const ControlLayout& ctrl,
     __threadfence_system();
     for (int p = 0; p < bufs.num_ranks; ++p)
         st_release_sys(bufs.at<uint64_t>(p, ctrl.done + 8 * bufs.rank), n);
+}
+
+// Tokens handed out one at a time through my TOKEN_TICKET word (the dispatch's stage kernel, the
+// combine's pull kernel): the grid finishes together even when its blocks start late or its tokens
+// differ in cost, where a fixed grid stride leaves the last sweep to whichever warps drew the most work.
+// A warp issues its next draw before working on the current token and reads it after (issue_draw /
+// take_draw): with one row in flight per warp, a draw between rows had halved the copy rate.
+// Every warp draws until it gets a ticket past the last one, so num_tickets + warps tickets are drawn
+// in all; the warp that draws the last one re-arms the word for the next kernel (every other warp has
+// drawn its last ticket by then; the next kernel that draws, a later op's, starts after this one ends).
+DEEPEP_DEVICE unsigned int issue_draw(unsigned int* ticket, int lane) {
+    return lane == 0 ? atomicAdd(ticket, 1u) : 0u;
+}
+
+DEEPEP_DEVICE int64_t take_draw(unsigned int* ticket, unsigned int v, int64_t num_tickets, int lane) {
+    if (lane == 0 && v == static_cast<unsigned int>(num_tickets) + gridDim.x * (blockDim.x / 32) - 1)
+        atomicExch(ticket, 0u);
+    return static_cast<int64_t>(__shfl_sync(0xffffffffu, v, 0));
 }
 
 // A warp's copy of one row in chunks of kChunk 16-byte words per lane: the caller issues the first
