@@ -619,6 +619,55 @@ def test_zero_copy_dispatch_matches_the_staged_one_and_refuses_stale_rows(nvl, p
     ck.done()
 
 
+def test_combine_whose_outputs_cannot_be_allocated_serves_its_peers(nvl, pg, device, request, base_seed):
+    """The combine allocates its outputs after its stage kernel's launch (host time off the GPU's path). When that
+    allocation fails on one rank (out of memory, forced here), the rank still runs a pull of no tokens: its peers'
+    combines finish with their right result, it raises the allocation error, and the next combine works everywhere."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    hidden, experts = 2048, num_experts_for(32, num_ranks)
+    n = int(torch.randint(1, 150, (1,), generator=gen))
+    x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16).to(device)
+    w = torch.rand(n, 4, generator=gen).to(device)
+    idx = make_topk(n, 4, experts, gen, 0.1).to(device)
+    engine = nvl.backend.engine("normal")
+    failing = num_ranks - 1
+    ck = GpuChecker(pg)
+
+    def no_memory(*_args):
+        raise torch.cuda.OutOfMemoryError("forced by the test: no memory for the combine's outputs")
+
+    def rounds():
+        per_rank, _, per_expert, in_rank, _ = nvl.get_dispatch_layout(idx, experts)
+        recv_x, _, recv_w, _, handle, _ = nvl.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                       num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        first, raised = None, ""
+        if rank == failing:
+            engine._combine_outputs = no_memory   # this instance only; removed below
+        try:
+            first = nvl.combine(recv_x, handle, recv_w)[:2]
+        except torch.cuda.OutOfMemoryError as e:
+            raised = str(e)
+        finally:
+            engine.__dict__.pop("_combine_outputs", None)
+        again = nvl.combine(recv_x, handle, recv_w)[:2]
+        torch.cuda.synchronize()
+        return first, raised, again
+
+    out = ck.run("combine with a failing output allocation on one rank", rounds)
+    if out is not None:
+        first, raised, again = out
+        if rank == failing:
+            ck.true(first is None and "forced by the test" in raised,
+                    f"the failing rank must raise the allocation error (raised {raised!r})")
+        else:
+            ck.true(first is not None and not raised, f"a peer of the failing rank must combine ({raised!r})")
+            if first is not None:
+                ck.bits(first[0], again[0], "combined x beside a failed rank vs the next combine")
+                ck.bits(first[1], again[1], "combined top-k weights beside a failed rank vs the next combine")
+    ck.done()
+
+
 def test_receive_outputs_allocated_before_the_count(nvl, pg, device, request, base_seed):
     """A fresh dispatch of a shape seen before allocates its outputs from the last receive count (plus 1/16, at
     least 64 rows) and pulls before it knows its own count. Rounds of one shape: no token routed (learns 0), none
