@@ -128,7 +128,6 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
                          allow_mnnvl=allow_mnnvl, enable_shrink=self.enable_shrink,
                          nvshmem=dict(nvshmem_options or {}), ibgda=ibgda, nccl=dict(nccl_options or {})))
         self._layout_eager_dev = None   # get_dispatch_layout's hot path: this GPU's index while it is open
-        self._combine_fits: set = set()   # (tokens, hidden, top-k) of combines known to fit num_nvl_bytes
         self._backend = backend_class(self.transport)(self._ctx)
         if self.enable_shrink and self._backend.shrink_mask() is None:
             # Same arguments on every rank: all raise here together.
@@ -446,12 +445,7 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
         # host time before the op's first kernel, which the GPU waits for when its stream is idle).
         num_sms = self.num_sms if config is None else check.config(config, None).num_sms
         num_topk = 0 if topk_weights is None else topk_weights.size(1)
-        fits = (handle.num_tokens, hidden, num_topk)
-        if fits not in self._combine_fits:   # the buffer's room for a shape does not change: checked once
-            check.combine_capacity(self._ctx, handle.num_tokens, hidden, num_topk)
-            if len(self._combine_fits) >= 64:
-                self._combine_fits.clear()
-            self._combine_fits.add(fits)
+        check.combine_capacity(self._ctx, handle.num_tokens, hidden, num_topk)   # layout and room cached there
         args = CombineArgs(x=x, handle=handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,
                            num_sms=num_sms)
         result: list = [x, topk_weights, bias_0, bias_1]

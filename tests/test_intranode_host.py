@@ -6,7 +6,6 @@ import re
 import subprocess
 
 import pytest
-import torch
 
 from deepep_portable import jit
 from deepep_portable import errors
@@ -35,13 +34,6 @@ def test_param_struct_matches_kernel(tmp_path, source, kernel, struct, defines):
     subprocess.run(cmd, check=True, capture_output=True)
     sizes = re.findall(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{kernel}_param_0\[(\d+)\]", out.read_text())
     assert sizes == [str(ctypes.sizeof(struct))]
-
-
-def test_no_programmatic_launch_for_kernels_forced_to_an_older_architecture(monkeypatch):
-    from deepep_portable.engines.launch import programmatic_launches
-
-    monkeypatch.setenv("DEEPEP_PORTABLE_FORCE_ARCH", "sm_80")   # their wait for the previous grid is compiled out
-    assert not programmatic_launches(torch.device("cuda", 0))   # decided without a device query
 
 
 def test_layout_capacity_is_consistent_with_hint():

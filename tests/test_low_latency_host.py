@@ -517,6 +517,13 @@ def test_kernels_wait_for_the_previous_grid(tmp_path):
         assert "griddepcontrol" not in _ptx(tmp_path, source, "sm_80", defines)
 
 
+def test_no_programmatic_launch_for_kernels_forced_to_an_older_architecture(monkeypatch):
+    from deepep_portable.engines.launch import programmatic_launches
+
+    monkeypatch.setenv("DEEPEP_PORTABLE_FORCE_ARCH", "sm_80")   # their wait for the previous grid is compiled out
+    assert not programmatic_launches(torch.device("cuda", 0))   # decided without a device query
+
+
 def test_programmatic_launches_switch(monkeypatch):
     from deepep_portable.engines.launch import PDL_SWITCH, programmatic_launches
 
