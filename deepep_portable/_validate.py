@@ -184,17 +184,18 @@ def capacity(ctx, op: str, num_tokens: int, layout: NormalLayout) -> None:
     nodes the internode engine checks its own window (num_rdma_bytes) before launching; the reference needs none."""
     if ctx.num_nodes > 1:
         return
-    room = _room(layout, ctx.num_nvl_bytes)
-    if room < num_tokens:
+    most = room(layout, ctx.num_nvl_bytes)
+    if most < num_tokens:
         need = layout.buffer_bytes(num_tokens)
         raise ValueError(f"{op} of {num_tokens} tokens needs a larger buffer: this Buffer has num_nvl_bytes="
-                         f"{ctx.num_nvl_bytes}, room for {room} tokens per rank ({layout.bytes_per_token} bytes per "
+                         f"{ctx.num_nvl_bytes}, room for {most} tokens per rank ({layout.bytes_per_token} bytes per "
                          f"token); create it with num_nvl_bytes >= {need} "
                          f"(Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, num_tokens))")
 
 
 @functools.lru_cache(maxsize=256)
-def _room(layout: NormalLayout, num_nvl_bytes: int) -> int:
+def room(layout: NormalLayout, num_nvl_bytes: int) -> int:
+    """Tokens per rank a normal-mode buffer of num_nvl_bytes holds in this layout."""
     return layout.max_tokens_per_rank(num_nvl_bytes)
 
 
@@ -208,8 +209,49 @@ def dispatch_capacity(ctx, x: torch.Tensor, x_scales: Optional[torch.Tensor], nu
                                                  0 if x_scales is None else x_scales.size(1), num_topk))
 
 
+def combine_layout(num_ranks: int, hidden_: int, num_topk: int) -> NormalLayout:
+    """The normal-mode layout of a BF16 combine (the layout its capacity check uses)."""
+    return _layout(num_ranks, hidden_, 2, 0, num_topk)
+
+
 def combine_capacity(ctx, num_tokens: int, hidden_: int, num_topk: int) -> None:
-    capacity(ctx, "combine", num_tokens, _layout(ctx.num_ranks, hidden_, 2, 0, num_topk))
+    capacity(ctx, "combine", num_tokens, combine_layout(ctx.num_ranks, hidden_, num_topk))
+
+
+def combine_args(x, handle, topk_weights, bias, cfg, buffer_uid: int, device: torch.device,
+                 default_num_sms: int) -> Tuple[int, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Buffer.combine's arguments (the capacity apart): (num_sms, bias_0, bias_1), or raise with the reason."""
+    dispatch_handle(handle, buffer_uid)
+    tensor("x", x, torch.bfloat16, (handle.num_recv_rows, None), device)
+    hidden(x.size(1), fp8=False)
+    if topk_weights is not None:
+        tensor("topk_weights", topk_weights, torch.float32, (handle.num_recv_rows, None), device)
+        topk_width(topk_weights)
+    bias_0, bias_1 = unpack_bias(bias)
+    for name, b in (("bias[0]", bias_0), ("bias[1]", bias_1)):
+        if b is not None:
+            tensor(name, b, torch.bfloat16, (handle.num_tokens, x.size(1)), device)
+    # The default config's only field the kernels use is num_sms: no Config built per call.
+    return (default_num_sms if cfg is None else config(cfg, None).num_sms), bias_0, bias_1
+
+
+def combine_eager(x, handle, topk_weights, bias, config, buffer_uid: int, device_index: int) -> bool:
+    """Whether Buffer.combine's arguments are the common case that passes every check of its full path
+    (dispatch_handle, tensor, hidden, topk_width, unpack_bias, config; the capacity is the engine's to check):
+    a DispatchHandle of this Buffer, x a contiguous [handle.num_recv_rows, H] BF16 tensor on the Buffer's GPU with
+    H a positive multiple of 8, top-k weights None or a contiguous [rows, K] float32 tensor there with K in
+    [1, MAX_TOPK], no bias, config None or a Config. Plain comparisons (its eager path is bound by host time); False
+    sends the call through the full checks, which raise with the reason."""
+    return (bias is None and (config is None or type(config) is Config)
+            and type(handle) is DispatchHandle and handle.buffer_uid == buffer_uid
+            and type(x) is torch.Tensor and x.dtype is torch.bfloat16 and x.dim() == 2
+            and x.size(0) == handle.num_recv_rows and x.size(1) > 0 and x.size(1) % 8 == 0
+            and x.get_device() == device_index and x.is_contiguous()
+            and (topk_weights is None
+                 or (type(topk_weights) is torch.Tensor and topk_weights.dtype is torch.float32
+                     and topk_weights.dim() == 2 and topk_weights.size(0) == handle.num_recv_rows
+                     and 1 <= topk_weights.size(1) <= MAX_TOPK and topk_weights.get_device() == device_index
+                     and topk_weights.is_contiguous())))
 
 
 def dispatch_handle(handle, buffer_uid: int, num_tokens: Optional[int] = None) -> None:

@@ -128,6 +128,7 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
                          allow_mnnvl=allow_mnnvl, enable_shrink=self.enable_shrink,
                          nvshmem=dict(nvshmem_options or {}), ibgda=ibgda, nccl=dict(nccl_options or {})))
         self._layout_eager_dev = None   # get_dispatch_layout's hot path: this GPU's index while it is open
+        self._combine_eager = None
         self._backend = backend_class(self.transport)(self._ctx)
         if self.enable_shrink and self._backend.shrink_mask() is None:
             # Same arguments on every rank: all raise here together.
@@ -137,6 +138,7 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
                              f"that runs them: nvlink, nvshmem); transport {self.transport!r} has none here")
         if device.type == "cuda" and self.nodes.num_nodes == 1:
             self._layout_eager_dev = device.index
+        self._combine_eager = self._backend.combine_eager   # combine's eager path (None: the backend has none)
 
     def _agree(self, **settings) -> None:
         """Collective: every rank passed the same `settings`; if not, every rank raises the same ValueError."""
@@ -162,7 +164,7 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() needs the Buffer to be created with explicitly_destroy=True")
         self._live().destroy()
-        self._backend = self._layout_eager_dev = None
+        self._backend = self._layout_eager_dev = self._combine_eager = None
 
     @property
     def capabilities(self) -> dict:
@@ -428,22 +430,19 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
         """Sum each token's expert outputs back on its source rank (no weights applied).
 
         Returns (combined_x [num_tokens, hidden] bf16, combined_topk_weights or None, event)."""
+        # The eager path (engines/intranode_eager.py): the common call, nothing to overlap, arguments that pass every
+        # check below (_validate.combine_eager). Its host steps before the first kernel are part of the op's time.
+        eager = self._combine_eager
+        if (eager is not None and previous_event is None and not async_finish and not allocate_on_comm_stream
+                and check.combine_eager(x, handle, topk_weights, bias, config, self._ctx.uid, self._device_index)):
+            done = eager(x, handle, topk_weights, self.num_sms if config is None else config.num_sms)
+            if done is not None:
+                return done[0], done[1], EventOverlap(None)
         backend = self._live()
         handle = self._inner(handle)
-        check.dispatch_handle(handle, self._ctx.uid)
-        check.tensor("x", x, torch.bfloat16, (handle.num_recv_rows, None), self.device)
+        num_sms, bias_0, bias_1 = check.combine_args(x, handle, topk_weights, bias, config, self._ctx.uid, self.device,
+                                                     self.num_sms)
         hidden = x.size(1)
-        check.hidden(hidden, fp8=False)
-        if topk_weights is not None:
-            check.tensor("topk_weights", topk_weights, torch.float32, (handle.num_recv_rows, None), self.device)
-            check.topk_width(topk_weights)
-        bias_0, bias_1 = check.unpack_bias(bias)
-        for name, b in (("bias[0]", bias_0), ("bias[1]", bias_1)):
-            if b is not None:
-                check.tensor(name, b, torch.bfloat16, (handle.num_tokens, hidden), self.device)
-        # The default config's only field the kernels use is num_sms: no Config built per call (this path is
-        # host time before the op's first kernel, which the GPU waits for when its stream is idle).
-        num_sms = self.num_sms if config is None else check.config(config, None).num_sms
         num_topk = 0 if topk_weights is None else topk_weights.size(1)
         check.combine_capacity(self._ctx, handle.num_tokens, hidden, num_topk)   # layout and room cached there
         args = CombineArgs(x=x, handle=handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,

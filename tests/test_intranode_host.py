@@ -9,7 +9,7 @@ import pytest
 
 from deepep_portable import jit
 from deepep_portable import errors
-from deepep_portable.engines import intranode, intranode_zero_copy
+from deepep_portable.engines import intranode, intranode_eager, intranode_zero_copy
 from deepep_portable import layout as L
 
 try:
@@ -125,6 +125,66 @@ def test_combine_plan_fills_the_layout_fields_once():
     p = intranode.CombineParams.from_buffer_copy(t)
     p.out = 42
     assert t.out == 0
+
+
+def test_eager_combine_packs_the_words_the_full_path_sets():
+    """The eager path's params (template head + the per-call words + tail) are byte for byte the full path's
+    CombineParams with the same fields set; and a struct whose per-call words are not contiguous is refused."""
+    stub = _PlanStub(8, 1 << 30)
+    _, t = intranode.IntranodeEngine._combine_plan(stub, 7168, 8)
+    t.timeout_ns, t.error_host = 123, 456   # fields after the per-call words must survive in the tail
+    begin, end = intranode_eager.call_words_span(intranode.CombineParams)
+    raw = bytes(t)
+    words = dict(x=0x7f00_0000_1000, topk_weights=0x7f00_0000_2000, x_rows=21600, rank_prefix_matrix=0x7f00_3000,
+                 send_rows=0x7f00_4000, bias_0=0, bias_1=0, out=0x7f00_5000, out_topk_weights=0x7f00_6000,
+                 num_tokens=4096)
+    p = intranode.CombineParams.from_buffer_copy(t)
+    for k, v in words.items():
+        setattr(p, k, v)
+    assert raw[:begin] + intranode_eager._CALL_WORDS.pack(*words.values()) + raw[end:] == bytes(p)
+    assert tuple(words) == intranode_eager._CALL_FIELDS
+    shuffled = type("Shuffled", (ctypes.Structure,), {"_fields_": [(f, ctypes.c_int64) for f in (
+        "x", "topk_weights", "x_rows", "rank_prefix_matrix", "send_rows", "bias_0", "out", "bias_1",
+        "out_topk_weights", "num_tokens")]})
+    with pytest.raises(AssertionError, match="contiguous"):
+        intranode_eager.call_words_span(shuffled)
+
+
+class _EagerStub:
+    """What IntranodeEngine.combine_eager reads before its first driver call."""
+
+    def __init__(self, **kw) -> None:
+        self._opened, self.broken, self.errors = None, None, type("W", (), {"words": [0]})()
+        self.profile = type("P", (), {"enabled": False})()
+        self._eager_plans, self._window_span = {}, (0, 0)
+        self.__dict__.update(kw)
+
+
+def test_eager_combine_leaves_what_it_does_not_handle_to_the_full_path(monkeypatch):
+    """combine_eager returns None (the caller takes the full path, which checks, raises and profiles) before any
+    launch or stream call when: a zero-copy round is open, the engine is broken or a kernel recorded an error, the
+    profiler is on, the handle's tokens exceed the room of this shape, or x lies inside the Buffer's window."""
+    import torch
+    monkeypatch.delenv("DEEPEP_PORTABLE_FORCE_ARCH", raising=False)
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    handle = type("H", (), {"num_tokens": 10})()
+    plan = intranode_eager.EagerCombinePlan(None, None, b"", b"", 1, room=10)
+    key = (64, 0, 16, None)
+
+    def call(**kw):
+        return intranode_eager.EagerCombine.combine_eager(_EagerStub(**kw), x, handle, None, 16)
+
+    assert call(_opened=("combine", 1, 4, 64)) is None
+    assert call(broken="a timeout earlier") is None
+    assert call(errors=type("W", (), {"words": [3]})()) is None
+    assert call(profile=type("P", (), {"enabled": True})()) is None
+    assert call(_eager_plans={key: plan._replace(room=9)}) is None
+    lo = x.data_ptr()
+    for span in ((lo - 64, lo + 1), (lo + 4 * 64 * 2 - 1, lo + (1 << 20)), (lo - 8, lo + 8)):
+        assert call(_eager_plans={key: plan}, _window_span=span) is None, span
+    # Past every refusal (room enough, x outside the window) it goes on to order the streams: no stub for that.
+    with pytest.raises(AttributeError):
+        call(_eager_plans={key: plan}, _window_span=(lo + 4 * 64 * 2, lo + (1 << 20)))
 
 
 def test_plans_follow_the_forced_architecture(monkeypatch):

@@ -300,3 +300,42 @@ def test_buffer_reports_its_capabilities(buffer):
     caps = buffer.capabilities
     assert caps == deep_ep.available_transports()["reference"].capabilities
     assert caps["peer_load_store"] is False and caps["max_channels"] == 1
+
+
+def test_combine_eager_predicate_implies_the_full_checks(buffer, device):
+    """Buffer.combine's eager path is taken only for arguments that pass every check of the full path: for a valid
+    call and each variant of it, _validate.combine_eager True implies combine_args passes; the common call (with or
+    without top-k weights, with a Config) is eager; anything with bias, a wrong type, dtype, shape, device or
+    layout is not."""
+    x, idx, w = make_inputs(device)
+    _, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, **layout_kwargs(buffer, idx))
+    uid, dev = buffer._ctx.uid, x.get_device()
+    base = dict(x=x, handle=handle, topk_weights=recv_w, bias=None, config=None)
+    eager_ok = {
+        "common": {}, "no weights": dict(topk_weights=None), "a Config": dict(config=deep_ep.Config(24)),
+    }
+    full_only = {   # the full path takes these (and passes or raises): never eager
+        "bias": dict(bias=torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16, device=device)),
+        "two biases": dict(bias=(x, x)),
+        "config tuple": dict(config=(20, 6, 256, 6, 128)),
+        "handle tuple": dict(handle=tuple(handle)),
+        "handle of another Buffer": dict(handle=handle._replace(buffer_uid=uid + 1)),
+        "x float32": dict(x=x.float()), "x 1-D": dict(x=x.flatten()), "x list": dict(x=[x]),
+        "x rows": dict(x=x[:-1].contiguous()), "x not contiguous": dict(x=x.t().contiguous().t()),
+        "x hidden 100": dict(x=x[:, :100].contiguous()), "x hidden 0": dict(x=x[:, :0].contiguous()),
+        "x 3-D": dict(x=x.view(TOKENS, 1, HIDDEN)),
+        "weights bf16": dict(topk_weights=recv_w.bfloat16()), "weights 1-D": dict(topk_weights=recv_w.flatten()),
+        "weights rows": dict(topk_weights=recv_w[:-1].contiguous()),
+        "weights too wide": dict(topk_weights=torch.zeros(TOKENS, check.MAX_TOPK + 1, device=device)),
+        "weights empty": dict(topk_weights=recv_w[:, :0].contiguous()),
+        "weights not contiguous": dict(topk_weights=torch.zeros(TOPK, TOKENS, device=device).t()),
+    }
+    for name, change in {**eager_ok, **full_only}.items():
+        args = {**base, **change}
+        eager = check.combine_eager(args["x"], args["handle"], args["topk_weights"], args["bias"], args["config"],
+                                    uid, dev)
+        assert eager == (name in eager_ok), name
+        if eager:   # then the full checks pass
+            check.combine_args(args["x"], args["handle"], args["topk_weights"], args["bias"], args["config"], uid,
+                               device, 16)
+    assert not check.combine_eager(x, handle, recv_w, None, None, uid, dev + 1)   # another device

@@ -23,6 +23,7 @@ from ..profiling import PhaseProfile
 from ..windows.base import MappedWords
 from ..windows.ipc import IpcWindow
 from .base import Engine
+from .intranode_eager import EagerCombine
 from .intranode_zero_copy import CONTROL as _CONTROL
 from .intranode_zero_copy import THREADS, ZeroCopyRounds
 from .launch import launch, params_struct, ptr, stream_handle
@@ -61,7 +62,7 @@ def vmm_buffer_wanted() -> bool:
     return os.environ.get(VMM_SWITCH, "1") != "0"
 
 
-class IntranodeEngine(ZeroCopyRounds, Engine):
+class IntranodeEngine(EagerCombine, ZeroCopyRounds, Engine):
     def __init__(self, ctx: BufferContext) -> None:
         if ctx.device.type != "cuda":
             raise RuntimeError("the nvlink transport needs a CUDA device")
@@ -79,6 +80,7 @@ class IntranodeEngine(ZeroCopyRounds, Engine):
         self._plans: dict = {}   # per call shape: (kernels, filled params template); see _plan
         self._spares: dict = {}   # (cached, N) -> the next such dispatch's small outputs; see _small_outputs
         self._init_zero_copy()   # the rows a zero-copy op reads in place (engines/intranode_zero_copy.py)
+        self._init_eager(CombineParams, THREADS)   # the combine's eager path (engines/intranode_eager.py)
         # Per call shape, the rows the next fresh dispatch allocates before its receive count is known (see
         # _learned). Opt-in (DEEPEP_PORTABLE_SPECULATIVE_RECV=1): by default the host waits for the count, as DeepEP.
         self._recv_guess: dict = {}

@@ -64,6 +64,7 @@ class KernelTransport(Transport):
                     self.normal_engine.destroy()
                 raise
         self.reference = ReferenceTransport(ctx)   # low-latency ops without the kernels
+        self.combine_eager = getattr(self.normal_engine, "combine_eager", None)
 
     # ---- normal mode ----------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs) -> DispatchResult:

@@ -668,6 +668,45 @@ def test_combine_whose_outputs_cannot_be_allocated_serves_its_peers(nvl, pg, dev
     ck.done()
 
 
+def test_eager_combine_matches_the_full_path(nvl, pg, device, request, base_seed):
+    """The common combine call (nothing to overlap, no bias, x outside the Buffer) takes the eager path
+    (engines/intranode_eager.py), with and without top-k weights and with a Config; the same inputs through the full
+    path (async_finish, then a wait on its event) give bit for bit the same outputs."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    hidden, experts = 2048, num_experts_for(32, num_ranks)
+    n = int(torch.randint(0, 150, (1,), generator=gen))
+    x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16).to(device)
+    w = torch.rand(n, 4, generator=gen).to(device)
+    idx = make_topk(n, 4, experts, gen, 0.1).to(device)
+    engine = nvl.backend.engine("normal")
+    ck = GpuChecker(pg)
+
+    def both_paths():
+        per_rank, _, per_expert, in_rank, _ = nvl.get_dispatch_layout(idx, experts)
+        recv_x, _, recv_w, _, handle, _ = nvl.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                       num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        before = engine.eager_combines
+        eager = nvl.combine(recv_x, handle, recv_w)[:2]
+        eager_no_w = nvl.combine(recv_x, handle)[0]
+        eager_cfg = nvl.combine(recv_x, handle, recv_w, config=deep_ep.Config(24))[:2]
+        taken = engine.eager_combines - before
+        full_x, full_w, event = nvl.combine(recv_x, handle, recv_w, async_finish=True)
+        event.current_stream_wait()
+        torch.cuda.synchronize()
+        return eager, eager_no_w, eager_cfg, (full_x, full_w), taken, engine.eager_combines - before
+
+    out = ck.run("eager combine against the full path", both_paths)
+    if out is not None:
+        eager, eager_no_w, eager_cfg, full, taken, after = out
+        ck.true(taken == 3 and after == 3, f"three eager combines then a full one: {taken} then {after} eager")
+        for what, got in (("eager", eager), ("eager with a Config", eager_cfg)):
+            ck.bits(got[0], full[0], f"{what} combined x vs the full path")
+            ck.bits(got[1], full[1], f"{what} combined top-k weights vs the full path")
+        ck.bits(eager_no_w, full[0], "eager combined x without weights vs the full path")
+    ck.done()
+
+
 def test_receive_outputs_allocated_before_the_count(nvl, pg, device, request, base_seed):
     """A fresh dispatch of a shape seen before allocates its outputs from the last receive count (plus 1/16, at
     least 64 rows) and pulls before it knows its own count. Rounds of one shape: no token routed (learns 0), none
