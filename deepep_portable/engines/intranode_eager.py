@@ -1,14 +1,15 @@
 """The intranode combine's eager path: the common call with the fewest host steps before its first kernel.
 
-Why: ranks reach a layer's combine together (after their experts), and every rank's pull waits for the stage of
-the rank whose host launched it last, so the host steps before the stage launch are part of the op's time. On the
-H200 (8 ranks under MPS, 16 SMs, host marks in each timed call of `bench`) the full path took 100-115 us from
-entering Buffer.combine to the stage launch's return: the launch itself 15-18 us, the rest Python (the Buffer's
-checks about 30, the stream ordering about 17, the engine's set-up about 40). The same steps cost about a tenth of
-that in a tight loop: the first call after a barrier pays for every object and bytecode it touches, so the way to a
-shorter path is fewer of them, not faster ones. This path: 47-54 us (predicate 12-14, stream ordering about 10, the
-launch 13-15). On that emulation the op gained less (1808-1817 -> 1799-1800 us): the stages of the other seven ranks
-keep HBM busy while a late one starts. Where each rank has its own GPU, the late stage delays every pull directly.
+Why: ranks reach a layer's combine together (after their experts), and every rank's pull waits for the stage of the
+rank whose host launched it last, so the host steps before the stage launch are part of the op's time. On the H200
+(8 ranks under MPS, 16 SMs, host marks in each timed call of `bench`) the full path took 88-116 us from entering
+Buffer.combine to the stage launch's return: the launch itself 11-19 us, the rest Python (the Buffer's checks 26-35,
+the stream ordering 12-20, the engine's set-up about 40; docs/PERFORMANCE.md, thirtieth session). The same steps
+cost about a tenth of that in a tight loop: the first call after a barrier pays for every object and bytecode it
+touches, so the way to a shorter path is fewer of them, not faster ones. This path: 47-54 us (predicate 12-14,
+stream ordering about 10, the launch 11-15). On that emulation the op gained less (1808-1817 -> 1799-1800 us): the
+stages of the other seven ranks keep HBM busy while a late one starts. Where each rank has its own GPU, the late
+stage delays every pull directly.
 
 Taken when Buffer.combine's cheap predicate (_validate.combine_eager) holds: nothing to overlap (no previous event,
 no async finish), no bias, x a contiguous BF16 tensor outside this Buffer. Whatever this path does not handle (a
