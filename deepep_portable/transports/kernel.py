@@ -64,7 +64,9 @@ class KernelTransport(Transport):
                     self.normal_engine.destroy()
                 raise
         self.reference = ReferenceTransport(ctx)   # low-latency ops without the kernels
-        self.combine_eager = getattr(self.normal_engine, "combine_eager", None)
+        # DEEPEP_PORTABLE_EAGER_COMBINE=0 sends every combine through the full path (an A/B switch and a way out).
+        self.combine_eager = getattr(self.normal_engine, "combine_eager", None) \
+            if os.environ.get("DEEPEP_PORTABLE_EAGER_COMBINE", "1") != "0" else None
 
     # ---- normal mode ----------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs) -> DispatchResult:

@@ -86,8 +86,18 @@ def test_both_at_once_match_each_alone(two_buffers, pg, device, request, base_se
             results.append((recv_x, *buf.combine(recv_x, handle, topk_weights=recv_w)[:2]))
     if device.type == "cuda":
         torch.cuda.synchronize()
-    bad = [f"buffer {i}: {name}" for i, (got, ref) in enumerate(zip(results, alone))
-           for name, a, b in zip(("recv_x", "combined", "combined_weights"), got, ref) if not torch.equal(a.cpu(), b)]
+    # A kernel that timed out (a wait never satisfied) recorded its error; say so rather than only "wrong bits".
+    errors = []
+    for i, buf in enumerate(two_buffers):
+        engine = getattr(buf.backend, "normal_engine", None)
+        try:
+            if engine is not None:
+                engine.check()
+        except Exception as e:   # noqa: BLE001 - reported to every rank below
+            errors.append(f"buffer {i}: {type(e).__name__}: {e}")
+    bad = errors + [f"buffer {i}: {name}" for i, (got, ref) in enumerate(zip(results, alone))
+                    for name, a, b in zip(("recv_x", "combined", "combined_weights"), got, ref)
+                    if not torch.equal(a.cpu(), b)]
     everyone = [None] * num_ranks
     dist.all_gather_object(everyone, bad, group=pg)
     assert not any(everyone), everyone
