@@ -619,17 +619,24 @@ def test_zero_copy_dispatch_matches_the_staged_one_and_refuses_stale_rows(nvl, p
     ck.done()
 
 
+def combine_inputs(pg, device, request, base_seed, min_tokens: int):
+    """(rank, num_ranks, experts, x, w, idx) of the combine tests below: up to 149 tokens of hidden 2048, top-4 of
+    32 experts (per rank count), seeded per rank."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    hidden, experts = 2048, num_experts_for(32, num_ranks)
+    n = int(torch.randint(min_tokens, 150, (1,), generator=gen))
+    x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16).to(device)
+    w = torch.rand(n, 4, generator=gen).to(device)
+    idx = make_topk(n, 4, experts, gen, 0.1).to(device)
+    return rank, num_ranks, experts, x, w, idx
+
+
 def test_combine_whose_outputs_cannot_be_allocated_serves_its_peers(nvl, pg, device, request, base_seed):
     """The combine allocates its outputs after its stage kernel's launch (host time off the GPU's path). When that
     allocation fails on one rank (out of memory, forced here), the rank still runs a pull of no tokens: its peers'
     combines finish with their right result, it raises the allocation error, and the next combine works everywhere."""
-    rank, num_ranks = world(pg)
-    gen = generator(request, base_seed, rank)
-    hidden, experts = 2048, num_experts_for(32, num_ranks)
-    n = int(torch.randint(1, 150, (1,), generator=gen))
-    x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16).to(device)
-    w = torch.rand(n, 4, generator=gen).to(device)
-    idx = make_topk(n, 4, experts, gen, 0.1).to(device)
+    rank, num_ranks, experts, x, w, idx = combine_inputs(pg, device, request, base_seed, min_tokens=1)
     engine = nvl.backend.engine("normal")
     failing = num_ranks - 1
     ck = GpuChecker(pg)
@@ -672,13 +679,7 @@ def test_eager_combine_matches_the_full_path(nvl, pg, device, request, base_seed
     """The common combine call (nothing to overlap, no bias, x outside the Buffer) takes the eager path
     (engines/intranode_eager.py), with and without top-k weights and with a Config; the same inputs through the full
     path (async_finish, then a wait on its event) give bit for bit the same outputs."""
-    rank, num_ranks = world(pg)
-    gen = generator(request, base_seed, rank)
-    hidden, experts = 2048, num_experts_for(32, num_ranks)
-    n = int(torch.randint(0, 150, (1,), generator=gen))
-    x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16).to(device)
-    w = torch.rand(n, 4, generator=gen).to(device)
-    idx = make_topk(n, 4, experts, gen, 0.1).to(device)
+    _, _, experts, x, w, idx = combine_inputs(pg, device, request, base_seed, min_tokens=0)
     engine = nvl.backend.engine("normal")
     ck = GpuChecker(pg)
 
