@@ -187,6 +187,95 @@ def test_eager_combine_leaves_what_it_does_not_handle_to_the_full_path(monkeypat
         call(_eager_plans={key: plan}, _window_span=(lo + 4 * 64 * 2, lo + (1 << 20)))
 
 
+def _stub_engine(monkeypatch, log: list):
+    """An IntranodeEngine without a GPU: kernels, launches and stream waits recorded in `log` (CPU tensors)."""
+    import types
+    import torch
+
+    class Fn:
+        def __init__(self, name):
+            self.name, self.device = name, 0
+
+        def launch(self, grid, block, smem, stream, params, *rest):
+            log.append(("launch", self.name, grid, block, smem, stream, bytes(params), rest))
+
+    monkeypatch.setattr(intranode, "launch", lambda fn, grid, block, p, s, *a, **k:
+                        log.append(("launch", fn.name, grid, block, 0, s, bytes(p), ())))
+    monkeypatch.setattr(intranode_eager, "stream_wait_stream", lambda dev, waiter, waited:
+                        log.append(("wait", waiter, waited)))
+    monkeypatch.setattr(intranode_eager, "current_stream_handle", lambda dev: 777)
+    monkeypatch.delenv("DEEPEP_PORTABLE_FORCE_ARCH", raising=False)
+    eng = intranode.IntranodeEngine.__new__(intranode.IntranodeEngine)
+    eng.ctx = types.SimpleNamespace(num_nvl_bytes=1 << 26, comm_stream=types.SimpleNamespace(cuda_stream=555),
+                                    device=torch.device("cpu"), timeout_s=100.0, uid=1)
+    eng.rank, eng.num_ranks, eng.broken, eng.base, eng.dev = 1, 4, None, 1 << 40, 0
+    eng.peer_bases = torch.zeros(4, dtype=torch.int64)
+    eng.errors = types.SimpleNamespace(words=[0], dev=12345)
+    eng.window = types.SimpleNamespace(grid=lambda n: min(int(n), 16), base=None, size=1 << 26)
+    eng.profile = types.SimpleNamespace(enabled=False, start=lambda c: None, host_time=lambda *a: None,
+                                        mark=lambda *a: None, finish=lambda *a: None)
+    eng._plans, eng._kernel = {}, lambda source, name, defines: Fn(name)
+    eng.error_claim, eng.ctrl = eng.base + 8, list(range(11))
+    eng._init_zero_copy()
+    eng._init_eager(intranode.CombineParams, intranode.THREADS)
+    return eng
+
+
+@pytest.mark.parametrize("topk", [0, 4])
+@pytest.mark.parametrize("outputs_fail", [False, True])
+def test_eager_combine_launches_what_the_full_path_launches(monkeypatch, topk, outputs_fail):
+    """On an engine whose launches are recorded: the eager path launches the same kernels, with the same grid, block,
+    stream and params bytes (but the fresh output pointers) as the full path; the comm stream waits for the caller's
+    before the first and the caller's for the comm stream after the last. When the outputs cannot be allocated, both
+    launch the stage, then a pull of no tokens, and raise."""
+    import torch
+    from deepep_portable.contract import CombineArgs
+    from deepep_portable.handles import DispatchHandle
+
+    log: list = []
+    eng = _stub_engine(monkeypatch, log)
+    if outputs_fail:
+        def no_memory(*_args):
+            raise MemoryError("forced")
+        eng._combine_outputs = no_memory
+    rows, hidden, tokens = 37, 256, 20
+    x = torch.randn(rows, hidden).bfloat16()
+    w = torch.rand(rows, topk) if topk else None
+    handle = DispatchHandle(torch.zeros(4, 4, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32), None,
+                            torch.zeros(tokens, 4, dtype=torch.int32), rows, rows, tokens, hidden, 1)
+    runs = []
+    for call in (lambda: eng.combine(CombineArgs(x=x, handle=handle, topk_weights=w, bias_0=None, bias_1=None,
+                                                 num_sms=24)),
+                 lambda: eng.combine_eager(x, handle, w, 24)):
+        log.clear()
+        if outputs_fail:
+            with pytest.raises(MemoryError):
+                call()
+        else:
+            call()
+        runs.append(list(log))
+    full, eager = runs
+    out = intranode.CombineParams.out.offset   # out and out_topk_weights: fresh per call
+
+    def masked(entries):
+        return [e[:6] + (e[6][:out] + e[6][out + 16:], e[7]) for e in entries if e[0] == "launch"]
+
+    assert [e[1] for e in masked(full)] == list(intranode.COMBINE_KERNELS)
+    assert masked(eager) == masked(full)
+    first = [[e for e in run if e[0] == "launch"][0] for run in (full, eager)]
+    assert first[0][6] == first[1][6]   # the stage's params, byte for byte
+    waits = [e for e in eager if e[0] == "wait"]
+    assert eager[0] == ("wait", 555, 777)
+    assert waits == ([("wait", 555, 777)] if outputs_fail else [("wait", 555, 777), ("wait", 777, 555)])
+    if not outputs_fail:
+        assert eager[-1] == ("wait", 777, 555) and eng.eager_combines == 1
+        pull = intranode.CombineParams.from_buffer_copy(eager[2][6])
+        assert (pull.num_tokens, pull.x_rows) == (tokens, rows) and pull.out != 0
+    else:
+        pull = intranode.CombineParams.from_buffer_copy(eager[2][6])
+        assert (pull.num_tokens, pull.out) == (0, 0)
+
+
 def test_plans_follow_the_forced_architecture(monkeypatch):
     """A plan holds loaded kernels: forcing another architecture (DEEPEP_PORTABLE_FORCE_ARCH, e.g. the
     sm_80 variant on a Hopper GPU) must build a new one, as the kernel cache does."""

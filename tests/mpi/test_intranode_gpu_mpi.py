@@ -632,10 +632,12 @@ def combine_inputs(pg, device, request, base_seed, min_tokens: int):
     return rank, num_ranks, experts, x, w, idx
 
 
-def test_combine_whose_outputs_cannot_be_allocated_serves_its_peers(nvl, pg, device, request, base_seed):
+@pytest.mark.parametrize("path", ["eager", "full"])
+def test_combine_whose_outputs_cannot_be_allocated_serves_its_peers(nvl, pg, device, request, base_seed, path):
     """The combine allocates its outputs after its stage kernel's launch (host time off the GPU's path). When that
     allocation fails on one rank (out of memory, forced here), the rank still runs a pull of no tokens: its peers'
-    combines finish with their right result, it raises the allocation error, and the next combine works everywhere."""
+    combines finish with their right result, it raises the allocation error, and the next combine works everywhere.
+    Both paths: the eager one (the plain call) and the full one (async_finish, then a wait on its event)."""
     rank, num_ranks, experts, x, w, idx = combine_inputs(pg, device, request, base_seed, min_tokens=1)
     engine = nvl.backend.engine("normal")
     failing = num_ranks - 1
@@ -652,7 +654,11 @@ def test_combine_whose_outputs_cannot_be_allocated_serves_its_peers(nvl, pg, dev
         if rank == failing:
             engine._combine_outputs = no_memory   # this instance only; removed below
         try:
-            first = nvl.combine(recv_x, handle, recv_w)[:2]
+            if path == "eager":
+                first = nvl.combine(recv_x, handle, recv_w)[:2]
+            else:
+                *first, event = nvl.combine(recv_x, handle, recv_w, async_finish=True)
+                event.current_stream_wait()
         except torch.cuda.OutOfMemoryError as e:
             raised = str(e)
         finally:
@@ -692,15 +698,17 @@ def test_eager_combine_matches_the_full_path(nvl, pg, device, request, base_seed
         eager_no_w = nvl.combine(recv_x, handle)[0]
         eager_cfg = nvl.combine(recv_x, handle, recv_w, config=deep_ep.Config(24))[:2]
         taken = engine.eager_combines - before
+        config_grid = any(key[2] == 24 for key in engine._eager_plans)   # (hidden, topk, num_sms, arch)
         full_x, full_w, event = nvl.combine(recv_x, handle, recv_w, async_finish=True)
         event.current_stream_wait()
         torch.cuda.synchronize()
-        return eager, eager_no_w, eager_cfg, (full_x, full_w), taken, engine.eager_combines - before
+        return eager, eager_no_w, eager_cfg, (full_x, full_w), taken, engine.eager_combines - before, config_grid
 
     out = ck.run("eager combine against the full path", both_paths)
     if out is not None:
-        eager, eager_no_w, eager_cfg, full, taken, after = out
+        eager, eager_no_w, eager_cfg, full, taken, after, config_grid = out
         ck.true(taken == 3 and after == 3, f"three eager combines then a full one: {taken} then {after} eager")
+        ck.true(config_grid, "the combine with Config(24) must take its plan for 24 SMs")
         for what, got in (("eager", eager), ("eager with a Config", eager_cfg)):
             ck.bits(got[0], full[0], f"{what} combined x vs the full path")
             ck.bits(got[1], full[1], f"{what} combined top-k weights vs the full path")
