@@ -17,7 +17,9 @@
 #   --mode internode, RANKS_PER_NODE=N/2 by default), soak (python -m deepep_portable soak: normal and LL,
 #   eager and graph, SOAK_ROUNDS=100000 per case; SOAK_ARGS for more), fuzz (the seeded fuzz
 #   over FUZZ_TRANSPORT=nvlink, FUZZ_CASES=200 per mode), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
-#   mpitests (MPI_TESTS="FILE [-k EXPR]" at N ranks), benchll (bench --mode low_latency), hostcosts (scripts/host_costs.py: host cost of the steps before
+#   mpitests (MPI_TESTS="FILE [-k EXPR]" at N ranks), buffers (two Buffers at once and many Buffers at N ranks, with -s, the
+#   combine's eager path on then off, DEEPEP_PORTABLE_TIMEOUT_S=15 by default: a deadlock of two Buffers' kernels shows
+#   as a named timeout within seconds), benchll (bench --mode low_latency), hostcosts (scripts/host_costs.py: host cost of the steps before
 #   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT, in parts jit_cache.tgz.NN).
 #   NUM_SMS=16 (normal mode), LL_NUM_SMS (low-latency mode; default: Buffer's); BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420);
 #   BENCH_ARGS: extra arguments for every bench step (e.g. "--start-line host").
@@ -117,6 +119,14 @@ for s in $STEPS; do
             stop_mps ;;
     mpitests) start_mps   # any MPI tests at N ranks: MPI_TESTS="FILE [-k EXPR]"
             step mpitests $MPIRUN ${DEEPEP_TEST_MANY_BUFFERS:+-x DEEPEP_TEST_MANY_BUFFERS} -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi ${MPI_TESTS:?set MPI_TESTS}
+            stop_mps ;;
+    buffers) start_mps
+            for eager in 1 0; do
+                DEEPEP_PORTABLE_EAGER_COMBINE=$eager DEEPEP_PORTABLE_TIMEOUT_S=${DEEPEP_PORTABLE_TIMEOUT_S:-15} \
+                    step "buffers_eager$eager" $MPIRUN -x DEEPEP_PORTABLE_EAGER_COMBINE -x DEEPEP_PORTABLE_TIMEOUT_S \
+                    -n "$RANKS" $PY -m pytest -q -s -p no:cacheprovider --with-mpi tests/mpi/test_two_buffers_mpi.py \
+                    tests/mpi/test_many_buffers_gpu_mpi.py
+            done
             stop_mps ;;
     hostcosts) start_mps; step hostcosts $PY scripts/host_costs.py --procs "$RANKS"; stop_mps ;;
     cache)  # in parts of 15 MiB (files back from the lent machine are at most 16 MiB each)
