@@ -156,14 +156,14 @@ class _EagerStub:
     def __init__(self, **kw) -> None:
         self._opened, self.broken, self.errors = None, None, type("W", (), {"words": [0]})()
         self.profile = type("P", (), {"enabled": False})()
-        self._eager_plans, self._window_span = {}, (0, 0)
+        self._eager_plans, self._send_area = {}, (0, 0)
         self.__dict__.update(kw)
 
 
 def test_eager_combine_leaves_what_it_does_not_handle_to_the_full_path(monkeypatch):
     """combine_eager returns None (the caller takes the full path, which checks, raises and profiles) before any
     launch or stream call when: a zero-copy round is open, the engine is broken or a kernel recorded an error, the
-    profiler is on, the handle's tokens exceed the room of this shape, or x lies inside the Buffer's window."""
+    profiler is on, the handle's tokens exceed the room of this shape, or x overlaps the Buffer's send area."""
     import torch
     monkeypatch.delenv("DEEPEP_PORTABLE_FORCE_ARCH", raising=False)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
@@ -181,10 +181,10 @@ def test_eager_combine_leaves_what_it_does_not_handle_to_the_full_path(monkeypat
     assert call(_eager_plans={key: plan._replace(room=9)}) is None
     lo = x.data_ptr()
     for span in ((lo - 64, lo + 1), (lo + 4 * 64 * 2 - 1, lo + (1 << 20)), (lo - 8, lo + 8)):
-        assert call(_eager_plans={key: plan}, _window_span=span) is None, span
-    # Past every refusal (room enough, x outside the window) it goes on to order the streams: no stub for that.
+        assert call(_eager_plans={key: plan}, _send_area=span) is None, span
+    # Past every refusal (room enough, x outside the send area) it goes on to order the streams: no stub for that.
     with pytest.raises(AttributeError):
-        call(_eager_plans={key: plan}, _window_span=(lo + 4 * 64 * 2, lo + (1 << 20)))
+        call(_eager_plans={key: plan}, _send_area=(lo + 4 * 64 * 2, lo + (1 << 20)))
 
 
 def _stub_engine(monkeypatch, log: list):

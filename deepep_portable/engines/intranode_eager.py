@@ -12,10 +12,11 @@ stages of the other seven ranks keep HBM busy while a late one starts. Where eac
 stage delays every pull directly.
 
 Taken when Buffer.combine's cheap predicate (_validate.combine_eager) holds: nothing to overlap (no previous event,
-no async finish), no bias, x a contiguous BF16 tensor outside this Buffer. Whatever this path does not handle (a
-zero-copy round opened, a kernel error to report, a shape whose capacity is exceeded, the profiler on) returns None,
-and the caller takes the full path (IntranodeEngine.combine), which checks, raises and profiles. Both launch the same
-kernels with the same parameters on the same stream, ordered the same way as Buffer._op orders the full path.
+no async finish), no bias, x a contiguous BF16 tensor outside this Buffer's send area. Whatever this path does not
+handle (a zero-copy round opened, a kernel error to report, a shape whose capacity is exceeded, the profiler on)
+returns None, and the caller takes the full path (IntranodeEngine.combine), which checks, raises and profiles. Both
+launch the same kernels with the same parameters on the same stream, ordered the same way as Buffer._op orders the
+full path.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def call_words_span(params_cls) -> Tuple[int, int]:
 
 
 class EagerCombine:
-    """Mixin of IntranodeEngine (which provides _plan, _combine_plan, _combine_outputs, grid, window, profile)."""
+    """Mixin of IntranodeEngine (which provides _plan, _combine_plan, _combine_outputs, grid, profile, and the
+    zero-copy rounds' _opened and _send_area)."""
 
     def _init_eager(self, params_cls, threads: int) -> None:
         self._eager_plans: dict = {}
@@ -61,7 +63,6 @@ class EagerCombine:
         self._eager_span = call_words_span(params_cls)
         self._eager_threads = threads
         self._comm = int(self.ctx.comm_stream.cuda_stream)
-        self._window_span = (self.base, self.base + self.ctx.num_nvl_bytes)
 
     def _eager_plan(self, key: tuple) -> EagerCombinePlan:
         hidden, topk, num_sms, _ = key
@@ -84,9 +85,9 @@ class EagerCombine:
         key = (hidden, topk, num_sms, forced_arch())
         plan = self._eager_plans.get(key) or self._eager_plan(key)
         lo = x.data_ptr()
-        lo_window, hi_window = self._window_span
-        if handle.num_tokens > plan.room or (lo < hi_window and lo + 2 * rows * hidden > lo_window):
-            return None   # the full path raises (capacity), or reads x in place or refuses it (inside the Buffer)
+        lo_area, hi_area = self._send_area   # the zero-copy rounds' (it covers the combine's rows and weights)
+        if handle.num_tokens > plan.room or (lo < hi_area and lo + 2 * rows * hidden > lo_area):
+            return None   # the full path raises (capacity), or reads x in place or refuses it (in the send area)
         dev, comm, threads = self.dev, self._comm, self._eager_threads
         current = current_stream_handle(dev)
         stream_wait_stream(dev, comm, current)
