@@ -1,6 +1,6 @@
 """Host cost of the steps an op takes before its first kernel, with N processes sharing the GPU.
 
-    python scripts/host_costs.py [--procs 8] [--iters 300]
+    python dev/host_costs.py [--procs 8] [--iters 300]
 
 The intranode dispatch spends 140-180 us of host time before its stage kernel on the H200 with 8
 ranks under MPS (docs/PERFORMANCE.md), and the GPU idles through it when the op starts on an idle

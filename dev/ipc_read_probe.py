@@ -1,7 +1,7 @@
 """Are reads of a peer's memory slower than writes to it? N ranks sharing the GPU (start MPS first, as
 gpu_tests.sh does) each move the same bytes per rank, every rank at once, with the same block count:
 
-    python scripts/ipc_read_probe.py [--procs 8] [--mib 160] [--blocks 8 16]
+    python dev/ipc_read_probe.py [--procs 8] [--mib 160] [--blocks 8 16]
 
   local       one copy from a tensor to a tensor of this process
   push        my bytes written in 1/N slices into every rank's window (the bench's pattern ceiling)
@@ -10,8 +10,8 @@ gpu_tests.sh does) each move the same bytes per rank, every rank at once, with t
   pull_vmm    `pull` over a window of VMM memory shared by file descriptor instead of legacy CUDA IPC
 
 The intranode pulls (dispatch, combine) run at 2.0-2.75 TB/s of HBM traffic on the 8-rank emulation while
-their stage kernels, which read and write local memory, reach 4.4 TB/s (docs/PERFORMANCE.md, twentieth
-session); this separates the peer mapping from the kernels' access patterns. Rank 0 prints a table.
+their stage kernels, which read and write local memory, reach 4.4 TB/s (per-rank profiles on the H200);
+this separates the peer mapping from the kernels' access patterns. Rank 0 prints a table.
 """
 import argparse
 import statistics

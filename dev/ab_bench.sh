@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Same-run A/B of `python -m deepep_portable bench` between two source trees (e.g. a refactor against
 # the commit before it), on one GPU machine, ranks sharing the GPU(s) under MPS:
-#   bash scripts/ab_bench.sh TREE_A TREE_B [ranks=8] [rounds=2]
+#   bash dev/ab_bench.sh TREE_A TREE_B [ranks=8] [rounds=2]
 # Builds _C in place in each tree, then for each round runs every bench of BENCHES in tree A, then in
 # tree B (A B A B ...: drift of the machine hits both alike), each with its own JIT cache, and prints
 # every table, then one line per (bench, op): the op's time in each run of A and of B and B/A of the
@@ -10,11 +10,11 @@
 # at 128 tokens over nvlink and nvshmem). Logs in $OUT (or .gpu_out). AB_PYTHONPATH: extra import paths for
 # both trees' runs (e.g. a DeepEP build, with BENCHES="--mode normal --tokens 4096 --compare deep_ep").
 # AB_ENV_A / AB_ENV_B: space-separated VAR=value for A's / B's runs only: one tree against itself with a switch,
-#   e.g. AB_ENV_B=DEEPEP_PORTABLE_LL_VMM=0 BENCHES="--mode low_latency --tokens 128" bash scripts/ab_bench.sh . . 8 2
+#   e.g. AB_ENV_B=DEEPEP_PORTABLE_LL_VMM=0 BENCHES="--mode low_latency --tokens 128" bash dev/ab_bench.sh . . 8 2
 set -uo pipefail
 A=$(cd "$1" && pwd); B=$(cd "$2" && pwd)
 RANKS=${3:-8}; ROUNDS=${4:-2}
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/gpu_env.sh"
 BENCHES=${BENCHES:-"--mode normal --num-sms 16 --tokens 4096;--mode normal --num-sms 16 --tokens 4096 --no-fp8;--mode low_latency --transport nvlink --tokens 128;--mode low_latency --transport nvshmem --tokens 128"}
 
 for t in $(printf '%s\n' "$A" "$B" | sort -u); do

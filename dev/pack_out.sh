@@ -2,7 +2,7 @@
 # Last thing in a device call: the lent machine sends back at most 8 files from $OUT, so pack every log
 # under $OUT (or .gpu_out) into $OUT/logs.tgz, leaving beside it only the JIT cache parts (jit_cache.tgz.NN,
 # written by gpu_tests.sh's `cache` step) and any file named in KEEP (space-separated names under $OUT).
-#   usage: bash scripts/pack_out.sh        then here: tar xzf <files_at>/logs.tgz -C somewhere
+#   usage: bash dev/pack_out.sh        then here: tar xzf <files_at>/logs.tgz -C somewhere
 set -euo pipefail
 OUT=${OUT:-$PWD/.gpu_out}
 cd "$OUT"

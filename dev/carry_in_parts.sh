@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Bring a file larger than one device call may carry (64 MiB in all) to the lent GPU machine, over several calls
-# made while the machine stays warm (e.g. the ~340 MB libnccl.so.2 of NCCL >= 2.30 for issue 18's one try of
+# made while the machine stays warm (e.g. the ~340 MB libnccl.so.2 of NCCL >= 2.30 for a try of
 # two ranks on one GPU, NCCL_MULTI_RANK_GPU_ENABLE=1). Parts travel in .parts/ (ignored: carry it), are moved on
 # arrival to .stash/ (ignored, not carried: a warm machine keeps it between calls), and are joined at the end.
-#   here:       bash scripts/carry_in_parts.sh split FILE            -> .parts/NAME.NN (55 MiB each) + NAME.sha256
+#   here:       bash dev/carry_in_parts.sh split FILE            -> .parts/NAME.NN (55 MiB each) + NAME.sha256
 #               (then move all but one part out of .parts/ and bring them in one call at a time)
-#   each call:  bash scripts/carry_in_parts.sh stash                 (first thing in the command)
-#   last call:  bash scripts/carry_in_parts.sh join NAME DEST        (checks the sha256; DEST: the file to write)
+#   each call:  bash dev/carry_in_parts.sh stash                 (first thing in the command)
+#   last call:  bash dev/carry_in_parts.sh join NAME DEST        (checks the sha256; DEST: the file to write)
 set -euo pipefail
 cmd=${1:?usage: carry_in_parts.sh split FILE | stash | join NAME DEST}
 case $cmd in
