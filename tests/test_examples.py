@@ -1,0 +1,39 @@
+"""The examples run as written (each spawns its own 2 local ranks: CPU and gloo here, the reference
+transport), and the README's quick start is examples/quickstart.py, so the two cannot drift apart."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Launcher variables of an outer torchrun / mpirun would make the example join that job instead of spawning.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
+                  "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+@pytest.mark.parametrize("name, success", [("quickstart.py", "quickstart OK: 2 ranks"),
+                                           ("low_latency.py", "low_latency OK: 2 ranks")])
+def test_example_runs(name, success):
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert success in proc.stdout, output[-4000:]
+
+
+def test_readme_quick_start_is_examples_quickstart():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = readme.split("## Quick start", 1)
+    assert len(section) == 2, "README.md has no '## Quick start' section"
+    block = re.search(r"```python\n(.*?)```", section[1], re.S)
+    assert block, "README.md's quick start has no python code block"
+    example = open(os.path.join(ROOT, "examples", "quickstart.py"), encoding="utf-8").read()
+    assert block.group(1) == example, "README.md's quick start differs from examples/quickstart.py"
