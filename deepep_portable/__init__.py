@@ -7,10 +7,10 @@ from .buffer import Buffer, topk_idx_t
 from .config import Config
 from .event import EventOverlap
 from .handles import DispatchHandle, InternodeHandle, LowLatencyHandle
-from .errors import CommTimeoutError
+from .errors import CommError, CommTimeoutError, PeerFailedError, PeersAbsentError
 from .transports import TransportStatus, available_transports
 
 __version__ = "0.1.0"
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t", "DispatchHandle", "InternodeHandle", "LowLatencyHandle",
-           "TransportStatus", "CommTimeoutError", "available_transports", "__version__"]
+           "TransportStatus", "CommError", "CommTimeoutError", "PeerFailedError", "PeersAbsentError", "available_transports", "__version__"]

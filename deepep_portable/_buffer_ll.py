@@ -10,6 +10,7 @@ import torch
 
 from . import _validate as check
 from .contract import LowLatencyCombineArgs, LowLatencyDispatchArgs
+from .failures import collective_op
 from .handles import LowLatencyHandle
 from .logfmt import chunk_channels as logfmt_chunk
 
@@ -22,6 +23,7 @@ class LowLatencyOps:
         check.low_latency(self._ctx, num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._live().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    @collective_op("low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -74,6 +76,7 @@ class LowLatencyOps:
         out_x = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
         return out_x, res.recv_count, res.handle, result[0], res.hook
 
+    @collective_op("low_latency_combine")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,

@@ -19,7 +19,9 @@ from ._buffer_ll import LowLatencyOps
 from ._buffer_zero_copy import ZeroCopyInputs
 from .comm import Comm
 from .config import DEFAULT_NUM_SMS, Config
+from .errors import CommError
 from .event import EventOverlap
+from .failures import collective_op
 from .handles import DispatchHandle, InternodeHandle
 from .contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, Transport
 from .engines.dispatch_layout import dispatch_layout, dispatch_layout_current_stream
@@ -30,6 +32,7 @@ from .transports import backend_class, internode_normal_transports, resolve
 
 topk_idx_t = torch.int64
 _uids = itertools.count(1)
+_tags = itertools.count(0)
 
 DEFAULT_TIMEOUT_S = 100.0
 
@@ -94,8 +97,9 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
             nccl_environment(nccl_options)
         # Collective, before anything is set up: the windows are symmetric, so these must match on every rank.
         # (ranks_per_node: topology.node_layout checks it with the environment's value.)
-        self._agree(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes, low_latency_mode=bool(low_latency_mode),
-                    num_qps_per_rank=num_qps_per_rank, enable_shrink=bool(enable_shrink), transport=transport)
+        tag = self._agree(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
+                          low_latency_mode=bool(low_latency_mode), num_qps_per_rank=num_qps_per_rank,
+                          enable_shrink=bool(enable_shrink), transport=transport)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -126,7 +130,9 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
             options=dict(num_qps_per_rank=num_qps_per_rank,
                          allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
                          allow_mnnvl=allow_mnnvl, enable_shrink=self.enable_shrink,
-                         nvshmem=dict(nvshmem_options or {}), ibgda=ibgda, nccl=dict(nccl_options or {})))
+                         nvshmem=dict(nvshmem_options or {}), ibgda=ibgda, nccl=dict(nccl_options or {})),
+            tag=tag)
+        self._failed: Optional[str] = None   # why an earlier op left this Buffer unusable (failures.py)
         self._layout_eager_dev = None   # get_dispatch_layout's hot path: this GPU's index while it is open
         self._combine_eager = None
         self._backend = backend_class(self.transport)(self._ctx)
@@ -140,14 +146,17 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
             self._layout_eager_dev = device.index
         self._combine_eager = self._backend.combine_eager   # combine's eager path (None: the backend has none)
 
-    def _agree(self, **settings) -> None:
-        """Collective: every rank passed the same `settings`; if not, every rank raises the same ValueError."""
-        everyone = self._comm.allgather_object(settings)
-        differ = [k for k in settings if len({repr(s[k]) for s in everyone}) > 1]
+    def _agree(self, **settings) -> int:
+        """Collective: every rank passed the same `settings`; if not, every rank raises the same ValueError.
+        Returns the message tag of this Buffer's agreements (rank 0's pick, so the same on every rank; two
+        Buffers on one group get different ones)."""
+        everyone = self._comm.allgather_object((settings, next(_tags)))
+        differ = [k for k in settings if len({repr(s[k]) for s, _ in everyone}) > 1]
         if differ:
-            detail = "; ".join(f"{k}: " + ", ".join(f"rank {r} {s[k]!r}" for r, s in enumerate(everyone))
+            detail = "; ".join(f"{k}: " + ", ".join(f"rank {r} {s[k]!r}" for r, (s, _) in enumerate(everyone))
                                for k in differ)
             raise ValueError(f"ranks disagree on Buffer arguments that must be equal on every rank: {detail}")
+        return 1000 + 2 * (everyone[0][1] % 15000)   # two tags each (failures.py), within MPI's smallest tag bound
 
     def _node_layout(self, ranks_per_node: Optional[int], num_nvl_bytes: int) -> NodeLayout:
         """Collective: the nodes of this group (topology.node_layout). A group whose machines hold unequal or
@@ -221,6 +230,25 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
     def get_combine_config(num_ranks: int) -> Config:
         check.positive_int("num_ranks", num_ranks)
         return Config(Buffer.num_sms, 4 if num_ranks > 4 else (9 if num_ranks > 2 else 10), 256, 6, 128)
+
+    def synchronize(self) -> None:
+        """Wait for this Buffer's work on the device and raise what failed there (ours, not DeepEP's).
+
+        Ops return before their kernels finish; a kernel that gave up waiting for a peer records why, and the
+        Buffer raises it at the next op on this rank, or here. Outputs of an op are valid only once a later
+        call (this one, or any op) returned without raising. Every rank's error names the peer that caused it
+        (docs/RELIABILITY.md)."""
+        if self._failed is not None:
+            raise CommError(f"synchronize on rank {self.rank}: {self._failed}")
+        try:
+            self._live().synchronize()
+        except CommError as e:
+            err = self._live().failed("synchronize", self._ctx.calls, e)
+            if not getattr(err, "usable", False):
+                self._failed = f"an earlier op failed and left this Buffer unusable ({err})"
+            if err is e:
+                raise
+            raise err from e
 
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
         return self._comm_stream
@@ -337,6 +365,7 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
         per_node = is_token_in_rank.view(-1, nodes.num_nodes, nodes.ranks_per_node).any(dim=2)
         return per_node.sum(dim=0, dtype=torch.int32)
 
+    @collective_op("dispatch")
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[DispatchHandle] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -423,6 +452,7 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
         """The DispatchHandle an internode handle holds (any other object is checked as it is)."""
         return handle.inner if isinstance(handle, InternodeHandle) else handle
 
+    @collective_op("combine")
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,

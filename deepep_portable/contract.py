@@ -78,6 +78,8 @@ class BufferContext:
     comm_stream: Optional[torch.cuda.Stream] = None   # where device work is enqueued (None on CPU)
     ranks_per_node: int = 0              # topology.NodeLayout; 0 = every rank in one node
     options: dict = field(default_factory=dict)
+    tag: int = 1000                      # message tag of this Buffer's agreements (the same on every rank)
+    calls: int = 0                       # collective ops begun, counted alike on every rank (failures.py)
 
     @property
     def num_nodes(self) -> int:
@@ -255,6 +257,24 @@ class Transport(abc.ABC):
         ops neither send to nor wait for, written by the kernels on the comm stream; None when this
         backend has no shrink mode (or it is off)."""
         return None
+
+    # ---- when an op fails on some rank (failures.py, docs/RELIABILITY.md) --------------------------------
+    def refuse(self, op: str, call: int, reason: str) -> None:
+        """This rank refused call `call` of `op` before launching any of it (Buffer's checks or the backend's
+        own): tell the peers that may be waiting for it, so that they end the same call with a named error
+        instead of hanging or pairing it with this rank's next call. Returns when the Buffer works for the
+        next op; raises a CommError when it cannot be used again (a peer ran the call). Default: a backend
+        whose peers never wait for this rank (one rank)."""
+
+    def failed(self, op: str, call: int, error: Exception) -> Exception:
+        """Call `call` of `op` ended on this rank with `error` (a CommError: a kernel's record, a peer that never
+        came): the exception Buffer raises instead (e.g. naming the peer's own failure that caused it). Unless
+        it is a CommError with `usable`, the Buffer refuses every later op."""
+        return error
+
+    def synchronize(self) -> None:
+        """Wait for this Buffer's work on the device; raise what failed there (a CommError). Default: a backend
+        that finishes its work before each op returns."""
 
     @abc.abstractmethod
     def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:

@@ -14,7 +14,41 @@ import re
 from typing import Dict, Tuple
 
 
-class CommTimeoutError(RuntimeError):
+class CommError(RuntimeError):
+    """An op that did not complete on every rank: a peer failed, never came, or a wait ran out of time.
+    `usable` says whether the Buffer works for the next op (every rank agrees on it)."""
+
+    usable = False
+
+
+class PeerFailedError(CommError):
+    """Other ranks raised before launching the same call (a bad argument or a failed allocation there), so
+    this rank's call did not run either. `failures` maps each such rank to its error message. Nothing was
+    launched on any rank: the Buffer works for the next op."""
+
+    usable = True
+
+    def __init__(self, op: str, rank: int, failures: dict) -> None:
+        who = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+        super().__init__(f"{op} on rank {rank} did not run: other ranks rejected the same call before launching "
+                         f"it ({who}); nothing was launched on any rank and the Buffer can be used again")
+        self.op, self.rank, self.failures = op, rank, dict(failures)
+
+
+class PeersAbsentError(CommError):
+    """Some ranks did not reach the same call within the Buffer's timeout (dead, stuck, or in another call).
+    The Buffer is unusable afterwards (messages to those ranks may still be in flight)."""
+
+    def __init__(self, op: str, rank: int, absent, timeout_s: float, detail: str = "") -> None:
+        ranks = ", ".join(str(r) for r in sorted(absent))
+        super().__init__(f"{op} on rank {rank}: rank{'s' if len(absent) > 1 else ''} {ranks} did not reach the same "
+                         f"call within {timeout_s:g} s{detail}; this Buffer cannot be used again, create a new one "
+                         f"on every rank")
+        self.op, self.rank, self.absent = op, rank, sorted(absent)
+        self.statuses: dict = {}   # what the ranks that did take part said (agreement.agree)
+
+
+class CommTimeoutError(CommError):
     """A wait for a peer ran past the Buffer's timeout. The Buffer is unusable afterwards."""
 
     def __init__(self, op: str, rank: int, peer: int, channel: int, timeout_s: float) -> None:
@@ -54,8 +88,9 @@ def table() -> Tuple[Dict[str, int], Dict[int, str]]:
     return codes, ops
 
 
-def from_record(record: Tuple[int, int, int, int, int, int], timeout_s: float) -> Exception:
-    """The exception for a kernel's error record (code, op, rank, peer, channel, detail)."""
+def from_record(record: Tuple[int, int, int, int, int, int], timeout_s: float) -> CommError:
+    """The exception for a kernel's error record (code, op, rank, peer, channel, detail): a CommError, since
+    the kernel stopped waiting for peers and the op did not complete on every rank."""
     code, op_id, rank, peer, channel, detail = record
     codes, ops = table()
     op = ops.get(op_id, f"op {op_id}")
@@ -65,33 +100,33 @@ def from_record(record: Tuple[int, int, int, int, int, int], timeout_s: float) -
         return CommTimeoutError(op, rank, peer, channel, timeout_s)
     if name == "capacity":
         if peer >= 0 and peer != rank:   # seen in the count matrix every rank holds (internode)
-            return RuntimeError(f"{op} on rank {rank}: rank {peer} would receive {detail} rows but its output "
+            return CommError(f"{op} on rank {rank}: rank {peer} would receive {detail} rows but its output "
                                 f"holds fewer (num_worst_tokens too small, or a handle from other routing); {gone}")
-        return RuntimeError(f"{op} on rank {rank}: {detail} rows arrived but the output holds fewer "
+        return CommError(f"{op} on rank {rank}: {detail} rows arrived but the output holds fewer "
                             f"(num_worst_tokens too small); {gone}")
     if name == "overrun" and peer < 0:
         what = "recv_x it returned" if op == "low_latency_dispatch" else "zero-copy combine buffer"
-        return RuntimeError(f"{op} on rank {rank}: the {what} belongs to the other buffer half than the one "
+        return CommError(f"{op} on rank {rank}: the {what} belongs to the other buffer half than the one "
                             f"the device used (half {detail}): a CUDA graph with an odd number of "
                             f"low-latency calls? {gone}")
     if name == "overwrite":
-        return RuntimeError(f"{op} on rank {rank}: call {detail} found peer {peer} still receiving the previous "
+        return CommError(f"{op} on rank {rank}: call {detail} found peer {peer} still receiving the previous "
                             f"call of the same kind in that buffer half (its data was being overwritten): a "
                             f"receive hook was called after the next-but-one low-latency op of the same kind; "
                             f"{gone}")
     if name == "nic":
         why = "no completion within the timeout (queue full or stuck)" if detail < 0 else \
             f"an error completion, syndrome {detail:#x}"
-        return RuntimeError(f"{op} on rank {rank}: the RDMA queue pair to peer {peer} (channel {channel}) failed: "
+        return CommError(f"{op} on rank {rank}: the RDMA queue pair to peer {peer} (channel {channel}) failed: "
                             f"{why}; {gone}")
     if name == "unsupported":
         why = {1: "the SET-signal shadow table is full (more distinct signal words per peer than it holds)",
                2: "GIN needs NCCL >= 2.29.7 (VA signals); this build's headers are older",
                3: "get_value over GIN needs NCCL >= 2.30.3",
                4: "fetch_add over GIN (GIN has no fetching atomic)"}.get(detail, f"reason {detail}")
-        return RuntimeError(f"{op} on rank {rank}: the nccl_gin transport cannot reach peer {peer} for it: {why}; "
+        return CommError(f"{op} on rank {rank}: the nccl_gin transport cannot reach peer {peer} for it: {why}; "
                             f"{gone}")
     if name == "overrun":
-        return RuntimeError(f"{op} on rank {rank}: peer {peer} is already at call {detail}, two calls ahead: "
+        return CommError(f"{op} on rank {rank}: peer {peer} is already at call {detail}, two calls ahead: "
                             f"a receive hook was called after the next-but-one low-latency op; {gone}")
-    return RuntimeError(f"{op} on rank {rank}: kernel error code {code} (peer {peer}, detail {detail})")
+    return CommError(f"{op} on rank {rank}: kernel error code {code} (peer {peer}, detail {detail})")

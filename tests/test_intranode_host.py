@@ -157,6 +157,7 @@ class _EagerStub:
         self._opened, self.broken, self.errors = None, None, type("W", (), {"words": [0]})()
         self.profile = type("P", (), {"enabled": False})()
         self._eager_plans, self._send_area = {}, (0, 0)
+        self.grid = lambda num_sms: num_sms   # no other Buffer open: the budget as it is
         self.__dict__.update(kw)
 
 

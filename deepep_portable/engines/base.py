@@ -8,7 +8,7 @@ from typing import Optional
 
 from .. import errors
 from ..contract import BufferContext
-from ..errors import CommTimeoutError
+from ..errors import CommError, CommTimeoutError
 
 
 class Engine:
@@ -18,7 +18,7 @@ class Engine:
     def check(self) -> None:
         """Raise what a kernel reported (errors.from_record), or what made this engine unusable before."""
         if self.broken is not None:
-            raise RuntimeError(self.broken)
+            raise CommError(self.broken)
         window = getattr(self, "window", None)
         if window is None or window.base is None:
             return

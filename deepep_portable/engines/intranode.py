@@ -9,6 +9,7 @@ Buffer's communication stream; outputs are allocated on the current stream (Buff
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import List, Optional, Tuple
 
@@ -16,6 +17,7 @@ import torch
 
 from .. import jit
 from .. import layout as L
+from ..failures import after_launch
 from ..contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult
 from ..handles import DispatchHandle, IntranodeState
 from ..jit import forced_arch
@@ -378,7 +380,7 @@ class IntranodeEngine(EagerCombine, ZeroCopyRounds, Engine):
             # the peers and gives them DONE, so they finish their combine and the Buffer stays usable.
             p.num_tokens = 0
             launch(pull, grid, THREADS, p, s)
-            raise
+            raise after_launch(sys.exc_info()[1])
         p.out, p.out_topk_weights, p.num_tokens = out.data_ptr(), ptr(out_w), handle.num_tokens
         launch(pull, grid, THREADS, p, s)
         self.profile.mark(marks, comm)

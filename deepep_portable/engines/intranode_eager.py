@@ -20,11 +20,14 @@ full path.
 """
 from __future__ import annotations
 
+import sys
+
 import struct
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from ..failures import after_launch
 from .. import _validate as check
 from ..jit import forced_arch
 from .launch import current_stream_handle, stream_wait_stream
@@ -82,7 +85,7 @@ class EagerCombine:
             return None
         rows, hidden = x.shape
         topk = 0 if topk_weights is None else topk_weights.size(1)
-        key = (hidden, topk, num_sms, forced_arch())
+        key = (hidden, topk, self.grid(num_sms), forced_arch())   # the grid: it shrinks while other Buffers are open
         plan = self._eager_plans.get(key) or self._eager_plan(key)
         lo = x.data_ptr()
         lo_area, hi_area = self._send_area   # the zero-copy rounds' (it covers the combine's rows and weights)
@@ -101,7 +104,7 @@ class EagerCombine:
         except BaseException:
             # As the full path: a pull of no tokens still announces READY and gives the peers DONE.
             plan.pull.launch(plan.grid, threads, 0, comm, stage_params)
-            raise
+            raise after_launch(sys.exc_info()[1])
         plan.pull.launch(plan.grid, threads, 0, comm,
                          plan.head + _CALL_WORDS.pack(lo, weights, rows, prefix, send_rows, 0, 0, out.data_ptr(),
                                                       0 if out_w is None else out_w.data_ptr(), handle.num_tokens)

@@ -23,6 +23,7 @@ from ..contract import (BufferContext, CachedDispatchArgs, CombineArgs, Dispatch
 from ..engines.internode import InternodeEngine
 from ..engines.intranode import IntranodeEngine
 from ..engines.low_latency import LowLatencyEngine
+from ..failures import KernelFailures
 from ..handles import DispatchHandle, InternodeState, IntranodeState, LowLatencyHandle
 from ..windows.base import Window
 from .reference import ReferenceTransport
@@ -64,6 +65,7 @@ class KernelTransport(Transport):
                     self.normal_engine.destroy()
                 raise
         self.reference = ReferenceTransport(ctx)   # low-latency ops without the kernels
+        self.failures = KernelFailures(ctx)
         # DEEPEP_PORTABLE_EAGER_COMBINE=0 sends every combine through the full path (an A/B switch and a way out).
         self.combine_eager = getattr(self.normal_engine, "combine_eager", None) \
             if os.environ.get("DEEPEP_PORTABLE_EAGER_COMBINE", "1") != "0" else None
@@ -121,6 +123,28 @@ class KernelTransport(Transport):
             return self.reference.local_buffer(use_rdma_buffer)
         nbytes = self.ctx.num_rdma_bytes if use_rdma_buffer else self.ctx.num_nvl_bytes
         return engine.window.view(0, nbytes, self.ctx.device)
+
+    # ---- failures (failures.py) -------------------------------------------------------------------
+    def _served_by_reference(self, op: str) -> bool:
+        return op.startswith("low_latency") and self.ll_engine is None
+
+    def refuse(self, op: str, call: int, reason: str) -> None:
+        if self._served_by_reference(op):
+            return self.reference.refuse(op, call, reason)
+        self.failures.refuse(op, call, reason)
+
+    def failed(self, op: str, call: int, error: Exception) -> Exception:
+        if self._served_by_reference(op):
+            return self.reference.failed(op, call, error)
+        return self.failures.failed(op, call, error)
+
+    def synchronize(self) -> None:
+        """Wait for this Buffer's device work, then raise what a kernel recorded (a CommError)."""
+        if self.ctx.comm_stream is not None:
+            self.ctx.comm_stream.synchronize()
+        for engine in (self.normal_engine, self.ll_engine):
+            if engine is not None:
+                engine.check()
 
     # ---- tools ----------------------------------------------------------------------------------
     def engine(self, mode: str):

@@ -14,6 +14,12 @@ of the current stream). The reference works synchronously: before an op (or its 
 returns, the current stream is synchronized, so events that Buffer records on `ctx.comm_stream`
 are truthful even though nothing was enqueued there.
 
+Failures: every op begins with an arrival (agreement.arrive): each rank tells every other that it runs call
+s of this op, or that it refused it and why. A rank that refused a call before its arrival (Buffer's checks)
+still arrives, with its reason (`refuse`), so every rank ends that call together, the others with a
+PeerFailedError, and the Buffer works for the next call. Every exchange after the arrival has the Buffer's
+timeout; one that passes it (a rank failed in the middle of the op) leaves the Buffer unusable.
+
 Determinism: every reduction has a fixed order (see `combine` and `low_latency_combine`), so results
 are reproducible bit for bit and equal to `tests/oracle.py`, which implements the same
 specification independently.
@@ -26,6 +32,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import logfmt
+from ..agreement import arrive
+from ..comm import DeadlinePassed
+from ..errors import CommError, PeerFailedError
 from ..contract import (BufferContext, CachedDispatchArgs, Capabilities, CombineArgs, DispatchArgs, DispatchResult,
                         LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult, Transport,
                         allocate_low_latency_outputs)
@@ -127,6 +136,35 @@ class ReferenceTransport(Transport):
         self._ll_idx = 0
         self._ll_combine_buffers: Dict[Tuple[int, int, int], List[torch.Tensor]] = {}
         self._local_buffers: Dict[bool, torch.Tensor] = {}   # get_local_buffer_tensor, made on first use
+        self._arrived = 0   # the last call this rank arrived at (ctx.calls)
+        self._op = "?"
+
+    # ---- arrival and failures --------------------------------------------------------------------
+    def _arrive(self, op: str) -> None:
+        """Every rank runs this call, or PeerFailedError naming those that refused it (nothing moved)."""
+        self._op = op
+        call = self.ctx.calls
+        if self.ctx.num_ranks == 1 or self._arrived == call:
+            return
+        self._arrived = call
+        refused = arrive(self._comm, self.ctx.tag, op, call, None, self.ctx.timeout_s)
+        if refused:
+            raise PeerFailedError(op, self.ctx.rank, refused)
+
+    def refuse(self, op: str, call: int, reason: str) -> None:
+        if self.ctx.num_ranks == 1 or self._arrived == call:
+            return   # it arrived already: the peers meet its failure in the exchanges that follow (timeout_s)
+        self._arrived = call
+        arrive(self._comm, self.ctx.tag, op, call, reason, self.ctx.timeout_s)
+
+    def _timed(self, exchange, *args):
+        try:
+            return exchange(*args, timeout_s=self.ctx.timeout_s)
+        except DeadlinePassed:
+            raise CommError(f"{self._op} on rank {self.ctx.rank}: an exchange of the op did not complete within "
+                            f"{self.ctx.timeout_s:g} s after every rank had arrived (a rank failed or stopped in the "
+                            f"middle of the op); this Buffer cannot be used again, create a new one on every rank") \
+                from None
 
     # ---- helpers -------------------------------------------------------------------------------
     @property
@@ -138,8 +176,8 @@ class ReferenceTransport(Transport):
         """All-to-all of [M, B] uint8 rows: the first send_rows[0] rows go to rank 0, and so on.
         Returns [sum(recv_rows), B], ordered by source rank."""
         width = rows.shape[1]
-        flat = self._comm.all_to_all_bytes(rows.reshape(-1), [int(c) * width for c in send_rows],
-                                           [int(c) * width for c in recv_rows])
+        flat = self._timed(self._comm.all_to_all_bytes, rows.reshape(-1), [int(c) * width for c in send_rows],
+                           [int(c) * width for c in recv_rows])
         return flat.view(-1, width)
 
     @staticmethod
@@ -155,6 +193,7 @@ class ReferenceTransport(Transport):
 
     # ---- normal mode ---------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        self._arrive("dispatch")
         rank, num_ranks = self.ctx.rank, self.ctx.num_ranks
         x, x_scales, topk_idx, topk_weights = args.x, args.x_scales, args.topk_idx, args.topk_weights
         device = x.device
@@ -165,7 +204,7 @@ class ReferenceTransport(Transport):
 
         # 1. Metadata: the full [src, dst] token-count matrix and every rank's per-expert counts.
         tokens, send_counts = self._send_order(in_rank)
-        gathered = self._comm.allgather_object((send_counts, args.num_tokens_per_expert.tolist()))
+        gathered = self._timed(self._comm.allgather_object, (send_counts, args.num_tokens_per_expert.tolist()))
         counts = torch.tensor([g[0] for g in gathered], dtype=torch.int64)        # [R, R]
         recv_counts = counts[:, rank].tolist()
         num_recv = sum(recv_counts)
@@ -233,6 +272,7 @@ class ReferenceTransport(Transport):
                               num_recv_tokens_per_expert_list, handle)
 
     def cached_dispatch(self, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self._arrive("dispatch")
         x, x_scales, handle = args.x, args.x_scales, args.handle
         device = x.device
         tokens, send_counts = self._send_order(handle.is_token_in_rank)
@@ -256,6 +296,7 @@ class ReferenceTransport(Transport):
         Over several nodes (docs/INTERNODE.md) the rows of each node are summed first (float32 from +0.0,
         rank ascending, rounded to bf16: what crosses the network), then acc += those, node ascending;
         the weights the same way without the rounding."""
+        self._arrive("combine")
         x, handle, topk_weights, bias_0, bias_1 = args.x, args.handle, args.topk_weights, args.bias_0, args.bias_1
         device = x.device
         in_rank = handle.is_token_in_rank
@@ -315,6 +356,7 @@ class ReferenceTransport(Transport):
         return half
 
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs) -> LowLatencyDispatchResult:
+        self._arrive("low_latency_dispatch")
         num_ranks = self.ctx.num_ranks
         x, topk_idx = args.x, args.topk_idx
         device = x.device
@@ -346,7 +388,7 @@ class ReferenceTransport(Transport):
             num_local_experts, num_ranks, max_tokens, hidden, args.use_fp8, args.use_ue8m0, device)
 
         start = time.perf_counter_ns()
-        recv_counts = self._comm.all_to_all_counts(send_counts)
+        recv_counts = self._timed(self._comm.all_to_all_counts, send_counts)
         recv = self._exchange_rows(rows, send_counts, recv_counts)
         wait_ns = time.perf_counter_ns() - start
 
@@ -396,6 +438,7 @@ class ReferenceTransport(Transport):
     def low_latency_combine(self, args: LowLatencyCombineArgs) -> Tuple[torch.Tensor, Optional[Callable[[], None]]]:
         """out[t] = sum over k with topk_idx[t, k] != -1 (k ascending, from +0.0, float32) of
         topk_weights[t, k] * x_expert[slot of (this rank, t)], cast to bf16."""
+        self._arrive("low_latency_combine")
         rank, num_ranks = self.ctx.rank, self.ctx.num_ranks
         x, topk_idx, topk_weights, handle = args.x, args.topk_idx, args.topk_weights, args.handle
         device = x.device

@@ -1,0 +1,125 @@
+"""What one rank's failed op does to the others (the guarantees are listed in docs/RELIABILITY.md).
+
+An op involves every rank, so a rank that cannot take part must not leave its peers waiting forever, nor let
+them pair their call with its next one (ranks out of step would exchange each other's data). Every collective
+op of Buffer runs under `collective_op`, which applies one rule on every transport:
+
+- a Buffer that an earlier failure left unusable refuses at once, naming that failure;
+- `ctx.calls` counts the op on every rank (the same number on every rank for the same call);
+- an exception raised before this rank launched any of the op is a refusal: `backend.refuse` tells the peers
+  (an exception raised after the rank's part ran, so that no peer waits for it, carries `after_launch`);
+- a CommError (a kernel stopped waiting for a peer, a peer never came): `backend.failed` gives the error to
+  raise, naming the peer's own failure when there was one; unless it is `usable`, the Buffer refuses every
+  later op.
+
+How a backend tells its peers depends on how its ops meet: the reference transport's ops begin with an
+exchange on the host anyway (transports/reference.py: a refusing rank takes part in it and says why, so every
+rank ends the same call together and the Buffer stays usable). Kernel transports exchange nothing on the host
+on the way to a launch (CUDA graphs, latency): `KernelFailures` below settles a failure afterwards.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict
+
+from .agreement import agree, short
+from .contract import BufferContext
+from .errors import CommError, CommTimeoutError, PeersAbsentError
+
+# How much longer than its timeout a refusing rank of a kernel transport waits for its peers to report: their
+# kernels give up after timeout_s, and their host learns it at its next call into the Buffer (or synchronize()).
+REFUSAL_GRACE_S = 15.0
+
+
+def after_launch(exc: BaseException) -> BaseException:
+    """Mark `exc` as raised after this rank's part of the op was launched in full (no peer waits for this rank:
+    e.g. the combine's output allocation failed and an empty pull still served the peers)."""
+    exc.after_launch = True
+    return exc
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+
+
+def collective_op(op: str) -> Callable:
+    """Decorator of Buffer's collective ops (see the module docstring). Reads the Buffer's `_ctx`, `_backend`
+    and `_failed` (the reason it is unusable, or None)."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            if self._failed is not None:
+                raise CommError(f"{op} on rank {self._ctx.rank} refused: {self._failed}")
+            self._ctx.calls += 1
+            call = self._ctx.calls
+            try:
+                return method(self, *args, **kwargs)
+            except CommError as e:
+                backend = self._backend
+                err = backend.failed(op, call, e) if backend is not None else e
+                if not getattr(err, "usable", False):
+                    self._failed = f"an earlier op failed and left this Buffer unusable ({err})"
+                if err is e:
+                    raise
+                raise err from e
+            except Exception as e:
+                backend = self._backend
+                if getattr(e, "after_launch", False) or backend is None:
+                    raise
+                try:
+                    backend.refuse(op, call, f"{type(e).__name__}: {e}")
+                except CommError as c:
+                    self._failed = f"an earlier op failed and left this Buffer unusable ({c})"
+                    add_note(e, f"deepep_portable: {c}")
+                raise
+        return run
+    return wrap
+
+
+class KernelFailures:
+    """`refuse` and `failed` for backends whose ops run kernels.
+
+    Nothing is exchanged on the host before a launch. A refusing rank's peers launch the call and their kernels
+    stop waiting for it after timeout_s, recording a timeout that names it. Each rank involved then meets the
+    others once in `agree` (their Buffer's group, a tag of its own), where the refusal's reason travels:
+    - every rank refused the same call: nobody launched it, the Buffer works on (each raises its own error);
+    - some rank ran it: the refusing rank raises its own error, the others a CommError naming the refusal;
+      the Buffer is unusable on every rank (their kernels gave up in the middle of a round);
+    - a kernel timed out with no refusal behind it (a dead or stuck rank): the error names the peer, and the
+      others' errors where they reported in time."""
+
+    def __init__(self, ctx: BufferContext) -> None:
+        self.ctx = ctx
+
+    def _agree(self, op: str, call: int, refused, error, timeout_s: float) -> Dict[int, dict]:
+        status = dict(op=op, call=call, refused=refused, error=error)
+        return agree(self.ctx.comm, self.ctx.tag + 1, status, timeout_s, op, self.ctx.rank)
+
+    def refuse(self, op: str, call: int, reason: str) -> None:
+        if self.ctx.num_ranks == 1:
+            return
+        statuses = self._agree(op, call, short(reason), None, self.ctx.timeout_s + REFUSAL_GRACE_S)
+        ran = sorted(r for r, s in statuses.items() if s["refused"] is None or (s["op"], s["call"]) != (op, call))
+        if ran:
+            raise CommError(f"{op} on rank {self.ctx.rank}: rank{'s' if len(ran) > 1 else ''} "
+                            f"{', '.join(map(str, ran))} launched the call this rank refused, and stopped waiting "
+                            f"for it; this Buffer cannot be used again, create a new one on every rank")
+
+    def failed(self, op: str, call: int, error: Exception) -> Exception:
+        # Only a wait for a peer involves the others; a rank's own record (capacity, a stuck NIC queue) is its own.
+        if not isinstance(error, CommTimeoutError) or error.peer < 0 or error.peer == error.rank \
+                or self.ctx.num_ranks == 1:
+            return error
+        try:
+            statuses = self._agree(op, call, None, short(str(error)), self.ctx.timeout_s)
+            absent = ""
+        except PeersAbsentError as e:
+            statuses, absent = e.statuses, f" ({e})"
+        causes = {r: s for r, s in statuses.items() if s.get("refused")}
+        if causes:
+            why = "; ".join(f"rank {r} refused {s['op']} (its call {s['call']}) before launching it: {s['refused']}"
+                            for r, s in sorted(causes.items()))
+            return CommError(f"{error} Cause: {why}.{absent}")
+        return CommError(f"{error}{absent}") if absent else error

@@ -1,0 +1,211 @@
+"""One rank's failure reaches every rank, with a named error, within the Buffer's timeout (docs/RELIABILITY.md).
+
+  mpirun -n 4 python -m pytest --with-mpi -q tests/mpi/test_failures_mpi.py
+  (GPU: DEEPEP_TEST_TRANSPORT=nvlink | nvshmem, ranks sharing the GPU under MPS: scripts/gpu_tests.sh N failures)
+
+One rank of a group of 2, 4 (and the whole job) makes a bad call (a wrong dtype, an expert index out of range,
+more tokens than the Buffer holds, a wrong shape; in dispatch, combine and the low-latency dispatch) while the
+others make a good one. The bad rank raises its own TypeError / ValueError; every other rank raises a CommError
+that names the bad rank and its reason, within timeout_s and a few seconds. Then a correct round trip, checked
+against the oracle, works: on the same Buffer where the error says it is usable (the reference transport: its
+ops meet on the host before moving anything), else on a new Buffer after the old one refuses every op.
+Also: a rank that never comes is named by the others, and a rank that comes after they gave up is told so;
+ranks at different ops are stopped before they exchange anything.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import deepep_portable as deep_ep
+from test_reference_mpi import SMALL, generator, make_topk, num_experts_for, run_low_latency, run_normal, world
+
+pytestmark = pytest.mark.mpi
+TOKENS = 24
+LL_MAX = 32
+TIMEOUT_S = float(os.environ.get("DEEPEP_TEST_FAILURE_TIMEOUT_S", "6"))
+SLACK_S = 25.0   # the refusing rank of a kernel transport waits for its peers' kernels to give up (REFUSAL_GRACE_S)
+CASES = ["dtype", "expert_index", "token_count", "shape", "combine_dtype", "low_latency_dtype"]
+
+
+def _transport() -> str:
+    return os.environ.get("DEEPEP_TEST_TRANSPORT", "nvlink" if torch.cuda.is_available() else "reference")
+
+
+@pytest.fixture(scope="module")
+def groups(pg):
+    """{size: gloo group of ranks 0..size-1} for sizes 2, 4 and the job (made by every rank, in one order)."""
+    _, n = world(pg)
+    sizes = sorted({s for s in (2, 4, n) if 2 <= s <= n})
+    return {s: (dist.new_group(list(range(s)), backend="gloo"), s) for s in sizes}
+
+
+def _make_buffer(group, size):
+    hidden = SMALL["hidden"]
+    nvl = deep_ep.Config().get_nvl_buffer_size_hint(hidden * 2, size, TOKENS)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(LL_MAX, hidden, size, num_experts_for(SMALL["experts"], size))
+    return deep_ep.Buffer(group, nvl, rdma, low_latency_mode=True, transport=_transport(), timeout_s=TIMEOUT_S)
+
+
+def _inputs(gen, device, size, tokens=TOKENS):
+    experts = num_experts_for(SMALL["experts"], size)
+    x = torch.randn(tokens, SMALL["hidden"], generator=gen).to(torch.bfloat16).to(device)
+    idx = make_topk(tokens, SMALL["topk"], experts, gen).to(device)
+    w = torch.rand(tokens, SMALL["topk"], generator=gen).to(device)
+    return x, idx, w, experts
+
+
+def _dispatch(buf, x, idx, w, experts, layout_idx=None):
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx if layout_idx is None else layout_idx, experts)
+    return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=idx, topk_weights=w)
+
+
+def _call(buf, case: str, bad: bool, gen, device, size):
+    """The call of `case`: a bad one on the bad rank, the same call with good arguments elsewhere."""
+    x, idx, w, experts = _inputs(gen, device, size)
+    if case == "combine_dtype":
+        recv_x, _, recv_w, _, handle, _ = _dispatch(buf, x, idx, w, experts)
+        buf.synchronize()
+        buf.combine(recv_x.float() if bad else recv_x, handle, topk_weights=recv_w)
+    elif case == "low_latency_dtype":
+        buf.low_latency_dispatch(x.float() if bad else x, idx, LL_MAX, experts, use_fp8=False)
+    elif not bad:
+        _dispatch(buf, x, idx, w, experts)
+    elif case == "dtype":
+        _dispatch(buf, x.float(), idx, w, experts)
+    elif case == "expert_index":   # a valid layout, but an index past the last expert in topk_idx itself
+        wrong = idx.clone()
+        wrong[0, 0] = experts
+        _dispatch(buf, x, wrong, w, experts, layout_idx=idx)
+    elif case == "token_count":
+        many = 64 * TOKENS * size
+        x, idx, w, _ = _inputs(gen, device, size, tokens=many)
+        _dispatch(buf, x, idx, w, experts)
+    elif case == "shape":
+        _dispatch(buf, x, idx, w[:, :-1], experts)
+    buf.synchronize()
+
+
+def _outcome(fn):
+    start = time.monotonic()
+    try:
+        fn()
+        kind, text, usable = "ok", "", True
+    except (TypeError, ValueError) as e:
+        kind, text, usable = "refused", f"{type(e).__name__}: {e}", True
+    except deep_ep.CommError as e:
+        kind, text, usable = "comm", f"{type(e).__name__}: {e}", e.usable
+    except Exception as e:   # noqa: BLE001 - reported on every rank below
+        kind, text, usable = "other", f"{type(e).__name__}: {e}", False
+    return kind, text, usable, time.monotonic() - start
+
+
+def _gather(obj, pg):
+    out = [None] * world(pg)[1]
+    dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("size", [2, 4, 0], ids=["2ranks", "4ranks", "all"])
+def test_one_rank_bad_input_fails_every_rank_then_a_correct_op_works(groups, pg, device, request, base_seed, case,
+                                                                   size):
+    rank, num_ranks = world(pg)
+    if size == 0 and num_ranks in (2, 4):
+        pytest.skip(f"the whole job is {num_ranks} ranks: the {num_ranks}ranks case covers it")
+    size = size or num_ranks
+    if size not in groups:
+        pytest.skip(f"{size} ranks: more than this job's {num_ranks}")
+    group, size = groups[size]
+    member = rank < size
+    gen = generator(request, base_seed, rank)
+    buf = _make_buffer(group, size) if member else None
+    bad = size - 1
+    result = _outcome(lambda: _call(buf, case, rank == bad, gen, device, size)) if member else None
+    results = _gather(result, pg)
+    problems = []
+    for r, res in enumerate(results[:size]):
+        kind, text, usable, elapsed = res
+        if r == bad and kind != "refused":
+            problems.append(f"rank {r} (bad input) ended {kind}: {text[:300]}")
+        if r != bad and (kind != "comm" or f"rank {bad}" not in text or results[bad][1].split(":")[0] not in text):
+            problems.append(f"rank {r} must raise a CommError naming rank {bad} and its "
+                            f"{results[bad][1].split(':')[0]}; got {kind}: {text[:400]}")
+        if elapsed > TIMEOUT_S + SLACK_S:
+            problems.append(f"rank {r} took {elapsed:.1f} s (timeout_s {TIMEOUT_S:g})")
+    assert not problems, problems
+    # Every rank agrees whether the Buffer goes on; where it does not, it refuses every op, and a new one works.
+    usable = {res[2] for res in results[:size]}
+    assert len(usable) == 1, f"ranks disagree on whether the Buffer is usable: {results[:size]}"
+    if member and not usable.pop():
+        again = _outcome(lambda: _call(buf, "dtype", False, gen, device, size))
+        assert again[0] == "comm" and "unusable" in again[1], again
+        buf = _make_buffer(group, size)
+    if member:
+        run_normal(buf, group, gen, device, **SMALL, num_tokens=int(torch.randint(1, TOKENS + 1, (1,), generator=gen)))
+        run_low_latency(buf, group, gen, device, **SMALL, max_tokens=LL_MAX, num_tokens=TOKENS, mode="bf16")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_rank_refusing_the_same_call_keeps_the_buffer(groups, pg, device, request, base_seed):
+    """A bad call made on every rank (a program bug, not a data one): each rank raises its own error, nothing ran
+    anywhere, and the Buffer goes on, on every transport."""
+    rank, num_ranks = world(pg)
+    group, size = groups[num_ranks]
+    gen = generator(request, base_seed, rank)
+    buf = _make_buffer(group, size)
+    kind, text, usable, _ = _outcome(lambda: _call(buf, "dtype", True, gen, device, size))
+    assert kind == "refused" and ("dtype" in text.lower() or "bfloat16" in text), text
+    run_normal(buf, group, gen, device, **SMALL, num_tokens=TOKENS)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_never_comes_is_named(pg, device, request, base_seed):
+    """The last rank skips a dispatch: the others raise PeersAbsentError naming it within timeout_s, and their
+    Buffer refuses every later op. When it comes later, it is told that the others gave up on it (the reference
+    transport: its ops meet on the host; a kernel transport's kernels name the peer they waited for)."""
+    rank, num_ranks = world(pg)
+    group = dist.new_group(list(range(num_ranks)), backend="gloo")   # its own group: messages stay unread there
+    gen = generator(request, base_seed, rank)
+    hidden = SMALL["hidden"]
+    nvl = deep_ep.Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks, TOKENS)
+    buf = deep_ep.Buffer(group, nvl, 0, transport="reference", timeout_s=3.0)
+    x, idx, w, experts = _inputs(gen, device, num_ranks)
+    late = num_ranks - 1
+    first = _outcome(lambda: _dispatch(buf, x, idx, w, experts)) if rank != late else None
+    dist.barrier(group=pg)   # the late rank comes once the others gave up
+    if rank == late:
+        first = _outcome(lambda: _dispatch(buf, x, idx, w, experts))
+    after = _outcome(lambda: _dispatch(buf, x, idx, w, experts))
+    kind, text, usable, elapsed = first
+    assert kind == "comm" and "PeersAbsentError" in text and not usable, first
+    if rank != late:
+        assert f"rank {late} did not reach" in text and elapsed < 3.0 + 5.0, first
+    else:
+        assert "gave up waiting for rank" in text, first
+    assert after[0] == "comm" and "unusable" in after[1], after
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_at_different_ops_are_stopped(pg, device, request, base_seed):
+    """Rank 0 calls low_latency_dispatch while the others call dispatch (a program bug): on the reference
+    transport every rank raises before any data moves, instead of exchanging each other's bytes."""
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    hidden = SMALL["hidden"]
+    experts = num_experts_for(SMALL["experts"], num_ranks)
+    nvl = deep_ep.Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks, TOKENS)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(LL_MAX, hidden, num_ranks, experts)
+    buf = deep_ep.Buffer(pg, nvl, rdma, low_latency_mode=True, transport="reference", timeout_s=10.0)
+    x, idx, w, experts = _inputs(gen, device, num_ranks)
+    if rank == 0:
+        res = _outcome(lambda: buf.low_latency_dispatch(x, idx, LL_MAX, experts, use_fp8=False))
+    else:
+        res = _outcome(lambda: _dispatch(buf, x, idx, w, experts))
+    assert res[0] == "comm" and "out of step" in res[1], res
