@@ -9,7 +9,7 @@
 #   nvlink with a legacy CUDA IPC window: DEEPEP_PORTABLE_LL_VMM=0, the pack-on-receive dispatch), intranodelegacy (the
 #   intranode GPU tests over a legacy CUDA IPC buffer: DEEPEP_PORTABLE_INTRANODE_VMM=0),
 #   llncclgin2 (the conformance kernel, the low-latency and the normal-mode GPU tests over nccl_gin at 2 ranks sharing the GPU: NCCL_HOME
-#   = an NCCL >= 2.30, brought in parts with scripts/carry_in_parts.sh), selftest (the transport contract's conformance kernel over every backend, ibgda over the tests' NIC model
+#   = an NCCL >= 2.30, brought in parts with dev/carry_in_parts.sh), selftest (the transport contract's conformance kernel over every backend, ibgda over the tests' NIC model
 #   too, N ranks), llibgda / internodeibgda (those suites over ibgda and the NIC model), llncclgin (the same at one rank; NCCLGIN_TESTS picks files), llginmock (the low-latency GPU tests over
 #   nccl_gin's GIN paths on the tests' mock of NCCL's device API, N ranks sharing the GPU), internodeginmock (the
 #   internode suite the same way), internode (the
@@ -17,9 +17,10 @@
 #   --mode internode, RANKS_PER_NODE=N/2 by default), soak (python -m deepep_portable soak: normal and LL,
 #   eager and graph, SOAK_ROUNDS=100000 per case; SOAK_ARGS for more), fuzz (the seeded fuzz
 #   over FUZZ_TRANSPORT=nvlink, FUZZ_CASES=200 per mode), profile (bench normal with DEEPEP_PORTABLE_PROFILE=1),
-#   mpitests (MPI_TESTS="FILE [-k EXPR]" at N ranks), buffers (two Buffers at once and many Buffers at N ranks, with -s, the
+#   mpitests (MPI_TESTS="FILE [-k EXPR]" at N ranks), failures (one rank's failure over nvlink and nvshmem, two Buffers
+#   at once, 1000 Buffers, the failure fuzz), buffers (two Buffers at once and many Buffers at N ranks, with -s, the
 #   combine's eager path on then off, DEEPEP_PORTABLE_TIMEOUT_S=15 by default: a deadlock of two Buffers' kernels shows
-#   as a named timeout within seconds), benchll (bench --mode low_latency), hostcosts (scripts/host_costs.py: host cost of the steps before
+#   as a named timeout within seconds), benchll (bench --mode low_latency), hostcosts (dev/host_costs.py: host cost of the steps before
 #   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT, in parts jit_cache.tgz.NN).
 #   NUM_SMS=16 (normal mode), LL_NUM_SMS (low-latency mode; default: Buffer's); BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420);
 #   BENCH_ARGS: extra arguments for every bench step (e.g. "--start-line host").
@@ -70,16 +71,16 @@ for s in $STEPS; do
     internode) start_mps   # the internode kernels over logical nodes (nvshmem), every node shape of N ranks
             step internode $MPIRUN -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_internode_gpu_mpi.py
             stop_mps ;;
-    benchinternode) start_mps   # the issue-16 headline: FP8 dispatch / BF16 combine over logical nodes (nvshmem)
+    benchinternode) start_mps   # the internode headline: FP8 dispatch / BF16 combine over logical nodes (nvshmem)
             step bench_internode $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport nvshmem --mode internode --ranks-per-node "${RANKS_PER_NODE:-$((RANKS / 2))}" --num-sms "${NUM_SMS:-16}" --tokens 4096 ${BENCH_ARGS:-}
             stop_mps ;;
-    soak)   start_mps   # issue 20: SOAK_ROUNDS (100000) rounds per case, checked every 1000, memory / fds / time flat
+    soak)   start_mps   # SOAK_ROUNDS (100000) rounds per case, checked every 1000, memory / fds / time flat
             step soak $PY -m deepep_portable soak --ranks "$RANKS" --transport "${SOAK_TRANSPORT:-nvlink}" --rounds "${SOAK_ROUNDS:-100000}" ${SOAK_ARGS:-}
             stop_mps ;;
     llncclgin) DEEPEP_TEST_LL_TRANSPORT=nccl_gin DEEPEP_TEST_NORMAL_TRANSPORT=nccl_gin step llncclgin $MPIRUN \
                 -x DEEPEP_TEST_NORMAL_TRANSPORT -n 1 $PY -m pytest -q -rs -p no:cacheprovider --with-mpi \
                 ${NCCLGIN_TESTS:-$NCCLGIN_ALL} ;;   # one rank: NCCL refuses ranks sharing a GPU before 2.30
-    llncclgin2) # issue 18's one try: 2 ranks sharing the GPU over a real NCCL >= 2.30 (NCCL_HOME: its lib/ and include/),
+    llncclgin2) # 2 ranks sharing the GPU over a real NCCL >= 2.30 (NCCL_HOME: its lib/ and include/),
             # NCCL_MULTI_RANK_GPU_ENABLE=1; the ranks preload that libnccl, so torch binds to it too (a dependency
             # named libnccl.so.2 binds to the first library of that soname in the process: ours and torch's must be one)
             if [ -z "${NCCL_HOME:-}" ]; then echo "llncclgin2: set NCCL_HOME to an NCCL >= 2.30"; continue; fi
@@ -128,7 +129,21 @@ for s in $STEPS; do
                     tests/mpi/test_many_buffers_gpu_mpi.py
             done
             stop_mps ;;
-    hostcosts) start_mps; step hostcosts $PY scripts/host_costs.py --procs "$RANKS"; stop_mps ;;
+    failures) start_mps   # one rank's failure reaches every rank (tests/mpi/test_failures_mpi.py) over nvlink and nvshmem,
+            # two Buffers at once, many Buffers (DEEPEP_TEST_MANY_BUFFERS, default 1000), and the failure fuzz
+            # (FUZZ_FAILURE_CASES, default 200, over nvlink)
+            for t in ${FAILURE_TRANSPORTS:-nvlink nvshmem}; do
+                DEEPEP_TEST_TRANSPORT=$t step "failures_$t" $MPIRUN -x DEEPEP_TEST_TRANSPORT -n "$RANKS" $PY -m pytest -q \
+                    -p no:cacheprovider --with-mpi tests/mpi/test_failures_mpi.py
+            done
+            DEEPEP_TEST_MANY_BUFFERS=${DEEPEP_TEST_MANY_BUFFERS:-1000} step buffers $MPIRUN -x DEEPEP_TEST_MANY_BUFFERS \
+                -n "$RANKS" $PY -m pytest -q -s -p no:cacheprovider --with-mpi tests/mpi/test_two_buffers_mpi.py \
+                tests/mpi/test_many_buffers_gpu_mpi.py
+            DEEPEP_FUZZ_TRANSPORT=${FUZZ_TRANSPORT:-nvlink} DEEPEP_FUZZ_FAILURE_CASES=${FUZZ_FAILURE_CASES:-200} \
+                step fuzz_failures $MPIRUN -x DEEPEP_FUZZ_TRANSPORT -x DEEPEP_FUZZ_FAILURE_CASES -n "$RANKS" $PY -m pytest \
+                -q -s -p no:cacheprovider --with-mpi tests/mpi/test_fuzz_mpi.py -k test_fuzz_failures
+            stop_mps ;;
+    hostcosts) start_mps; step hostcosts $PY dev/host_costs.py --procs "$RANKS"; stop_mps ;;
     cache)  # in parts of 15 MiB (files back from the lent machine are at most 16 MiB each)
             tar czf - -C "$DEEPEP_PORTABLE_CACHE_DIR" . | split -b 15m -d - "$OUT/jit_cache.tgz." ;;
     bench)  start_mps

@@ -4,8 +4,9 @@ a backend's own window in transports/<name>/window.py)."""
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 from .. import jit
 from ..device import sm_count
@@ -62,6 +63,18 @@ class KernelBuild:
         return ("-include", self.header)
 
 
+# The windows open on each device in this process (weak: a Buffer dropped without destroy() stops counting).
+_live_windows: Dict[int, "weakref.WeakSet[Window]"] = {}
+
+
+def live_buffers(dev: int) -> int:
+    """How many Buffers of this process have a window open on device `dev` (at least 1)."""
+    windows = _live_windows.get(dev)
+    if not windows:
+        return 1
+    return max(1, len({w.ctx.uid for w in list(windows) if w.base is not None and getattr(w, "ctx", None)}))
+
+
 class Window:
     """Base of every window. A subclass sets `dev`, `base`, `size` (bytes, at least those asked for),
     `bases` and `peer_bases` (every rank's base as a list and as a device tensor, 0 where a rank has no
@@ -110,6 +123,7 @@ class Window:
         # Spinning blocks of every rank must be resident at once: ranks that share a GPU split its SMs.
         sharing = sum(1 for u in peer_uuids if u == my_uuid)
         self.max_blocks = max(1, sm_count(self.dev) // sharing)
+        _live_windows.setdefault(self.dev, weakref.WeakSet()).add(self)
 
     def node_base(self, rank: int) -> int:
         """Where this process's kernels reach `rank`'s window by load/store for the internode kernels' NVLink part
@@ -136,11 +150,14 @@ class Window:
                 if getattr(self, "errors", None) is not None:
                     self.errors.free()
                 self.base = None
+                _live_windows.get(getattr(self, "dev", -1), set()).discard(self)
 
     def grid(self, num_sms: int) -> int:
-        """Blocks per kernel: the caller's SM budget, capped so that every rank sharing this GPU fits
-        at once (a block that cannot become resident would leave its peers spinning)."""
-        return max(1, min(int(num_sms), self.max_blocks))
+        """Blocks per kernel: the caller's SM budget, capped so that every rank sharing this GPU fits at once,
+        and every Buffer of this process on this GPU too (a block that cannot become resident would leave its
+        peers spinning). Buffers each have a stream of their own, so two Buffers' kernels may run at the same
+        time: a Buffer gets its share of this rank's SMs while others are open (docs/RELIABILITY.md)."""
+        return max(1, min(int(num_sms), self.max_blocks // live_buffers(self.dev)))
 
     def recorded_error(self) -> Optional[Tuple[int, int, int, int, int, int]]:
         """(code, op, rank, peer, channel, detail) of the first error a kernel recorded, or None."""

@@ -296,3 +296,90 @@ def test_fuzz_low_latency(pg, device, base_seed):
     finally:
         buffers.close()
     _report(rank, "low-latency", CASES, t0, buffers)
+
+
+FAILURE_CASES = int(os.environ.get("DEEPEP_FUZZ_FAILURE_CASES", "40"))
+FAILURE_TIMEOUT_S = float(os.environ.get("DEEPEP_FUZZ_FAILURE_TIMEOUT_S", "2"))
+
+
+def failure_case(seed: int, num_ranks: int) -> dict:
+    """One case of the failure fuzz (identical on every rank): a refusal (one rank, a few, or every rank makes a
+    bad call of a random kind while the others make the good one), or two Buffers in flight at once."""
+    from test_failures_mpi import CASES as BAD_CALLS
+
+    r = random.Random(seed)
+    if r.random() < 0.35:
+        return dict(kind="two_buffers", tokens=r.choice([0, 1, 7, 24]), num_bias=r.randint(0, 1))
+    how_many = r.choice([1, 1, 1, 2, num_ranks])
+    return dict(kind="refusal", call=r.choice(BAD_CALLS), bad=sorted(r.sample(range(num_ranks), min(how_many,
+                                                                                                 num_ranks))))
+
+
+def test_fuzz_failures(pg, device, base_seed):
+    """Seeded cases of what can fail: a rank (or several, or all) refusing a call before its launch, and two
+    Buffers in flight at once. Refusals end on every rank with the refusing rank's own error or a CommError that
+    names a refusing rank, and a correct round trip (against the oracle) works after, on the same Buffer when the
+    errors say it is usable, else on a new one; two Buffers' dispatches and combines issued before either is read
+    give bit for bit what each gives alone."""
+    import torch.distributed as dist
+    from test_failures_mpi import LL_MAX, SMALL, TOKENS, _call, _outcome
+    from test_two_buffers_mpi import BIG, run_both_at_once
+
+    rank, num_ranks = world(pg)
+    first = _first_seed(base_seed, 3)
+    print(f"\n[rank {rank}] failure fuzz: {FAILURE_CASES} cases from seed {first} ({TRANSPORT}, "
+          f"timeout_s {FAILURE_TIMEOUT_S:g})")
+    hidden = SMALL["hidden"]
+    experts = num_experts_for(SMALL["experts"], num_ranks)
+    nvl = deep_ep.Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks, TOKENS)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(LL_MAX, hidden, num_ranks, experts)
+
+    def make():
+        return deep_ep.Buffer(pg, nvl, rdma, low_latency_mode=True, transport=TRANSPORT, explicitly_destroy=True,
+                              timeout_s=FAILURE_TIMEOUT_S)
+
+    buffers, t0 = _Buffers(), time.perf_counter()
+    buf = buffers.make(make)
+    pair = None
+    counts = {"refusal": 0, "two_buffers": 0, "new_buffers": 0}
+    try:
+        for seed in range(first, first + FAILURE_CASES):
+            p = failure_case(seed, num_ranks)
+            gen = torch.Generator().manual_seed(seed * 131 + rank)
+            counts[p["kind"]] += 1
+            if p["kind"] == "two_buffers":
+                if pair is None:   # sized for the two-Buffers round trip's shape (test_two_buffers_mpi.BIG)
+                    big = deep_ep.Config().get_nvl_buffer_size_hint(BIG["hidden"] * 2, num_ranks, 24)
+                    pair = [buffers.make(lambda: deep_ep.Buffer(pg, big, 0, transport=TRANSPORT, explicitly_destroy=True,
+                                                                timeout_s=FAILURE_TIMEOUT_S)) for _ in range(2)]
+                _run("failures", seed, p, lambda: run_both_at_once(pair, pg, gen, device, p["tokens"], p["num_bias"]))
+                continue
+            outcome = _outcome(lambda: _call(buf, p["call"], rank in p["bad"], gen, device, num_ranks))
+            everyone = [None] * num_ranks
+            dist.all_gather_object(everyone, outcome, group=pg)
+            problems = []
+            for r, (kind, text, usable, elapsed) in enumerate(everyone):
+                if r in p["bad"] and kind != "refused":
+                    problems.append(f"rank {r} (bad call) ended {kind}: {text[:300]}")
+                elif r not in p["bad"] and (kind != "comm" or not any(f"rank {b}" in text for b in p["bad"])):
+                    problems.append(f"rank {r} must raise a CommError naming one of ranks {p['bad']}; got {kind}: "
+                                    f"{text[:300]}")
+            if len({o[2] for o in everyone}) != 1:
+                problems.append(f"ranks disagree on whether the Buffer is usable: {[o[2] for o in everyone]}")
+            _run("failures", seed, p, lambda: None if not problems else (_ for _ in ()).throw(AssertionError(problems)))
+            if not everyone[0][2]:
+                try:   # an unusable Buffer's windows still close (collective: every rank gets here)
+                    buf.destroy()
+                except Exception:   # noqa: BLE001 - the window's close is collective and still meets every rank
+                    pass
+                buf = buffers.make(make)
+                counts["new_buffers"] += 1
+            _run("failures", seed, p, lambda: run_normal(buf, pg, gen, device, **SMALL, num_tokens=TOKENS))
+    finally:
+        for b in [buf] + (pair or []):
+            try:
+                b.destroy()
+            except Exception:   # noqa: BLE001
+                pass
+    print(f"\n[rank {rank}] failure fuzz: {FAILURE_CASES} cases passed in {time.perf_counter() - t0:.1f} s "
+          f"({counts}; {buffers.setup_s:.1f} s creating Buffers)")

@@ -540,14 +540,16 @@ def test_zero_copy_combine_matches_the_staged_one_and_refuses_overlap(nvl, pg, d
         recv_x, handle = dispatch()
         area = nvl.get_next_combine_buffer(handle)
         refused = True
-        if area.numel():   # an empty x reads nothing: it would run (a round the peers do not run)
-            shifted = nvl.get_local_buffer_tensor(torch.bfloat16, area.shape,
-                                                  offset=L.NormalLayout.combine_rows_offset() + 16)
-            try:
-                nvl.combine(shifted, handle)
-                refused = False
-            except ValueError as e:
-                refused = "overlaps" in str(e)
+        # Every rank refuses this call (a refusal on some ranks only would stop the Buffer: failures.py): an empty x
+        # reads nothing and would run, so a rank without rows makes another bad call of the same op.
+        shifted = nvl.get_local_buffer_tensor(torch.bfloat16, area.shape,
+                                              offset=L.NormalLayout.combine_rows_offset() + 16)
+        try:
+            nvl.combine(shifted if area.numel() else recv_x.float(), handle)
+            refused = False
+        except (TypeError, ValueError) as e:
+            refused = "overlaps" in str(e) or not area.numel()
+        if area.numel():
             area = nvl.get_next_combine_buffer(handle)   # the refused call closed the opened area: open it again
         area.copy_(recv_x)
         engine = nvl.backend.engine("normal")
@@ -593,12 +595,11 @@ def test_zero_copy_dispatch_matches_the_staged_one_and_refuses_stale_rows(nvl, p
         before = engine.in_place_dispatches
         zero = dispatch(rows)
         refused = True
-        if n:   # an empty x reads nothing: it would run (a round the peers do not run)
-            try:
-                dispatch(rows)
-                refused = False
-            except ValueError as e:
-                refused = "overlaps" in str(e)
+        try:   # every rank refuses (see the zero-copy combine test): an empty x would run, so a wrong dtype there
+            dispatch(rows if n else rows.view(torch.uint8))
+            refused = False
+        except (TypeError, ValueError) as e:
+            refused = "overlaps" in str(e) or not n
         rows = nvl.get_next_dispatch_buffer(n, hidden, x.dtype)   # the refused call closed the rows: reopen
         cached = nvl.dispatch((rows, scales), handle=zero[4])
         torch.cuda.synchronize()

@@ -1,11 +1,12 @@
-"""Two Buffers on two different groups of the same ranks, in one process (issue 20, item 6):
+"""Two Buffers on two different groups of the same ranks, in one process:
 
   mpirun -n 4 python -m pytest --with-mpi -q tests/mpi/test_two_buffers_mpi.py
 
 Used alternately (each round trip checked against the oracle), then at once: both dispatches issued before
 either result is read, then both combines, on two CUDA streams where there is a GPU; each result must be
-bit-identical to the same call made alone. Transport: DEEPEP_TEST_TRANSPORT (default: nvlink on a GPU,
-reference on CPU)."""
+bit-identical to the same call made alone (the grids of Buffers open together share the rank's SMs, so all
+their blocks stay resident: windows/base.py Window.grid). Transport: DEEPEP_TEST_TRANSPORT (default: nvlink on a
+GPU, reference on CPU)."""
 from __future__ import annotations
 
 import contextlib
@@ -46,11 +47,11 @@ def test_alternating_round_trips(two_buffers, pg, device, request, base_seed):
                        num_bias=i)
 
 
-def _inputs(gen, device, num_ranks):
+def _inputs(gen, device, num_ranks, tokens=TOKENS):
     experts = num_experts_for(BIG["experts"], num_ranks)
-    x = torch.randn(TOKENS, BIG["hidden"], generator=gen).to(torch.bfloat16).to(device)
-    idx = make_topk(TOKENS, BIG["topk"], experts, gen).to(device)
-    w = torch.rand(TOKENS, BIG["topk"], generator=gen).to(device)
+    x = torch.randn(tokens, BIG["hidden"], generator=gen).to(torch.bfloat16).to(device)
+    idx = make_topk(tokens, BIG["topk"], experts, gen).to(device)
+    w = torch.rand(tokens, BIG["topk"], generator=gen).to(device)
     return x, idx, w, experts
 
 
@@ -60,44 +61,49 @@ def _dispatch(buf, x, idx, w, experts):
                         topk_idx=idx, topk_weights=w)
 
 
-@pytest.mark.mpi(min_size=2)
-def test_both_at_once_match_each_alone(two_buffers, pg, device, request, base_seed):
+def run_both_at_once(buffers, pg, gen, device, tokens=TOKENS, num_bias=0):
+    """Each Buffer's round trip alone, then both at once (both dispatches issued before either result is read,
+    then both combines, each Buffer from a stream of its own where there is a GPU): the same bits, on every
+    rank; an op that failed is named (Buffer.synchronize raises what its kernels recorded)."""
     rank, num_ranks = world(pg)
-    gen = generator(request, base_seed, rank)
-    inputs = [_inputs(gen, device, num_ranks) for _ in two_buffers]
+    inputs = [_inputs(gen, device, num_ranks, tokens) for _ in buffers]
+    biases = [torch.randn(tokens, BIG["hidden"], generator=gen).to(torch.bfloat16).to(device)
+              for _ in range(num_bias)]
+    bias = tuple(biases) if num_bias == 2 else (biases[0] if biases else None)
     alone = []
-    for buf, (x, idx, w, experts) in zip(two_buffers, inputs):
+    for buf, (x, idx, w, experts) in zip(buffers, inputs):
         recv_x, _, recv_w, _, handle, _ = _dispatch(buf, x, idx, w, experts)
-        combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+        combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w, bias=bias)
         alone.append((recv_x.cpu(), combined.cpu(), combined_w.cpu()))
-    streams = [torch.cuda.Stream() for _ in two_buffers] if device.type == "cuda" else [None, None]
+    streams = [torch.cuda.Stream() for _ in buffers] if device.type == "cuda" else [None] * len(buffers)
 
     def on(stream):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    outs = []
-    for buf, (x, idx, w, experts), stream in zip(two_buffers, inputs, streams):
-        with on(stream):
-            outs.append(_dispatch(buf, x, idx, w, experts))
-    results = []
-    for buf, out, stream in zip(two_buffers, outs, streams):
-        recv_x, _, recv_w, _, handle, _ = out
-        with on(stream):
-            results.append((recv_x, *buf.combine(recv_x, handle, topk_weights=recv_w)[:2]))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    # A kernel that timed out (a wait never satisfied) recorded its error; say so rather than only "wrong bits".
     errors = []
-    for i, buf in enumerate(two_buffers):
-        engine = getattr(buf.backend, "normal_engine", None)
-        try:
-            if engine is not None:
-                engine.check()
-        except Exception as e:   # noqa: BLE001 - reported to every rank below
-            errors.append(f"buffer {i}: {type(e).__name__}: {e}")
+    results = []
+    try:
+        outs = []
+        for buf, (x, idx, w, experts), stream in zip(buffers, inputs, streams):
+            with on(stream):
+                outs.append(_dispatch(buf, x, idx, w, experts))
+        for buf, out, stream in zip(buffers, outs, streams):
+            recv_x, _, recv_w, _, handle, _ = out
+            with on(stream):
+                results.append((recv_x, *buf.combine(recv_x, handle, topk_weights=recv_w, bias=bias)[:2]))
+        for buf in buffers:
+            buf.synchronize()
+    except Exception as e:   # noqa: BLE001 - reported to every rank below
+        errors.append(f"{type(e).__name__}: {e}")
     bad = errors + [f"buffer {i}: {name}" for i, (got, ref) in enumerate(zip(results, alone))
                     for name, a, b in zip(("recv_x", "combined", "combined_weights"), got, ref)
                     if not torch.equal(a.cpu(), b)]
     everyone = [None] * num_ranks
     dist.all_gather_object(everyone, bad, group=pg)
     assert not any(everyone), everyone
+
+
+@pytest.mark.mpi(min_size=2)
+def test_both_at_once_match_each_alone(two_buffers, pg, device, request, base_seed):
+    rank, _ = world(pg)
+    run_both_at_once(two_buffers, pg, generator(request, base_seed, rank), device)
