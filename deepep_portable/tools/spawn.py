@@ -1,10 +1,12 @@
-"""Run a function on N local ranks: under torchrun / mpirun as they are, or by spawning them.
+"""Run a function on N ranks: under torchrun / mpirun / srun as they are (on one host or many), or by
+spawning N ranks on this host.
 
 Each rank gets a torch ProcessGroup: NCCL when every rank has a GPU of its own, else gloo (ranks
 sharing one GPU, or no GPU; the reference transport stages CUDA tensors through the host then).
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from typing import Callable, Optional
@@ -12,14 +14,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import launch_env
+
 
 def launched_rank_world() -> Optional[tuple]:
-    """(rank, world) when started by torchrun or mpirun, else None."""
-    for rank_key, world_key in (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                                ("PMI_RANK", "PMI_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
-        if rank_key in os.environ and world_key in os.environ:
-            return int(os.environ[rank_key]), int(os.environ[world_key])
-    return None
+    """(rank, world) when started by torchrun, mpirun (Open MPI, MPICH) or srun, else None."""
+    info = launch_env.read_launch()
+    return None if info is None else (info.rank, info.world_size)
 
 
 def _free_port() -> int:
@@ -28,22 +29,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, world: int) -> dist.ProcessGroup:
-    """Pick the device for this rank and start the process group."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
-    if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-        if "MASTER_PORT" not in os.environ:
-            if launched_rank_world() is not None and "OMPI_COMM_WORLD_RANK" in os.environ:
-                from mpi4py import MPI
+def init_group(rank: int, world: int, timeout: Optional[datetime.timedelta] = None) -> dist.ProcessGroup:
+    """Pick the device for this rank and start the process group.
 
-                os.environ["MASTER_PORT"] = str(MPI.COMM_WORLD.bcast(_free_port() if rank == 0 else None, root=0))
-            else:
-                raise RuntimeError("MASTER_PORT is not set")
-        dist.init_process_group(backend, rank=rank, world_size=world)
+    Under a launcher (launch_env) the device is the local rank's, and the rendezvous and the gloo
+    interface come from launch_env.prepare_torch_env, so a job spanning hosts forms its group; spawned
+    ranks (run_local) are all on this host and rendezvous on MASTER_ADDR/MASTER_PORT as set."""
+    info = launch_env.read_launch()
+    if info is not None and (info.rank, info.world_size) != (rank, world):
+        info = None   # the caller numbers ranks its own way: trust its numbers, not the launcher's
+    local_rank = info.local_rank if info is not None and info.local_rank is not None else rank
+    local_size = info.local_size if info is not None and info.local_size is not None else world
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    # NCCL needs a GPU per rank: count this host's ranks against this host's GPUs
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_size else "gloo"
+    if not dist.is_initialized():
+        if info is not None:
+            launch_env.prepare_torch_env()
+        elif "MASTER_PORT" not in os.environ:
+            raise RuntimeError("MASTER_PORT is not set")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        extra = {} if timeout is None else {"timeout": timeout}
+        dist.init_process_group(backend, rank=rank, world_size=world, **extra)
     return dist.group.WORLD
 
 
@@ -68,8 +76,14 @@ def run_local(fn: Callable, num_ranks: int, *args) -> None:
     launched = launched_rank_world()
     if launched is not None:
         rank, world = launched
+        created = not dist.is_initialized()
         group = init_group(rank, world)
         fn(rank, world, group, *args)
+        if created:
+            # no gloo threads left running at exit (they abort the process under mpirun); only after
+            # success: after an error the launcher ends the job, where a barrier could wait for ever
+            dist.barrier()
+            dist.destroy_process_group()
         return
     import torch.multiprocessing as mp
 
