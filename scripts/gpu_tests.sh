@@ -129,19 +129,28 @@ for s in $STEPS; do
                     tests/mpi/test_many_buffers_gpu_mpi.py
             done
             stop_mps ;;
-    failures) start_mps   # one rank's failure reaches every rank (tests/mpi/test_failures_mpi.py) over nvlink and nvshmem,
-            # two Buffers at once, many Buffers (DEEPEP_TEST_MANY_BUFFERS, default 1000), and the failure fuzz
-            # (FUZZ_FAILURE_CASES, default 200, over nvlink)
-            for t in ${FAILURE_TRANSPORTS:-nvlink nvshmem}; do
-                DEEPEP_TEST_TRANSPORT=$t step "failures_$t" $MPIRUN -x DEEPEP_TEST_TRANSPORT -n "$RANKS" $PY -m pytest -q \
-                    -p no:cacheprovider --with-mpi tests/mpi/test_failures_mpi.py
-            done
-            DEEPEP_TEST_MANY_BUFFERS=${DEEPEP_TEST_MANY_BUFFERS:-1000} step buffers $MPIRUN -x DEEPEP_TEST_MANY_BUFFERS \
-                -n "$RANKS" $PY -m pytest -q -s -p no:cacheprovider --with-mpi tests/mpi/test_two_buffers_mpi.py \
-                tests/mpi/test_many_buffers_gpu_mpi.py
-            DEEPEP_FUZZ_TRANSPORT=${FUZZ_TRANSPORT:-nvlink} DEEPEP_FUZZ_FAILURE_CASES=${FUZZ_FAILURE_CASES:-200} \
-                step fuzz_failures $MPIRUN -x DEEPEP_FUZZ_TRANSPORT -x DEEPEP_FUZZ_FAILURE_CASES -n "$RANKS" $PY -m pytest \
-                -q -s -p no:cacheprovider --with-mpi tests/mpi/test_fuzz_mpi.py -k test_fuzz_failures
+    failures) start_mps   # one rank's failure reaches every rank (tests/mpi/test_failures_mpi.py) over FAILURE_TRANSPORTS
+            # (nvlink nvshmem), two Buffers at once, many Buffers (DEEPEP_TEST_MANY_BUFFERS, default 1000), the failure
+            # fuzz (FUZZ_FAILURE_CASES, default 200, over nvlink); FAILURE_PARTS picks among "tests buffers fuzz"
+            parts=" ${FAILURE_PARTS:-tests buffers fuzz} "
+            export DEEPEP_TEST_FAILURE_TIMEOUT_S=${DEEPEP_TEST_FAILURE_TIMEOUT_S:-3} DEEPEP_FUZZ_FAILURE_TIMEOUT_S=${DEEPEP_FUZZ_FAILURE_TIMEOUT_S:-1.5}
+            if [[ $parts == *" tests "* ]]; then
+                for t in ${FAILURE_TRANSPORTS:-nvlink nvshmem}; do
+                    DEEPEP_TEST_TRANSPORT=$t step "failures_$t" $MPIRUN -x DEEPEP_TEST_TRANSPORT -x DEEPEP_TEST_FAILURE_TIMEOUT_S \
+                        -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_failures_mpi.py
+                done
+            fi
+            if [[ $parts == *" buffers "* ]]; then
+                DEEPEP_TEST_MANY_BUFFERS=${DEEPEP_TEST_MANY_BUFFERS:-1000} step buffers $MPIRUN -x DEEPEP_TEST_MANY_BUFFERS \
+                    -n "$RANKS" $PY -m pytest -q -s -p no:cacheprovider --with-mpi tests/mpi/test_two_buffers_mpi.py \
+                    tests/mpi/test_many_buffers_gpu_mpi.py
+            fi
+            if [[ $parts == *" fuzz "* ]]; then
+                DEEPEP_FUZZ_TRANSPORT=${FUZZ_TRANSPORT:-nvlink} DEEPEP_FUZZ_FAILURE_CASES=${FUZZ_FAILURE_CASES:-200} \
+                    step fuzz_failures $MPIRUN -x DEEPEP_FUZZ_TRANSPORT -x DEEPEP_FUZZ_FAILURE_CASES \
+                    -x DEEPEP_FUZZ_FAILURE_TIMEOUT_S ${DEEPEP_FUZZ_SEED:+-x DEEPEP_FUZZ_SEED} -n "$RANKS" $PY -m pytest -q -s \
+                    -p no:cacheprovider --with-mpi tests/mpi/test_fuzz_mpi.py -k test_fuzz_failures
+            fi
             stop_mps ;;
     hostcosts) start_mps; step hostcosts $PY dev/host_costs.py --procs "$RANKS"; stop_mps ;;
     cache)  # in parts of 15 MiB (files back from the lent machine are at most 16 MiB each)

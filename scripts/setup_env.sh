@@ -6,7 +6,7 @@
 #                                  (venv on PATH, CUDA_HOME, NVLS/multicast off)
 #
 # Steps (each skipped when already satisfied):
-#   1. apt packages: openmpi-bin libopenmpi-dev libibverbs-dev rdma-core python3-pyverbs
+#   1. apt packages: openmpi-bin libopenmpi-dev libibverbs-dev rdma-core python3-pyverbs iproute2 (the two-host test)
 #      (+ python3-venv / python3-dev / build-essential when those are missing)
 #   2. venv at .venv; torch (DEEPEP_TORCH_SPEC, default "torch==2.13.0"; may carry pip options,
 #      e.g. "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
@@ -59,7 +59,7 @@ t0=$SECONDS
 # 1. apt ------------------------------------------------------------------------------------------
 apt_missing=()
 if [[ "${DEEPEP_SKIP_APT:-0}" != 1 ]] && command -v dpkg-query >/dev/null; then
-    want=(openmpi-bin libopenmpi-dev libibverbs-dev rdma-core python3-pyverbs)
+    want=(openmpi-bin libopenmpi-dev libibverbs-dev rdma-core python3-pyverbs iproute2)
     "$PY" -c "import ensurepip, venv" 2>/dev/null || want+=(python3-venv)
     "$PY" -c "import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
         2>/dev/null || want+=(python3-dev)

@@ -24,13 +24,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(deepep_portable.__file__)
 # first level; `transports` holds the registry, the probes and every backend.)
 FLOORS = [
     {"comm", "layout", "internode_layout", "handles", "errors", "device", "jit", "jit_key", "profiling", "event",
-     "topology", "logfmt", "_C", "agreement", "launch_env"},
+     "topology", "logfmt", "_C", "agreement", "launch_env", "utils", "elastic_handle"},
     {"contract", "config", "_validate", "failures"},
     {"windows"},
     {"engines"},
     {"transports"},
-    {"buffer", "_buffer_ll", "_buffer_zero_copy", "tools"},
-    {"__main__", ""},          # "" = the package's __init__ (the public face)
+    {"buffer", "_buffer_ll", "_buffer_zero_copy", "tools", "buffers"},
+    {"__main__", "", "alias"},          # "" = the package's __init__ (the public face)
 ]
 
 
