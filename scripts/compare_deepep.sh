@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19's side-by-side: DeepEP V1 and deepep_portable in the same bench processes (`bench --compare deep_ep`:
+# Side by side: DeepEP V1 and deepep_portable in the same bench processes (`bench --compare deep_ep`:
 # same inputs, same timing, our rows then DeepEP's, then DeepEP's time over ours per op), at several SM budgets,
 # several runs, ranks sharing the GPU under MPS. Nothing is fetched: give it a DeepEP V1 checkout (tested with
 # commit 567632d); it is built in place first if it holds no built module (about 100 s with 16 jobs, against

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5: validation and benchmarks with ONE RANK PER GPU on a several-GPU host.
+# Validation and benchmarks with ONE RANK PER GPU on a several-GPU host.
 #   bash scripts/multi_gpu.sh [EP sizes, default "2 4 8" up to the GPU count]
 # Prints the topology and the peer-to-peer copy ceiling, then at each EP size runs the GPU test
 # suite (one rank per GPU), the low-latency tests over NVSHMEM, and the benchmarks (normal: 4096 and
@@ -7,7 +7,7 @@
 # copied straight into the peers' memory, see tools/ceilings.py) and all_to_all_single over NCCL as the
 # baseline. MIXED=1 then runs the suite with two ranks per GPU under MPS (peers on the same GPU and
 # across the link in one group). DEEPEP=DIR (a DeepEP V1 checkout, built in place first if it holds no
-# build, as scripts/compare_deepep.sh does) adds issue 19's side by side at each EP size: `bench --compare
+# build, as scripts/compare_deepep.sh does) adds the side by side with DeepEP at each EP size: `bench --compare
 # deep_ep --baseline` (ours, DeepEP and all_to_all_single in the same processes) at COMPARE_SMS SMs per rank
 # (default "8 16 24"), and the low-latency ops beside DeepEP's (nvlink, 128 tokens). Every step is killed
 # after STEP_TIMEOUT seconds (default 400). Logs under $OUT.

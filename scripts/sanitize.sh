@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, synccheck) over every kernel family on small shapes, on a GPU
-# machine (issue 20, item 4). Single-process tests run under each tool; the multi-rank suites run at 2 ranks
+# machine. Single-process tests run under each tool; the multi-rank suites run at 2 ranks
 # without MPS (the sanitizer does not attach to MPS clients), each rank under the tool, on their smallest
 # cases. Prints one line per (suite, tool) with the sanitizer's ERROR SUMMARY lines; logs in $OUT.
 #   usage: bash scripts/sanitize.sh [tools="memcheck racecheck synccheck"]

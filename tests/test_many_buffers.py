@@ -1,4 +1,4 @@
-"""Many Buffers in one process leave nothing behind (issue 20, CPU part: the reference transport over a
+"""Many Buffers in one process leave nothing behind (the CPU part: the reference transport over a
 one-rank gloo group; the GPU windows' part runs in tests/mpi on the GPU machine)."""
 import gc
 import os

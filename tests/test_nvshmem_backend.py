@@ -592,8 +592,8 @@ def test_runtime_capabilities_follow_the_window():
 
 
 def test_windows_share_one_loaded_module_per_image(monkeypatch):
-    """load_module loads and registers an image once per runtime (issue 20: 1000 Buffers over nvshmem lost
-    4.4 GiB at 4 ranks, each window loading its own copies); another image is another module."""
+    """load_module loads and registers an image once per runtime (1000 Buffers over nvshmem
+    lost 4.4 GiB at 4 ranks when each window loaded its own copies); another image is another module."""
     _C = pytest.importorskip("deepep_portable._C")
     loads, inits = [], []
 

@@ -4,7 +4,7 @@ Why: ranks reach a layer's combine together (after their experts), and every ran
 rank whose host launched it last, so the host steps before the stage launch are part of the op's time. On the H200
 (8 ranks under MPS, 16 SMs, host marks in each timed call of `bench`) the full path took 88-116 us from entering
 Buffer.combine to the stage launch's return: the launch itself 11-19 us, the rest Python (the Buffer's checks 26-35,
-the stream ordering 12-20, the engine's set-up about 40; docs/PERFORMANCE.md, thirtieth session). The same steps
+the stream ordering 12-20, the engine's set-up about 40; docs/PERFORMANCE.md). The same steps
 cost about a tenth of that in a tight loop: the first call after a barrier pays for every object and bytecode it
 touches, so the way to a shorter path is fewer of them, not faster ones. This path: 47-54 us (predicate 12-14,
 stream ordering about 10, the launch 11-15). On that emulation the op gained less (1808-1817 -> 1799-1800 us): the

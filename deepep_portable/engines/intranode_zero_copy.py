@@ -78,7 +78,7 @@ class ZeroCopyRounds:
         It must also follow my last op on the comm stream (it reads the round that op completed): the caller's
         stream waits for the comm stream only while that still has work (a query is one driver call, an event
         record and a wait are two, ~10 us each under MPS). While capturing a CUDA graph it goes on the comm
-        stream between two waits instead (as before the eighteenth session). It waits until every peer has
+        stream between two waits instead. It waits until every peer has
         finished reading my last op (peers tell so at the end of their pull), not for the peers' next op."""
         t_host = time.perf_counter()
         # The template is launched as it is (only the op's id differs between calls): every step here is on the

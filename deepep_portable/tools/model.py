@@ -1,4 +1,4 @@
-"""`python -m deepep_portable model`: what the normal-mode ops should take on real NVLink (issue 19, item 3),
+"""`python -m deepep_portable model`: what the normal-mode ops should take on real NVLink,
 from rates measured on the two-H200 machine, and which part of each op would dominate there.
 
 The model follows the intranode kernels as built (docs/INTRANODE.md): an op is a fixed part (host path,
@@ -12,11 +12,11 @@ the limit (only the bytes to other GPUs cross it):
   dispatch: staged = my tokens once (FP8: 7168 + 56 x 4 bytes a row); main = the rows every rank receives
             (a token goes once to each distinct rank of its top-k experts);
   combine:  staged = the rows I received from other ranks, BF16 (a rank's own rows are read in its x, not
-            staged, since the twenty-first session); main = every row I received, read back by its source.
+            staged); main = every row I received, read back by its source.
   dispatch_zc / combine_zc (`--zero-copy`): the same ops when the caller wrote their rows into the Buffer
             (get_next_dispatch_buffer / get_next_combine_buffer): no staging copy, the rest unchanged.
 
-Inputs (docs/PERFORMANCE.md, fifth session, `nvidia-h200-x2`, EP 2, 20 blocks): the P2P copy-engine rate
+Inputs (docs/PERFORMANCE.md, the two-H200 run, `nvidia-h200-x2`, EP 2, 20 blocks): the P2P copy-engine rate
 between the two H200s (390 GB/s a direction), the local copy rate (2070 GB/s), and the op times at 4096 and
 16384 tokens (dispatch FP8 392.4 / 862.6 us, combine BF16 488.3 / 1400.6 us), from which `fit()` solves each
 op's fixed part and per-block rate (two equations, two unknowns). Those combines staged every received row, own
@@ -39,7 +39,7 @@ BF16_ROW = HIDDEN * 2
 LINK_GBPS = 390.0          # P2P copy engine, GPU0 <-> GPU1 (NV18), a direction
 HBM_COPY_GBPS = 2070.0     # local copy_ on one H200
 EP2_BLOCKS = 20
-# (op, tokens) -> measured us at EP 2, 20 blocks (fifth session table)
+# (op, tokens) -> measured us at EP 2, 20 blocks (the two-H200 run, docs/PERFORMANCE.md)
 EP2_MEASURED = {("dispatch", 4096): 392.4, ("dispatch", 16384): 862.6,
                 ("combine", 4096): 488.3, ("combine", 16384): 1400.6}
 
@@ -59,7 +59,7 @@ def _base(op: str) -> str:
 def op_bytes(op: str, num_ranks: int, tokens: int, own_rows_staged: bool = False) -> Tuple[float, float]:
     """(staged bytes, main bytes) per rank of one op (its zero-copy form "<op>_zc" stages nothing). The combine
     stages the rows from other ranks only (each rank is sent 1/R of the rows), unless `own_rows_staged` (the code
-    before the twenty-first session, which the EP 2 measurements ran)."""
+    the EP 2 measurements ran, which staged a rank's own rows too)."""
     rows = tokens * ranks_per_token(num_ranks)
     base = _base(op)
     if base == "dispatch":

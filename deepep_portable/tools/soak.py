@@ -1,5 +1,4 @@
-"""`python -m deepep_portable soak`: many rounds of the same ops on one Buffer, watched for leaks and drift
-(issue 20, item 3).
+"""`python -m deepep_portable soak`: many rounds of the same ops on one Buffer, watched for leaks and drift.
 
 Each rank repeats a round (normal mode: dispatch, then combine of the received rows; low-latency mode:
 low_latency_dispatch, then low_latency_combine of the received rows; on a GPU also the same round captured

@@ -1,4 +1,4 @@
-"""A rank killed (SIGKILL) in the middle of low-latency work (issue 20, item 2), on one GPU: 4 worker
+"""A rank killed (SIGKILL) in the middle of low-latency work, on one GPU: 4 worker
 processes (DEEPEP_TEST_KILLED_RANKS) spawned from this test (not MPI: mpirun would take the whole job down
 with the killed rank), each with its own context on the GPU, a gloo group over a file store.
 

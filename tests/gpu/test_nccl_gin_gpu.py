@@ -1,4 +1,4 @@
-"""The nccl_gin backend at one rank on a GPU (issue 18's first GPU step; passed on the H200 with NCCL 2.28.9): NCCL's communicator,
+"""The nccl_gin backend at one rank on a GPU (passed on the H200 with NCCL 2.28.9): NCCL's communicator,
 window and device communicator over a one-rank group, the transport contract's conformance kernel over LSA on
 itself, and a request for GIN on a machine without a GIN-capable NIC refused with a clear error."""
 import pytest

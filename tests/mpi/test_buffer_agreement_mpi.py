@@ -1,6 +1,5 @@
 """Ranks that disagree on a Buffer's symmetric arguments (sizes, mode, queues, transport) all get the same clear
-ValueError before anything is set up, and a correct Buffer on the same group works afterwards (issue 20,
-item 5: "ranks disagreeing on sizes"). Reference transport, so it runs on CPU in CI.
+ValueError before anything is set up, and a correct Buffer on the same group works afterwards. Reference transport, so it runs on CPU in CI.
 
   mpirun -n 4 python -m pytest --with-mpi -q tests/mpi/test_buffer_agreement_mpi.py"""
 from __future__ import annotations

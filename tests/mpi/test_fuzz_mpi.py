@@ -1,5 +1,5 @@
 """Fuzz: seeded random but valid calls of every normal-mode and low-latency feature, each checked exactly
-against tests/oracle.py (issue 20's CPU part: the reference transport, over gloo, in CI).
+against tests/oracle.py (in CI: the reference transport, over gloo).
 
 A case's shape (hidden, top-k, experts per rank, precision, alignment, padding, biases, logical nodes,
 skewed routing, hooks, zero-copy...) comes from its seed, the same on every rank; its data and token counts

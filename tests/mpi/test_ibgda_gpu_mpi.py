@@ -1,4 +1,4 @@
-"""The ibgda backend's GPU posting at its edges, against the tests' NIC model (issue 17, item 2), under mpirun
+"""The ibgda backend's GPU posting at its edges, against the tests' NIC model, under mpirun
 with ranks sharing a GPU:
 
   mpirun -n 4 python -m pytest --with-mpi -q tests/mpi/test_ibgda_gpu_mpi.py
@@ -10,7 +10,7 @@ with ranks sharing a GPU:
   an error CQE (remote access error, syndrome 0x13; on a collapsed CQ the later WQEs' flush entries, syndrome
   0x05, may overwrite it before the poster reads it) that the kernel records and the host turns into an error
   naming the op, the rank, the peer, the channel and the syndrome, never a hang.
-Skipped without CUDA or with fewer than 2 ranks. Written in the twelfth session, not run on a GPU yet.
+Skipped without CUDA or with fewer than 2 ranks. Not run on a GPU yet.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ then a wait on a word nobody writes must time out with an error record naming th
 backend runs once more with its load/store table withheld, so NVSHMEM's own routines (puts,
 put-with-signal, signal_op, AMOs, gets, quiet) carry the traffic between P2P peers too. The ibgda backend
 runs over the tests' NIC model (tests/ibgda_model.py): its device code posts WQEs that a host thread per
-process executes against every rank's window (passed at 4 ranks on the H200, eleventh session). The nccl_gin
+process executes against every rank's window (passed at 4 ranks on the H200). The nccl_gin
 backend also runs over the tests' mock of NCCL's device API (tests/nccl_gin_mock.py), every peer through its
 GIN branches (not run on a GPU yet).
 Skipped without CUDA, with fewer than 2 ranks, or where the backend's probe says it cannot run.

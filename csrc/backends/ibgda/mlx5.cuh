@@ -1,5 +1,5 @@
 // The mlx5 work-queue formats the ibgda backend writes from the GPU, and the host reads back (CQEs):
-// one encoder for host and device code (issue 17). Layouts are the NIC's (rdma-core
+// one encoder for host and device code. Layouts are the NIC's (rdma-core
 // `providers/mlx5/mlx5dv.h` structs `mlx5_wqe_ctrl_seg`, `_raddr_seg`, `_data_seg`, `_atomic_seg`,
 // `_inl_data_seg`, `mlx5_cqe64`; every multi-byte field big-endian). tests/test_ibgda_mlx5.py compiles
 // this header on the host next to rdma-core's own `mlx5dv_set_ctrl_seg` / `mlx5dv_set_data_seg` and the

@@ -1,5 +1,5 @@
 // Posting to an mlx5 send queue from many threads at once, and reading its completions: the part of the
-// ibgda backend that has to be right under concurrency (issue 17). Host and device code: the GPU's warps
+// ibgda backend that has to be right under concurrency. Host and device code: the GPU's warps
 // post with it, and tests/test_ibgda_sq.py runs the same code on host threads against a software model
 // of the NIC (doorbell watcher, WQE parser, executor, CQE writer), wrap-arounds of the ring and of the
 // 16-bit WQE index included.

@@ -1,4 +1,4 @@
-"""Reusing torch's NCCL communicator for the nccl_gin window (issue 18; ../shared/research/NCCL_GIN.md §1.1).
+"""Reusing torch's NCCL communicator for the nccl_gin window.
 
 When the Buffer's group is a torch NCCL process group, its communicator already connects exactly these ranks in
 this order; a second one would cost another bootstrap and another set of NCCL resources. Reused only when it is

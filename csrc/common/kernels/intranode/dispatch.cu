@@ -208,7 +208,7 @@ DEEPEP_DEVICE void notify_host(const DispatchParams& p, const PeerBuffers& bufs,
 // A zero-copy dispatch's stage (x == nullptr: the payload is in place): the meta slots alone, one 4-byte
 // word per thread at a time over the grid, several loads in flight per thread. A warp per token would
 // wait one memory round trip per token for a few hundred bytes (the meta-only stage then took 100-190 us
-// of the op on the emulation, eighteenth session). kMetaWords: scales, top-k ids, top-k weights.
+// of the op on the emulation). kMetaWords: scales, top-k ids, top-k weights.
 constexpr int kMetaWords = kNumScales + 2 * kNumTopk;
 constexpr int kMetaUnroll = 4;
 

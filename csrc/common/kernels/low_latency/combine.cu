@@ -5,7 +5,7 @@
 // register allocation for both; on the H200 emulation (8 ranks, 128 tokens, graph-replayed) the two
 // kernels took 126-128 us against 132-134 us. A one-launch form without that barrier (each block flags
 // its part of the slot table, the receive waits for every block's flag after its signals) was slower
-// too: 128.7-129.2 us against 119.3-119.8 (twenty-fifth session), although the two kernels leave a gap
+// too: 128.7-129.2 us against 119.3-119.8, although the two kernels leave a gap
 // of ~8 us between them.
 //
 //   send: one warp per (local expert e, source rank s) pair. The dispatch handle gives the
