@@ -39,7 +39,6 @@ COMBINE_KERNELS = (jit.kernel_symbol("deepep_portable::intranode::stage_expert_r
                    jit.kernel_symbol("deepep_portable::intranode::combine", "CombineParams"))
 VMM_SWITCH = "DEEPEP_PORTABLE_INTRANODE_VMM"
 MAX_SPARES = 4   # (kind, tokens) shapes whose next dispatch finds its small outputs ready
-MAX_GUESSES = 8  # call shapes whose next fresh dispatch allocates its outputs before it learns its receive count
 
 DispatchParams = params_struct("DispatchParams", [
     "peer_bases", "rank", *[f"ctrl_{f}" for f in _CONTROL],
@@ -58,9 +57,9 @@ CombineParams = params_struct("CombineParams", [
 
 
 def vmm_buffer_wanted() -> bool:
-    """The buffer is shareable VMM memory unless DEEPEP_PORTABLE_INTRANODE_VMM=0 (the same on every rank):
-    on the 8-rank H200 emulation every op ran 1.2-1.6x faster over it than over legacy CUDA IPC memory
-    (docs/PERFORMANCE.md, twentieth session). Legacy IPC stays for systems that refuse the descriptor exchange."""
+    """The buffer is shareable VMM memory (every op runs faster over it: docs/PERFORMANCE.md) unless
+    DEEPEP_PORTABLE_INTRANODE_VMM=0, the same on every rank: a fallback to legacy CUDA IPC memory for systems
+    that refuse the POSIX file-descriptor exchange of VMM memory (docs/CONFIGURATION.md)."""
     return os.environ.get(VMM_SWITCH, "1") != "0"
 
 
@@ -83,11 +82,6 @@ class IntranodeEngine(EagerCombine, ZeroCopyRounds, Engine):
         self._spares: dict = {}   # (cached, N) -> the next such dispatch's small outputs; see _small_outputs
         self._init_zero_copy()   # the rows a zero-copy op reads in place (engines/intranode_zero_copy.py)
         self._init_eager(CombineParams, THREADS)   # the combine's eager path (engines/intranode_eager.py)
-        # Per call shape, the rows the next fresh dispatch allocates before its receive count is known (see
-        # _learned). Opt-in (DEEPEP_PORTABLE_SPECULATIVE_RECV=1): by default the host waits for the count, as DeepEP.
-        self._recv_guess: dict = {}
-        self.speculate = os.environ.get("DEEPEP_PORTABLE_SPECULATIVE_RECV", "0") == "1"
-        self.speculative_misses = 0   # fresh dispatches whose guess was too small (pulled again; tests look)
         self.notify = MappedWords(self.dev, 2 + 65536 // 4)
         self.error_claim = self.base + L.CTRL_ERROR
         self.ctrl = [L.CTRL_ROUND, L.CTRL_CURRENT, L.CTRL_READY, L.CTRL_ERROR, L.CTRL_NUM_TOKENS, L.CTRL_DONE,
@@ -261,7 +255,6 @@ class IntranodeEngine(EagerCombine, ZeroCopyRounds, Engine):
         p.num_recv_out, p.rank_prefix_matrix = num_recv_dev.data_ptr(), rank_prefix.data_ptr()
         p.send_rows = 0 if cached else send_rows.data_ptr()
         counts_list: List[int] = []
-        shape = (N, hidden, x.dtype, num_scales, topk, num_experts, alignment)
         t_wait = time.perf_counter()
         if cached:
             rows, num_recv = handle.num_recv_rows, handle.num_recv_tokens
@@ -270,26 +263,13 @@ class IntranodeEngine(EagerCombine, ZeroCopyRounds, Engine):
         else:
             p.host_out = 0
             rows = num_recv = -1   # learned below
-        outs = None
-        guess = self._recv_guess.get(shape) if learn_count and self.speculate else None
-        if guess is not None:   # the pull goes now, into outputs of the guessed size (see _learned)
-            outs = self._recv_outputs(p, guess, hidden, x.dtype, x_scales, topk, speculative=True)
-            launch(pull, grid, THREADS, p, s)
         if learn_count:
             num_recv = rows = self.wait_for_count("dispatch", self.notify)
             self.profile.host_time(f"{op}:wait_notify", t_wait)
             t_wait = time.perf_counter()
             counts_list = self.notify.words[2:2 + experts_per_rank]
-            self._learned(shape, num_recv)
-            if outs is not None and num_recv <= guess:
-                outs = tuple(None if t is None else t[:num_recv] for t in outs)
-            else:   # no guess, or it was too small (the speculative pull then copied nothing): pull into exact outputs
-                self.speculative_misses += outs is not None
-                outs = None
-        if outs is None:
-            outs = self._recv_outputs(p, rows, hidden, x.dtype, x_scales, topk, speculative=False)
-            launch(pull, grid, THREADS, p, s)
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = self._recv_outputs(p, rows, hidden, x.dtype, x_scales, topk)
+        launch(pull, grid, THREADS, p, s)
         if learn_count:
             self.profile.host_time(f"{op}:notify_to_pull_launch", t_wait)
         self._prepare_spare(cached, N)   # the GPU is busy with the pull now
@@ -307,9 +287,10 @@ class IntranodeEngine(EagerCombine, ZeroCopyRounds, Engine):
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_list, new_handle)
 
     def _recv_outputs(self, p, rows: int, hidden: int, dtype: torch.dtype, x_scales: Optional[torch.Tensor],
-                      topk: int, speculative: bool) -> tuple:
+                      topk: int) -> tuple:
         """(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx) for `rows` rows, their
-        addresses set in the pull's params `p`."""
+        addresses set in the pull's params `p` (the outputs hold exactly the rows the host learned or was told:
+        the params' `speculative` word stays 0)."""
         dev = self.ctx.device
         recv_x = torch.empty(rows, hidden, dtype=dtype, device=dev)
         recv_scales = None if x_scales is None else torch.empty(rows, x_scales.size(1), dtype=x_scales.dtype,
@@ -321,26 +302,8 @@ class IntranodeEngine(EagerCombine, ZeroCopyRounds, Engine):
         recv_src = torch.empty(rows, dtype=torch.int32, device=dev)
         p.recv_x, p.recv_scales, p.recv_topk_idx, p.recv_topk_weights, p.recv_src_idx = (
             recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w), recv_src.data_ptr())
-        p.max_recv_rows, p.speculative = rows, int(speculative)
+        p.max_recv_rows = rows
         return recv_x, recv_scales, recv_idx, recv_w, recv_src
-
-    def _learned(self, shape: tuple, num_recv: int) -> None:
-        """Remember a fresh dispatch's receive count for the next one of the same shape: it allocates this many
-        rows plus 1/16 (and 64) before its count is known, and launches its pull right after the stage kernel,
-        so the pull does not wait for the host's round trip (count, allocation, launch: 60-200 us under MPS,
-        exposed whenever the stage kernel is shorter, as in a zero-copy dispatch). The outputs it returns are
-        views of the first num_recv rows (contiguous; their memory is up to 1/16 larger). When the count
-        exceeds the guess, the pull finds out on the device and copies nothing; the host then allocates exact
-        outputs and pulls again (the round stays open until a pull completes it: peers keep their rows).
-        Opt-in: on the one-GPU emulation it measured no faster (the staging copy hides the round trip there, and
-        the zero-copy dispatch's time was bound elsewhere; docs/PERFORMANCE.md, eighteenth session). It is meant
-        for real NVLink, where the model puts the staging copy at ~15 us and the round trip in the open."""
-        if not self.speculate:
-            return
-        self._recv_guess.pop(shape, None)
-        self._recv_guess[shape] = num_recv + max(64, num_recv // 16)
-        while len(self._recv_guess) > MAX_GUESSES:
-            del self._recv_guess[next(iter(self._recv_guess))]
 
     # ---- combine ----------------------------------------------------------------------------------
     def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -108,6 +108,8 @@ def check_aligned(name: str, t: torch.Tensor) -> None:
                          f"{t.data_ptr() % 16} mod 16): pass a fresh tensor or .clone() it")
 
 
+# DEEPEP_PORTABLE_PDL=0: plain launches, a fallback for a driver, or a tool such as a profiler or
+# compute-sanitizer, that misbehaves with programmatic dependent launches (docs/CONFIGURATION.md).
 PDL_SWITCH = "DEEPEP_PORTABLE_PDL"
 
 

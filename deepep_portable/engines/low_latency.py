@@ -35,8 +35,9 @@ receiver kErrorOverrun when a signal already carries a later call; the Buffer is
 The dispatch's output recv_x is a view of the half's dispatch area that the peers write directly
 (they reserve rows with fetch_add), when the window takes atomics at full speed: NVSHMEM's heap, and
 the nvlink transport's window, which is shareable VMM memory by default (Window.cheap_fetch_add).
-With DEEPEP_PORTABLE_LL_VMM=0 the nvlink window is legacy CUDA IPC memory, where atomics measured
-slow, and the receive packs the rows into a fresh tensor instead.
+With DEEPEP_PORTABLE_LL_VMM=0 (the fallback for systems that refuse the file-descriptor exchange of VMM
+memory) the nvlink window is legacy CUDA IPC memory, where atomics are slow, and the receive packs the
+rows into a fresh tensor instead.
 
 `get_next_low_latency_combine_buffer` hands out the combine send area of the half the next call
 will use, by host-side parity of the calls made through this engine; that equals the device

@@ -8,7 +8,8 @@ has no network path refuses). Low-latency ops run the kernels written against th
 the bytes live, how the kernels are built for the backend (its device header and Transport struct) and
 what the kernels receive. So a backend is a window, a Capabilities record and a probe; nothing here
 names one. DEEPEP_PORTABLE_LL_KERNELS=0 serves the low-latency ops with the reference transport
-instead (for A/B checks).
+instead: a way out for a low-latency kernel that fails on a system while the normal-mode kernels work
+(docs/CONFIGURATION.md).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from .reference import ReferenceTransport
 
 
 def low_latency_kernels_enabled() -> bool:
+    """False with DEEPEP_PORTABLE_LL_KERNELS=0 (a fallback: the reference serves the low-latency ops)."""
     return os.environ.get("DEEPEP_PORTABLE_LL_KERNELS", "1") != "0"
 
 
@@ -66,7 +68,8 @@ class KernelTransport(Transport):
                 raise
         self.reference = ReferenceTransport(ctx)   # low-latency ops without the kernels
         self.failures = KernelFailures(ctx)
-        # DEEPEP_PORTABLE_EAGER_COMBINE=0 sends every combine through the full path (an A/B switch and a way out).
+        # DEEPEP_PORTABLE_EAGER_COMBINE=0 sends every combine through the full host path: a fallback that rules the
+        # short path for the common call out when a combine misbehaves (docs/CONFIGURATION.md).
         self.combine_eager = getattr(self.normal_engine, "combine_eager", None) \
             if os.environ.get("DEEPEP_PORTABLE_EAGER_COMBINE", "1") != "0" else None
 

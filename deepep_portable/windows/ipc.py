@@ -7,12 +7,12 @@ owns the mapped host words through which kernels report errors (see
 csrc/common/kernels/signal.cuh: ErrorSink). Two kinds of memory:
   * shareable VMM memory (`shareable=True`: cuMemCreate, exported as a POSIX file descriptor that the
     peers receive over a Unix socket, `exchange_fds`): the default of both engines of the nvlink
-    transport. On the H200 with 8 processes under MPS, atomics on a legacy IPC mapping measured slow
-    and on VMM mappings not (NVSHMEM shares its heap that way), and the intranode ops ran 1.2-1.6x
-    faster over VMM windows although a plain streaming copy runs at the same rate over both
-    (docs/PERFORMANCE.md, twentieth session);
-  * legacy CUDA IPC (cuMemAlloc + cuIpcGetMemHandle, handles sent over the group): kept for systems
-    where the descriptor exchange is not allowed (DEEPEP_PORTABLE_INTRANODE_VMM=0 / DEEPEP_PORTABLE_LL_VMM=0).
+    transport. Atomics on a legacy IPC mapping are slow and on VMM mappings not (NVSHMEM shares its heap
+    that way), and the intranode ops run faster over VMM windows although a plain streaming copy runs at
+    the same rate over both (docs/PERFORMANCE.md);
+  * legacy CUDA IPC (cuMemAlloc + cuIpcGetMemHandle, handles sent over the group): the fallback for
+    systems that refuse the descriptor exchange (DEEPEP_PORTABLE_INTRANODE_VMM=0 for the intranode
+    buffer, DEEPEP_PORTABLE_LL_VMM=0 for the low-latency window; docs/CONFIGURATION.md).
 """
 from __future__ import annotations
 
