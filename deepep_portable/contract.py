@@ -61,6 +61,43 @@ class TransportStatus:
     def __str__(self) -> str:
         return f"{self.name}: {'usable' if self.usable else 'unusable'} ({self.reason})"
 
+    def capabilities_in_short(self) -> str:
+        """The capability record in a few words: the properties it has, its channels, its network."""
+        caps = self.capabilities
+        if not caps:
+            return "-"
+        words = [word for key, word in (("peer_load_store", "load/store"), ("remote_atomics", "atomics"),
+                                        ("ordered_delivery", "ordered"), ("graph_safe", "graphs")) if caps.get(key)]
+        if caps.get("max_channels", 1) != 1:
+            words.append(f"{caps['max_channels']} channels")
+        words.append(f"network {caps.get('network', '?')}")
+        return ", ".join(words)
+
+
+class TransportTable(dict):
+    """What `available_transports()` returns: a dict of transport name -> `TransportStatus`, in the
+    registry's order, that prints as an aligned table (name, usable, reason, capabilities in short); a long
+    reason wraps inside its column."""
+
+    REASON_WIDTH = 64
+
+    def __str__(self) -> str:
+        import textwrap
+
+        head = ("transport", "usable", "reason", "capabilities")
+        rows = [(name, "yes" if st.usable else "no", textwrap.wrap(st.reason, self.REASON_WIDTH) or [""],
+                 st.capabilities_in_short()) for name, st in self.items()]
+        w_name = max([len(head[0])] + [len(r[0]) for r in rows])
+        w_usable = len(head[1])
+        w_reason = max([len(head[2])] + [len(line) for r in rows for line in r[2]])
+        lines = [f"{head[0]:<{w_name}}  {head[1]:<{w_usable}}  {head[2]:<{w_reason}}  {head[3]}"]
+        for name, usable, reason, caps in rows:
+            lines.append(f"{name:<{w_name}}  {usable:<{w_usable}}  {reason[0]:<{w_reason}}  {caps}".rstrip())
+            lines.extend(f"{'':<{w_name}}  {'':<{w_usable}}  {more}".rstrip() for more in reason[1:])
+        return "\n".join(lines)
+
+    __repr__ = __str__   # the interpreter shows the table too
+
 
 @dataclass
 class BufferContext:

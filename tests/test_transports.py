@@ -431,6 +431,41 @@ def test_available_transports_show_capabilities():
     assert st["ibgda"].capabilities["remote_atomics"] is True   # the class's record, usable or not
 
 
+def test_available_transports_print_as_an_aligned_table():
+    """Still the dict callers index and iterate (name -> TransportStatus, in the registry's order), but print()
+    and the interpreter show one row per transport: name, usable, reason (wrapped in its column), capabilities."""
+    from deepep_portable.contract import TransportTable
+
+    st = available_transports()
+    assert isinstance(st, dict) and list(st) == list(TRANSPORT_NAMES)
+    text = str(st)
+    assert repr(st) == text
+    lines = text.splitlines()
+    head = lines[0]
+    assert head.split() == ["transport", "usable", "reason", "capabilities"]
+    col = {word: head.index(word) for word in ("usable", "reason", "capabilities")}
+    for name, s in st.items():
+        row = next(line for line in lines if line.startswith(name + " "))
+        assert row[col["usable"]:].startswith("yes" if s.usable else "no")
+        assert row[col["capabilities"]:] == s.capabilities_in_short()
+        assert row[col["reason"]:col["capabilities"]].strip() in s.reason
+    for line in lines[1:]:   # continuation lines of a long reason start in the reason column
+        assert line[:col["usable"]].strip() in (*TRANSPORT_NAMES, "transport", "")
+    # Every word of every reason is in the table.
+    assert " ".join(text.split()).count("no CUDA GPU") >= sum("no CUDA GPU" in s.reason for s in st.values())
+
+    fake = TransportTable(
+        a=TransportStatus("a", True, "short", capabilities=dict(peer_load_store=True, remote_atomics=False,
+                          ordered_delivery=True, max_channels=24, graph_safe=True, network="roce")),
+        long_name=TransportStatus("long_name", False, "word " * 40))
+    lines = str(fake).splitlines()
+    assert lines[1].startswith("a          yes     short") and lines[1].endswith(
+        "load/store, ordered, graphs, 24 channels, network roce")
+    assert lines[2].startswith("long_name  no      word word") and lines[2].endswith("-")
+    assert len(lines) == 6 and all(line.startswith(" " * 19 + "word") for line in lines[3:])
+    assert all(len(line) <= 19 + TransportTable.REASON_WIDTH for line in lines[3:])
+
+
 def test_nccl_headers_must_match_the_library(fresh_probe, monkeypatch, tmp_path):
     """GIN kernels compiled against other headers than the loaded libnccl's are rejected or wrong: a
     version mismatch is a reason, named with both versions."""
