@@ -4,7 +4,8 @@
 #   2. mpirun -n 4 python -m pytest --with-mpi -q tests/mpi      (reference transport over gloo)
 # Fails when any step fails, including "no tests collected" (pytest exit code 5). Prints a final
 # "N passed, M failed" line aggregated over both steps (an MPI test counts once; it fails when it
-# fails on any rank). Extra arguments go to both pytest runs (e.g. -k name, -x).
+# fails on any rank), after a table of the skipped tests' reasons with their counts. Extra arguments
+# go to both pytest runs (e.g. -k name, -x).
 # Knobs: DEEPEP_MPI_NP (4), DEEPEP_TEST_TIMEOUT (seconds per step, 2400).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -55,7 +56,8 @@ python - "$out" <<'PY'
 import glob, os, sys
 import xml.etree.ElementTree as ET
 
-def cases(path):
+def cases(path, reasons):
+    """test -> passed / failed / skipped; `reasons` gets test -> why it was skipped."""
     res = {}
     try:
         root = ET.parse(path).getroot()
@@ -65,6 +67,9 @@ def cases(path):
         key = f"{tc.get('classname')}::{tc.get('name')}"
         tags = {c.tag for c in tc}
         res[key] = "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"
+        if res[key] == "skipped":
+            why = next(c for c in tc if c.tag == "skipped").get("message") or "no reason given"
+            reasons.setdefault(key, " ".join(why.replace("Skipped: ", "", 1).split()))
     return res
 
 def count(results):
@@ -74,14 +79,26 @@ def count(results):
     return c
 
 out = sys.argv[1]
-cpu = cases(os.path.join(out, "cpu.xml"))
+cpu_why, mpi_why = {}, {}
+cpu = cases(os.path.join(out, "cpu.xml"), cpu_why)
 mpi = {}
 for f in sorted(glob.glob(os.path.join(out, "mpi_*.xml"))):
-    for k, v in cases(f).items():   # a test fails if it fails on any rank
+    for k, v in cases(f, mpi_why).items():   # a test fails if it fails on any rank
         order = {"failed": 2, "passed": 1, "skipped": 0}
         if order[v] > order.get(mpi.get(k), -1):
             mpi[k] = v
 c1, c2 = count(cpu), count(mpi)
+# Why tests were skipped: one row per (step, reason), most frequent first.
+skips = {}
+for step, results, why in (("CPU", cpu, cpu_why), ("MPI", mpi, mpi_why)):
+    for k, v in results.items():
+        if v == "skipped":
+            skips[(step, why.get(k, "no reason given"))] = skips.get((step, why.get(k, "no reason given")), 0) + 1
+if skips:
+    print("skipped tests, by reason:")
+    width = len(str(max(skips.values())))
+    for (step, why), n in sorted(skips.items(), key=lambda item: (-item[1], item[0])):
+        print(f"  {n:>{width}}  {step}  {why if len(why) <= 150 else why[:147] + '...'}")
 print(f"summary: CPU {c1['passed']} passed, {c1['failed']} failed, {c1['skipped']} skipped; "
       f"MPI {c2['passed']} passed, {c2['failed']} failed, {c2['skipped']} skipped")
 print(f"{c1['passed'] + c2['passed']} passed, {c1['failed'] + c2['failed']} failed")

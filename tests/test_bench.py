@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_GPU = torch.cuda.is_available()
 
 
 def run(*args, timeout=600):
@@ -31,6 +33,9 @@ def test_bench_runs_checks_and_prints_the_ceiling(mode, ops):
     rows = [line.split() for line in lines if line.split()[:1] and line.split()[0] in ops]
     assert len(rows) == 2 * len(ops)                      # every op at both token counts
     assert {row[1] for row in rows} == {"8", "16"}
+    if not HAS_GPU:   # the CPU has no SMs: no SMs column, and the caption does not point at one
+        assert "SMs" not in header.split() and "SMs column" not in r.stdout
+        assert all(len(row) == len(header.split()) for row in rows)
 
 
 def test_bench_plot(tmp_path):
@@ -40,6 +45,53 @@ def test_bench_plot(tmp_path):
             "--warmup", "0", "--iters", "1", "--no-progress", "--plot", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _row(op, tokens, gbps, ceiling_gbps, transport="nvlink", sms=16):
+    from deepep_portable.tools.bench import Row
+
+    return Row(op, tokens, 256, 2, 8, "bf16", 10.0, gbps, 5.0, ceiling_gbps, transport, sms)
+
+
+def test_bench_plot_has_log_axes_and_one_colour_per_op_and_its_ceiling():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from deepep_portable.tools.bench import plot_figure
+
+    rows = [_row(op, t, g * t, 2 * g * t) for op, g in (("layout", 0.01), ("dispatch", 1.0), ("combine", 3.0))
+            for t in (512, 4096)]
+    rows += [_row("dispatch", t, 0.5 * t, 2.0 * t, transport="deep_ep") for t in (512, 4096)]   # a --compare peer
+    fig = plot_figure(rows, 8)
+    try:
+        ax = fig.axes[0]
+        assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert set(lines) == {"layout (nvlink)", "layout ceiling", "dispatch (nvlink)", "dispatch (deep_ep)",
+                              "dispatch ceiling", "combine (nvlink)", "combine ceiling"}
+        colour = {op: lines[f"{op} ceiling"].get_color() for op in ("layout", "dispatch", "combine")}
+        assert len(set(map(str, colour.values()))) == 3                     # one colour per op
+        for label, line in lines.items():
+            assert str(line.get_color()) == str(colour[label.split()[0]])   # its rows and ceiling share it
+            assert (line.get_linestyle() == "--") == label.endswith("ceiling")
+        assert lines["dispatch (nvlink)"].get_marker() != lines["dispatch (deep_ep)"].get_marker()
+        assert list(lines["dispatch ceiling"].get_xdata()) == [512, 4096]  # one ceiling line per op, not per transport
+    finally:
+        plt.close(fig)
+
+
+def test_bench_table_drops_the_sms_column_where_no_row_ran_on_sms(capsys):
+    from deepep_portable.tools.bench import print_table
+
+    print_table([_row("dispatch", 8, 1.0, 2.0, "reference", None), _row("combine", 8, 1.0, 2.0, "reference", None)], 2)
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["op"])
+    assert "SMs" not in header.split() and "SMs column" not in out
+    print_table([_row("dispatch", 8, 1.0, 2.0, "nvlink", 16), _row("a2a_dispatch", 8, 1.0, 2.0, "nccl a2a", None)], 2)
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.split()[:1] == ["op"]).split()
+    sms = header.index("SMs")
+    assert [line.split()[sms] for line in lines if line.split()[:1] in (["dispatch"], ["a2a_dispatch"])] == ["16", "-"]
 
 
 def test_doctor_reports_every_transport():

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,13 +41,13 @@ class Row:
     ceiling_us: float
     ceiling_gbps: float
     transport: str
-    sms: int
+    sms: Optional[int]   # blocks of the op's kernels and of its ceiling's copy; None: no SMs (the CPU), or not ours
 
     def cells(self) -> List[str]:
         ratio = self.ceiling_us / self.time_us if self.time_us > 0 else 0.0
         return [self.op, str(self.tokens), str(self.hidden), str(self.topk), str(self.experts), self.precision,
                 f"{self.time_us:.1f}", f"{self.gbps:.2f}", f"{self.ceiling_gbps:.2f}", f"{100 * ratio:.1f}%",
-                str(self.sms), self.transport]
+                "-" if self.sms is None else str(self.sms), self.transport]
 
 
 HEADER = ["op", "tokens", "hidden", "topk", "experts", "prec", "time_us", "GB/s", "ceil_GB/s", "of_ceil",
@@ -58,7 +58,7 @@ def _add_rows(rows: List[Row], buf, cfg: argparse.Namespace, tokens: int, measur
     """One Row per (op, seconds, ceiling seconds, payload bytes, precision)."""
     for op, t, c, nbytes, prec in measured:
         rows.append(Row(op, tokens, cfg.hidden, cfg.topk, cfg.experts, prec, t * 1e6, nbytes / t / 1e9, c * 1e6,
-                        nbytes / c / 1e9, buf.transport, _blocks(buf, mode)))
+                        nbytes / c / 1e9, buf.transport, _blocks(buf, mode) if buf.device.type == "cuda" else None))
 
 
 def _blocks(buf: Buffer, mode: str = "normal") -> int:
@@ -85,7 +85,7 @@ def _add_baseline_rows(rows: List[Row], cfg: argparse.Namespace, tokens: int, ma
                       flush=True)
             return
         rows.append(Row(name, tokens, cfg.hidden, cfg.topk, cfg.experts, prec, t * 1e6, nbytes / t / 1e9,
-                        ceiling_s * 1e6, nbytes / ceiling_s / 1e9, "nccl a2a", 0))
+                        ceiling_s * 1e6, nbytes / ceiling_s / 1e9, "nccl a2a", None))
 
 
 def _random_topk(num_tokens: int, num_experts: int, topk: int, device: torch.device, gen: torch.Generator):
@@ -389,33 +389,63 @@ def print_table(rows: List[Row], world: int, peer_ceiling: bool = False, interno
         what = ("for dispatch / combine and their :net / :nvl parts, the op's own traffic in one launch through "
                 "its paths (network rows by the transport's put, node rows by load/store; layout: "
                 f"{what.rstrip(', ')}), ")
+    with_sms = any(r.sms is not None for r in rows)   # no SMs column where nothing ran on SMs (the CPU)
     print(f"\n{world} ranks on {dev}; ceiling = {what}same run"
-          + (", with the same number of blocks (SMs column)" if torch.cuda.is_available() else ""))
-    cells = [HEADER] + [r.cells() for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+          + (", with the same number of blocks (SMs column)" if with_sms else ""))
+    keep = [i for i, name in enumerate(HEADER) if with_sms or name != "SMs"]
+    cells = [[line[i] for i in keep] for line in [HEADER] + [r.cells() for r in rows]]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(keep))]
     for line in cells:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
     sys.stdout.flush()
 
 
-def plot(rows: List[Row], path: str, world: int) -> None:
+MARKERS = "osD^vP*X"   # one per transport of an op (ours, a --compare peer, the NCCL baseline)
+
+
+def plot_figure(rows: List[Row], world: int):
+    """The --plot figure: logical GB/s over tokens per rank, both axes logarithmic (ops and token counts span
+    orders of magnitude); one colour per op, shared by its ceiling (dashed), one marker per transport."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for op in sorted({r.op for r in rows}):
-        pts = [r for r in rows if r.op == op]
-        ax.plot([r.tokens for r in pts], [r.gbps for r in pts], marker="o", label=f"{op} ({pts[0].transport})")
-        ax.plot([r.tokens for r in pts], [r.ceiling_gbps for r in pts], linestyle="--", label=f"{op} ceiling")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ops = list(dict.fromkeys(r.op for r in rows))   # in the table's order
+    palette = plt.get_cmap("tab10" if len(ops) <= 10 else "tab20")
+    transports = list(dict.fromkeys(r.transport for r in rows))
+    for i, op in enumerate(ops):
+        colour = palette(i % palette.N)
+        mine = [r for r in rows if r.op == op]
+        for transport in dict.fromkeys(r.transport for r in mine):
+            pts = sorted((r for r in mine if r.transport == transport), key=lambda r: r.tokens)
+            ax.plot([r.tokens for r in pts], [r.gbps for r in pts], color=colour,
+                    marker=MARKERS[transports.index(transport) % len(MARKERS)], label=f"{op} ({transport})")
+        ceiling = sorted({r.tokens: r for r in mine}.values(), key=lambda r: r.tokens)   # the same for every transport
+        ax.plot([r.tokens for r in ceiling], [r.ceiling_gbps for r in ceiling], color=colour, linestyle="--",
+                label=f"{op} ceiling")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    tokens = sorted({r.tokens for r in rows})
+    ax.set_xticks(tokens, [str(t) for t in tokens])   # the token counts run, as numbers
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel("logical GB/s per rank")
     ax.set_title(f"deepep_portable bench, {world} ranks")
-    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))   # beside the lines, never over them
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: List[Row], path: str, world: int) -> None:
+    fig = plot_figure(rows, world)
     fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
     print(f"plot written to {path}")
 
 
