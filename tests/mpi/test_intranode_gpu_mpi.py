@@ -717,30 +717,6 @@ def test_eager_combine_matches_the_full_path(nvl, pg, device, request, base_seed
     ck.done()
 
 
-def test_receive_outputs_allocated_before_the_count(nvl, pg, device, request, base_seed):
-    """A fresh dispatch of a shape seen before allocates its outputs from the last receive count (plus 1/16, at
-    least 64 rows) and pulls before it knows its own count. Rounds of one shape: no token routed (learns 0), none
-    again (the guess holds: empty outputs), dense routing (more rows than the guess on every rank: the device pulls
-    nothing and the host pulls again into exact outputs), then sparse (fewer rows than the guess: the outputs are
-    views of its first rows). Every round bit-exact (dispatch, cached dispatch, combine); the misses counted."""
-    rank, _ = world(pg)
-    engine = nvl.backend.engine("normal")
-    gen = generator(request, base_seed, rank)
-    ck = GpuChecker(pg)
-    misses = []
-    speculate, engine.speculate = engine.speculate, True   # opt-in (DEEPEP_PORTABLE_SPECULATIVE_RECV=1)
-    try:
-        for rnd, p_none in enumerate((1.0, 1.0, 0.0, 0.9)):   # 333 tokens: a shape no other test uses
-            before = engine.speculative_misses
-            run_round(nvl, pg, gen, device, ck, hidden=2048, topk=4, experts=64, tokens=333, num_sms=8,
-                      p_none=p_none, all_none=False, rnd=rnd, tag="speculative receive")
-            misses.append(engine.speculative_misses - before)
-    finally:
-        engine.speculate = speculate
-    ck.true(misses == [0, 0, 1, 0], f"speculative misses per round {misses}, want [0, 0, 1, 0]")
-    ck.done()
-
-
 @pytest.mark.parametrize("case", list(ASYNC_CASES))
 def test_async_previous_event(nvl, pg, device, request, base_seed, case):
     """previous_event=Buffer.capture(), async_finish=True (event waited on before reading), and
