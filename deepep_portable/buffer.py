@@ -28,7 +28,7 @@ from .engines.dispatch_layout import dispatch_layout, dispatch_layout_current_st
 from .engines.launch import current_stream_handle, stream_wait_stream
 from .layout import MAX_TOPK, low_latency_rdma_size_hint
 from .topology import NodeLayout, node_layout
-from .transports import backend_class, internode_normal_transports, resolve
+from .transports import backend_class, choose, internode_normal_transports
 
 topk_idx_t = torch.int64
 _uids = itertools.count(1)
@@ -115,8 +115,9 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
             if transport != "auto" and transport not in names:
                 raise ValueError(f"normal mode over {self.nodes.num_nodes} nodes (num_nvl_bytes > 0) is implemented "
                                  f"by transport={' / '.join(repr(n) for n in names)}, not {transport!r}")
-        self.transport = resolve(transport, self.nodes.on_one_machine,
-                                 internode_normal=self.nodes.num_nodes > 1 and num_nvl_bytes > 0)
+        self._transport_choice = choose(transport, self.nodes.on_one_machine,
+                                        internode_normal=self.nodes.num_nodes > 1 and num_nvl_bytes > 0)
+        self.transport = self._transport_choice.name
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device
         self._comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -185,10 +186,23 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
         return {**backend.runtime_capabilities().as_dict(), **(notes() if notes else {})}
 
     @property
+    def transport_info(self) -> dict:
+        """Which transport this Buffer uses and why: name, requested ("auto" or the name given), why it was
+        chosen, not_chosen (each other backend: why not), verified_hardware (where that backend has run for
+        real), ran_on_hardware, and the warning "auto" gave when it picked one that has not (else None)."""
+        return self._transport_choice.as_dict()
+
+    @property
     def backend(self) -> Transport:
         """The transport backend serving this Buffer (contract.Transport), for the project's tools and
         tests (bench reads its engines' grid, profiles and traces); ops never need it."""
         return self._live()
+
+    @property
+    def usable(self) -> bool:
+        """Whether ops may still be called: False once destroyed, or once a failure left it unusable on every rank
+        (CommError.usable; docs/RELIABILITY.md). Ours, not DeepEP's."""
+        return self._backend is not None and self._failed is None
 
     def _live(self) -> Transport:
         if self._backend is None:

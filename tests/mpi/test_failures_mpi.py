@@ -91,13 +91,14 @@ def _call(buf, case: str, bad: bool, gen, device, size):
     buf.synchronize()
 
 
-def _outcome(fn):
+def _outcome(fn, buf=None):
+    """(kind, text, whether the Buffer is usable after, seconds) of calling fn."""
     start = time.monotonic()
     try:
         fn()
         kind, text, usable = "ok", "", True
     except (TypeError, ValueError) as e:
-        kind, text, usable = "refused", f"{type(e).__name__}: {e}", True
+        kind, text, usable = "refused", f"{type(e).__name__}: {e}", buf is None or buf.usable
     except deep_ep.CommError as e:
         kind, text, usable = "comm", f"{type(e).__name__}: {e}", e.usable
     except Exception as e:   # noqa: BLE001 - reported on every rank below
@@ -127,7 +128,7 @@ def test_one_rank_bad_input_fails_every_rank_then_a_correct_op_works(groups, pg,
     gen = generator(request, base_seed, rank)
     buf = _make_buffer(group, size) if member else None
     bad = size - 1
-    result = _outcome(lambda: _call(buf, case, rank == bad, gen, device, size)) if member else None
+    result = _outcome(lambda: _call(buf, case, rank == bad, gen, device, size), buf) if member else None
     results = _gather(result, pg)
     problems = []
     for r, res in enumerate(results[:size]):
@@ -144,7 +145,7 @@ def test_one_rank_bad_input_fails_every_rank_then_a_correct_op_works(groups, pg,
     usable = {res[2] for res in results[:size]}
     assert len(usable) == 1, f"ranks disagree on whether the Buffer is usable: {results[:size]}"
     if member and not usable.pop():
-        again = _outcome(lambda: _call(buf, "dtype", False, gen, device, size))
+        again = _outcome(lambda: _call(buf, "dtype", False, gen, device, size), buf)
         assert again[0] == "comm" and "unusable" in again[1], again
         buf = _make_buffer(group, size)
     if member:
@@ -160,8 +161,8 @@ def test_every_rank_refusing_the_same_call_keeps_the_buffer(groups, pg, device, 
     group, size = groups[num_ranks]
     gen = generator(request, base_seed, rank)
     buf = _make_buffer(group, size)
-    kind, text, usable, _ = _outcome(lambda: _call(buf, "dtype", True, gen, device, size))
-    assert kind == "refused" and ("dtype" in text.lower() or "bfloat16" in text), text
+    kind, text, usable, _ = _outcome(lambda: _call(buf, "dtype", True, gen, device, size), buf)
+    assert kind == "refused" and ("dtype" in text.lower() or "bfloat16" in text) and usable, (text, usable)
     run_normal(buf, group, gen, device, **SMALL, num_tokens=TOKENS)
 
 

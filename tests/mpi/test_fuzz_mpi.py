@@ -354,7 +354,7 @@ def test_fuzz_failures(pg, device, base_seed):
                                                                 timeout_s=FAILURE_TIMEOUT_S)) for _ in range(2)]
                 _run("failures", seed, p, lambda: run_both_at_once(pair, pg, gen, device, p["tokens"], p["num_bias"]))
                 continue
-            outcome = _outcome(lambda: _call(buf, p["call"], rank in p["bad"], gen, device, num_ranks))
+            outcome = _outcome(lambda: _call(buf, p["call"], rank in p["bad"], gen, device, num_ranks), buf)
             everyone = [None] * num_ranks
             dist.all_gather_object(everyone, outcome, group=pg)
             problems = []
