@@ -13,7 +13,19 @@ def main(argv=None) -> int:
     bench.add_arguments(sub.add_parser("bench", help="dispatch/combine round trip across local ranks: check, time, ceiling"))
     soak.add_arguments(sub.add_parser("soak", help="many rounds on one Buffer: results, memory, descriptors, time"))
     model.add_arguments(sub.add_parser("model", help="normal-mode op times predicted on real NVLink"))
-    sub.add_parser("doctor", help="GPUs, links, CUDA/NCCL/NVSHMEM, RDMA devices, and each transport's status")
+    doc = sub.add_parser("doctor", help="GPUs, links, CUDA/NCCL/NVSHMEM, RDMA devices, and each transport's status; "
+                                        "--cluster: every node of a job, launched like the job")
+    doc.add_argument("--cluster", action="store_true",
+                     help="collective (run it under mpirun / srun / torchrun like the job): versions, NIC ports, "
+                          "GPU-NIC affinity, GPUDirect and driver settings on every rank, and a round trip between "
+                          "every pair of nodes over each usable network transport; rank 0 prints one report")
+    doc.add_argument("--ranks-per-node", type=int, default=None,
+                     help="with --cluster: K consecutive ranks of one machine make a node (default: the machines)")
+    doc.add_argument("--timeout", type=float, default=30.0, help="with --cluster: bound on each round trip's waits (s)")
+    doc.add_argument("--tokens", type=int, default=64, help="with --cluster: tokens each way per round trip")
+    doc.add_argument("--hidden", type=int, default=2048, help="with --cluster: hidden size of the round trips' tokens "
+                                                              "(a multiple of 128)")
+    doc.add_argument("--root", default="/", help=argparse.SUPPRESS)   # where sysfs and procfs are read (tests)
     pre = sub.add_parser("precompile", help="compile every kernel family into the JIT cache")
     pre.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
     pre.add_argument("--nvshmem", action="store_true",
@@ -26,6 +38,10 @@ def main(argv=None) -> int:
         return soak.main(args)
     if args.command == "model":
         return model.main(args)
+    if args.command == "doctor" and args.cluster:
+        from .tools import doctor_cluster
+
+        return doctor_cluster.main(args)
     if args.command == "doctor":
         from .tools.doctor import run_doctor
 

@@ -228,14 +228,37 @@ def _closest_nics(o: _Out, devs) -> None:
 
 
 def _transports(o: _Out) -> None:
-    from ..transports import available_transports
+    from ..transports import available_transports, registry
 
     for name, st in available_transports().items():
         o.line(f"{name:10s} {'USABLE' if st.usable else 'unusable'}: {st.reason}")
+        o.line(f"has run on: {registry.row(name).verified_hardware or 'nothing real yet'}", indent=14)
         for k, v in st.details.items():
             o.line(f"{k}: {v}", indent=14)
         if st.capabilities:
             o.line("capabilities: " + ", ".join(f"{k}={v}" for k, v in st.capabilities.items()), indent=14)
+    _auto_choice(o)
+
+
+def _auto_choice(o: _Out) -> None:
+    """What transport="auto" picks here, for ranks on this machine and for ranks on several, and why."""
+    from ..transports import choose
+
+    for where, single in (("ranks on this machine only", True), ("ranks on several machines", False)):
+        try:
+            c = choose("auto", single_node=single, warn=False)
+        except RuntimeError as e:
+            o.line(f"auto, {where}: nothing ({e})")
+            continue
+        o.line(f"auto, {where}: {c.name}: {c.why} (it has run on: {c.verified_hardware})")
+        if c.warning:
+            o.line(f"WARNING: {c.warning}", indent=4)
+        unusable = [n for n, why in c.not_chosen.items() if why.startswith("unusable")]
+        if unusable:
+            o.line(f"not {', '.join(unusable)}: unusable (reasons above)", indent=4)
+        for name, why in c.not_chosen.items():
+            if name not in unusable:
+                o.line(f"not {name}: {why}", indent=4)
 
 
 def _environment(o: _Out) -> None:

@@ -73,8 +73,8 @@ def _nvcc_check(what: str, details: Dict, problems: List[str]) -> None:
 
 def _status(name: str, problems: List[str], ok_reason: str, details: Dict) -> TransportStatus:
     details = {k: (v if isinstance(v, str) else str(v)) for k, v in details.items() if v is not None}
-    if problems:
-        return TransportStatus(name, False, "; ".join(problems), details)
+    if problems:   # each reason once (two checks can meet the same missing piece)
+        return TransportStatus(name, False, "; ".join(dict.fromkeys(problems)), details)
     return TransportStatus(name, True, ok_reason, details)
 
 

@@ -16,16 +16,26 @@ class Backend:
     probe: str                # its probe function in transports/probe.py (never raises: reasons, not exceptions)
     spans_nodes: bool         # can serve ranks on several nodes ("auto" skips it otherwise)
     in_auto: bool = True      # "auto" may pick it (False: asked for by name only, e.g. not run at several ranks yet)
+    rdma: bool = False        # reaches other machines by RDMA through a NIC (doctor --cluster tests it between nodes)
+    verified_hardware: str = ""        # where it has run for real, in words (Buffer.transport_info, doctor)
+    ran_on_hardware: bool = False      # it has run on real hardware at all ("auto" warns when it picks one that has not)
+    ran_across_machines: bool = False  # its path between machines has run over a real network (same warning)
 
 
 # In the order transport="auto" prefers them (nvlink first when every rank is on one node: see resolve).
 BACKENDS: Tuple[Backend, ...] = (
-    Backend("nvshmem", ".nvshmem.transport", "NvshmemTransport", "probe_nvshmem", spans_nodes=True),
-    Backend("nccl_gin", ".nccl_gin.transport", "NcclGinTransport", "probe_nccl_gin", spans_nodes=True,
-            in_auto=False),   # run on a GPU at one rank only
-    Backend("ibgda", ".ibgda.transport", "IbgdaTransport", "probe_ibgda", spans_nodes=True),
-    Backend("nvlink", ".nvlink.transport", "NvlinkTransport", "probe_nvlink", spans_nodes=False),
-    Backend("reference", ".reference", "ReferenceTransport", "probe_reference", spans_nodes=True),
+    Backend("nvshmem", ".nvshmem.transport", "NvshmemTransport", "probe_nvshmem", spans_nodes=True, rdma=True,
+            verified_hardware="one GPU shared by ranks (H200); never between machines", ran_on_hardware=True),
+    Backend("nccl_gin", ".nccl_gin.transport", "NcclGinTransport", "probe_nccl_gin", spans_nodes=True, rdma=True,
+            in_auto=False,   # run on a GPU at one rank only
+            verified_hardware="one rank on a GPU (H200); GIN paths never on a NIC (mock only)", ran_on_hardware=True),
+    Backend("ibgda", ".ibgda.transport", "IbgdaTransport", "probe_ibgda", spans_nodes=True, rdma=True,
+            verified_hardware="never on a real NIC (NIC model only)"),
+    Backend("nvlink", ".nvlink.transport", "NvlinkTransport", "probe_nvlink", spans_nodes=False,
+            verified_hardware="one GPU shared by ranks (H200)", ran_on_hardware=True),
+    Backend("reference", ".reference", "ReferenceTransport", "probe_reference", spans_nodes=True,
+            verified_hardware="CPU (gloo; torch.distributed carries it between machines)", ran_on_hardware=True,
+            ran_across_machines=True),
 )
 
 BY_NAME: Dict[str, Backend] = {b.name: b for b in BACKENDS}
