@@ -1,6 +1,13 @@
 // The `ibgda` transport's device side: every primitive of common/kernels/transport.cuh as WQEs the GPU
 // writes into its own mlx5 queue pairs (ops.cuh over sq.cuh, encoder mlx5.cuh), one RC QP per (peer,
-// channel); peers in the node with a load/store address take the nvlink protocol instead (peer_bases).
+// channel); peers with a load/store address in `peer_bases` (the ranks of my node, mapped by the host:
+// CUDA IPC on a real NIC) take the nvlink protocol instead, and the host may make no QP to them.
+//
+// "A signal never overtakes its data" for a load/store peer is the nvlink backend's argument: put_warp's
+// lanes store the data and synchronize (__syncwarp), then signal's lane fences at system scope (cumulative,
+// so it covers what the warp stored before the barrier) and stores the value with a system-scope release; a
+// reader that acquires it sees the data. kSignalCoversWarp stays false (the NIC path needs every lane's
+// fence), which only adds fences on this path. A given (table, peer) always takes one path, never both.
 //
 // "A signal never overtakes its data" on the network path: a put's WRITEs and the signal's inline WRITE
 // go to the same RC QP, in that order (the signal is posted after the warp's puts were posted: __syncwarp,
@@ -22,10 +29,15 @@
 // WQE's WR_FLUSH (0x05) entry can overwrite the error entry before a poller reads it: the recorded syndrome
 // may then be 0x05; the host can ask the QP's state for the first cause.
 //
-// fetch_add goes through the NIC for every peer (a GPU atomic and a NIC atomic on one word are not atomic
-// with respect to each other), always on channel 0 (NIC atomics are atomic only against atomics of the same
-// responder NIC, and channels may map to different NICs): the endpoint table has a QP to every rank, self
-// included (loopback). The old value comes back in the byte order the HCA reports
+// fetch_add goes through the NIC wherever this rank has a QP to the peer, load/store peer or not (a GPU
+// atomic and a NIC atomic on one word are not atomic with respect to each other), always on channel 0 (NIC
+// atomics are atomic only against atomics of the same responder NIC, and channels may map to different NICs).
+// Where the host made no QP to a peer (a load/store peer of the low-latency table: my node, self included,
+// under allow_nvlink_for_low_latency_mode) it is a system-scope GPU atomic on the mapping, as in the nvlink
+// backend; it is then atomic against the fetch_adds of the ranks that share that mapping, not against NIC
+// atomics of other nodes' ranks on the same word. No kernel over this backend fetch_adds (kCheapFetchAdd is
+// false: the LL dispatch takes its path without it); the conformance test does, on one node or with every
+// peer behind the NIC. The old value of a NIC atomic comes back in the byte order the HCA reports
 // (atomic_req_8B_endianness_mode): `atomic_result_be` says which.
 //
 // Scopes: put_warp / put2_warp / put_signal_warp are warp-collective (the lanes synchronize, lane 0
@@ -44,7 +56,8 @@
 namespace deepep_portable::transport {
 
 struct IbgdaTransport {
-    const ibgda::Endpoint* endpoints;   // [num_ranks * channels]: my QP to (peer, channel), every rank (self: loopback)
+    const ibgda::Endpoint* endpoints;   // [num_ranks * channels]: my QP to (peer, channel); a zero queue where the
+                                        // host made none (a load/store peer)
     const uint64_t* peer_bases;         // [num_ranks] load/store address of a peer's window here, 0 = network
     uint64_t base;                      // my window here (also what my lkey registers)
     int64_t scratch_offset;             // u64 [kScratchWords] in my window: where READ / FETCH_ADD results land
@@ -217,11 +230,14 @@ struct IbgdaTransport {
         return *result;   // the CQE was written after the data (the NIC's order; acquire in poll_cq)
     }
 
-    // One thread. Atomic add on the peer's window, returning the old value: through the NIC for every peer,
-    // on channel 0 (see the top of the file). A rank without a QP to `peer` records a failure.
+    // One thread. Atomic add on the peer's window, returning the old value: through the NIC on channel 0
+    // where I have a QP to `peer`, else a GPU atomic on its load/store mapping (see the top of the file); a
+    // peer with neither records a failure.
     DEEPEP_DEVICE uint64_t fetch_add(int /*ch*/, int peer, int64_t off, uint64_t v) const {
         const ibgda::Endpoint& e = endpoint(0, peer);
         if (e.q.ring == nullptr) {
+            if (unsigned long long* word = peer_ptr<unsigned long long>(off, peer))
+                return atomicAdd_system(word, static_cast<unsigned long long>(v));
             fail(0, peer, -2, -1);
             return 0;
         }

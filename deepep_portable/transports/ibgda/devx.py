@@ -22,8 +22,13 @@ Per process (one Buffer window), following the recipe every GPU-initiated RDMA l
 The GPU then posts with sq.cuh: `ring`, `dbr` (the QP's send doorbell record: its second big-endian word),
 `doorbell` (the UAR register as the GPU sees it), `cq` (entry 0 of the collapsed CQ); the posters' own words
 live in a separate GPU tensor. The window MR is registered without relaxed ordering (device.cuh's ordering
-argument). Peers of this node are reached through the NIC too (no load/store mapping here): the internode
-engine, which needs a node's ranks by load/store, refuses this provider with that reason (engines/internode.py).
+argument).
+
+Node peers: on a GPU the window is node-shared memory (node_memory.CudaIpcMemory: cuMemAlloc, its CUDA IPC handle
+in the public half), so `peer_load_store_base` maps the window of every other rank of my node (`maps_node_peers`):
+the internode kernels reach the node over NVLink, and the window makes no queue to the node's ranks where the
+low-latency kernels use the mapping too (window.py). Without a GPU (the tests' fake glue) there is no mapping
+unless the caller passes a stand-in `node_memory`.
 
 What talks to libibverbs / libmlx5 / libcuda is devx_glue.DevxGlue (C glue compiled against the system
 headers); the PRM command layouts are prm.py. Tests drive this class with a fake glue (CPU): the sequence of
@@ -39,6 +44,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ...layout import align_up
+from ...topology import node_identity
 from . import prm, roce
 from .abi import SendQueueParams
 from .devx_glue import DevxError
@@ -87,13 +93,14 @@ class _Queue:
 class DevxProvider(NicProvider):
     """provider.py's interface over mlx5 DevX (module docstring). `glue`: devx_glue.DevxGlue or a test fake;
     `devices`: rdma.rdma_devices_sysfs records (default: this machine's); `gpu_device_dir`: the GPU's sysfs
-    PCI directory (default: from the CUDA driver), for choosing the closest NICs."""
+    PCI directory (default: from the CUDA driver), for choosing the closest NICs; `node_memory`: how the window is
+    shared with the node's ranks (node_memory.py; default CUDA IPC on a GPU, none on the CPU)."""
 
     name = "mlx5-devx"
     atomic_result_be = True   # set from every NIC's atomic caps (they must agree): device.cuh reads it
 
     def __init__(self, ctx, glue=None, devices: Optional[List[dict]] = None,
-                 gpu_device_dir: Optional[str] = None) -> None:
+                 gpu_device_dir: Optional[str] = None, node_memory: Any = None) -> None:
         from .. import rdma
 
         if glue is None:
@@ -120,6 +127,16 @@ class DevxProvider(NicProvider):
         self.proxy = None
         self.window: Optional[torch.Tensor] = None
         self._constants: Dict[str, int] = {}
+        # Node-shared window memory (node_memory.py's interface): CUDA IPC on a GPU; tests pass a stand-in.
+        if node_memory is None and ctx.device.type == "cuda":
+            from .node_memory import CudaIpcMemory
+
+            node_memory = CudaIpcMemory(ctx.device.index if ctx.device.index is not None else
+                                        torch.cuda.current_device())
+        self.node_memory = node_memory
+        self.maps_node_peers = node_memory is not None
+        self.shared_base = 0                  # my window when it is node-shared memory (freed last)
+        self.opened: Dict[int, int] = {}      # peer rank -> where its window is mapped here
         try:
             for name, port in self.rails:
                 self._port(self._device(name), port)
@@ -208,7 +225,12 @@ class DevxProvider(NicProvider):
     # ---- NicProvider --------------------------------------------------------------------------------
     def alloc_window(self, nbytes: int) -> WindowMemory:
         nbytes = align_up(nbytes, ALIGN)
-        self.window, base = _aligned_zeros(nbytes, self.ctx.device)
+        share = None
+        if self.node_memory is not None:   # zeroed, ALIGN-aligned, and mappable by the node's ranks
+            base, share = self.node_memory.alloc(nbytes, ALIGN)
+            self.shared_base = base
+        else:
+            self.window, base = _aligned_zeros(nbytes, self.ctx.device)
         access = 0
         for flag in ("IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_WRITE", "IBV_ACCESS_REMOTE_READ",
                      "IBV_ACCESS_REMOTE_ATOMIC"):   # no relaxed ordering: device.cuh's write-then-signal argument
@@ -226,7 +248,8 @@ class DevxProvider(NicProvider):
             p = dev.ports[port]
             rails.append(dict(lid=p["lid"], gid=bytes(p["gid"]), mtu=p["mtu"], roce=p["roce"], rkey=dev.rkey))
         first = self.devices[self.rails[0][0]]
-        return WindowMemory(base=base, nbytes=nbytes, lkey=first.lkey, rkey=first.rkey, public=dict(rails=rails))
+        public = dict(rails=rails, share=share, host=node_identity())
+        return WindowMemory(base=base, nbytes=nbytes, lkey=first.lkey, rkey=first.rkey, public=public)
 
     def create_queue(self, peer: int, channel: int, depth: int) -> QueueHandle:
         name, port = self.rail(channel)
@@ -301,6 +324,19 @@ class DevxProvider(NicProvider):
         if self.proxied and self.proxy is None:   # the CPU doorbell: forward from here on
             self.proxy = g.proxy_start([m for m, _ in self.proxied], [r for _, r in self.proxied])
 
+    def peer_load_store_base(self, peer: PeerInfo) -> int:
+        """The window of `peer` (a rank of my node) mapped here, by its node-shared memory; 0 without one."""
+        if self.node_memory is None or peer.public.get("share") is None:
+            return 0
+        if peer.rank in self.opened:
+            return self.opened[peer.rank]
+        here = node_identity()
+        if peer.public.get("host") != here:
+            raise RuntimeError(f"rank {peer.rank} runs on {peer.public.get('host')}, not on this machine ({here}): "
+                               "a node's ranks must share one machine (check ranks_per_node)")
+        self.opened[peer.rank] = self.node_memory.open(peer.public["share"])
+        return self.opened[peer.rank]
+
     def endpoint_keys(self, mem: WindowMemory, peer: PeerInfo, channel: int) -> Tuple[int, int]:
         """(lkey, rkey) for my queue to (peer, channel): my key on that channel's NIC, the peer's on its."""
         return self.devices[self.rail(channel)[0]].lkey, _rail_of(peer, channel)["rkey"]
@@ -317,6 +353,9 @@ class DevxProvider(NicProvider):
             p = self.devices[name].ports[port]
             kind = f"RoCE GID {p['gid_index']} ({p['why']})" if p["roce"] else f"InfiniBand LID {p['lid']}"
             lines.append(f"rail {i} (channels {i} mod {len(self.rails)}): {name}:{port}, {kind}, MTU {p['mtu']}")
+        if self.node_memory is not None:
+            lines.append(f"node peers: by load/store over {self.node_memory.name}"
+                         + (f" (ranks {sorted(self.opened)} mapped)" if self.opened else ""))
         lines.append("doorbell: " + ("the GPU rings the UAR" if self.doorbell_mode == "gpu" else
                                      f"a host thread rings it for the GPU (slower; {self.doorbell_why})"))
         lines.append("GPU memory registered " + ("over dmabuf" if self.registration == "dmabuf" else
@@ -325,17 +364,22 @@ class DevxProvider(NicProvider):
 
     def close(self) -> None:
         """Queues (QP, CQ, UMEM), the UAR mappings and UARs, then per NIC the MR, PD and context: the reverse of
-        their creation. Every peer has stopped using my window and queues (the window made sure). Each release
-        is tried whatever failed before it (the first failure is raised at the end), and none is tried twice."""
+        their creation; the node peers' windows mapped here, and my node-shared window after its MRs. Every peer
+        has stopped using my window and queues (the window made sure). Each release is tried whatever failed
+        before it (the first failure is raised at the end), and none is tried twice."""
         g = self.glue
         steps = [(g.proxy_stop, self.proxy)]   # nobody rings any more: stop forwarding before the UARs go
+        steps += [(self.node_memory.close, address) for address in self.opened.values()]
         for q in reversed(self.queues):
             steps += [(g.obj_destroy, q.qp), (g.obj_destroy, q.cq), (g.umem_dereg, q.umem)]
         steps += [(g.cuda_unmap_io, page) for page in self.uar_pages]
         steps += [(g.free_uar, uar) for uar in reversed(self.uars)]
         for dev in reversed(list(self.devices.values())):
             steps += [(g.dereg_mr, dev.mr), (g.dealloc_pd, dev.pd), (g.close, dev.ctx)]
+        if self.shared_base:   # the memory goes once no MR registers it
+            steps.append((self.node_memory.free, self.shared_base))
         self.queues, self.uars, self.uar_pages, self.devices, self.window = [], [], {}, {}, None
+        self.opened, self.shared_base = {}, 0
         self.proxy, self.proxied, self.mailboxes = None, [], []
         first: Optional[BaseException] = None
         for release, handle in steps:

@@ -3,13 +3,16 @@
 A provider makes the window's memory (registered with the NIC: an address the kernels use and the keys
 WQEs name), one RC queue per (peer, channel) whose send queue, doorbell record, doorbell and collapsed CQ
 the GPU reaches (sq.cuh's SendQueue), and connects each queue to the peer's queue to me once every rank's
-public half is known. Everything else (the exchange over the Buffer's group, the endpoint table, the
-transport struct) is the window's, the same for every provider.
+public half is known. A provider that says `maps_node_peers` also maps the windows of its node's ranks
+(`peer_load_store_base`), so the kernels reach them by load/store (NVLink) and the window makes no queue to
+them where it uses that mapping. Everything else (the exchange over the Buffer's group, which ranks get
+queues, the endpoint table, the transport struct) is the window's, the same for every provider.
 
 Providers:
   * the mlx5 DevX provider (devx.py: QPs and CQs as DevX objects with their rings in GPU memory, a UAR
-    doorbell mapped into the GPU, the window an MR over dmabuf; docs/IBGDA.md), the default: written and
-    tested on CPU against a fake of its C glue, **never run on a real NIC**;
+    doorbell mapped into the GPU, the window an MR over dmabuf that the node's ranks map by CUDA IPC,
+    node_memory.py; docs/IBGDA.md), the default: written and tested on CPU against a fake of its C glue,
+    **never run on a real NIC**;
   * the NIC model (tests/ibgda_model.py, tests only): a host thread per process that plays the NIC for the
     queues, over windows in shared memory every rank maps. Tests install it with `install(factory)`.
 """
@@ -61,6 +64,10 @@ class NicProvider(abc.ABC):
 
     name = "?"
     atomic_result_be = True   # the HCA returns 8-byte atomic results big-endian (atomic_req_8B_endianness_mode)
+    # Whether peer_load_store_base maps every rank of my node once connected: known before any queue is made,
+    # and the same on every rank (the window checks), because the window makes no queue to a rank it reaches
+    # by load/store.
+    maps_node_peers = False
 
     @abc.abstractmethod
     def alloc_window(self, nbytes: int) -> WindowMemory:
@@ -75,7 +82,8 @@ class NicProvider(abc.ABC):
         """Bring every queue up against its peer (RTR / RTS on a NIC; key tables for the model). queues[peer][ch]."""
 
     def peer_load_store_base(self, peer: PeerInfo) -> int:
-        """Where this process's kernels reach `peer`'s window by load/store, or 0 (only through the NIC)."""
+        """Where this process's kernels reach `peer`'s window by load/store, or 0 (only through the NIC). Asked
+        after connect(), once per other rank of my node; raises when a mapping it should make fails."""
         return 0
 
     def endpoint_keys(self, mem: WindowMemory, peer: PeerInfo, channel: int) -> Tuple[int, int]:

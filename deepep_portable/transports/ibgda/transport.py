@@ -5,7 +5,9 @@ csrc/backends/ibgda/device.cuh, on an IbgdaWindow (window.py) whose NIC resource
 
 What runs where: the device code on host threads against a software NIC (CI); the whole backend against the
 NIC model (tests only) where a GPU is; the mlx5 DevX provider (devx.py) against a fake of its C glue (CI);
-never on a real NIC."""
+never on a real NIC. The ranks of a node reach each other by load/store where the provider maps their windows
+(DevX: CUDA IPC), in the internode kernels always and in the low-latency ones unless
+allow_nvlink_for_low_latency_mode=False (window.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -31,7 +33,11 @@ class IbgdaTransport(KernelTransport):
         return int(ctx.options.get("num_qps_per_rank", 1) or 1)
 
     def runtime_capabilities(self) -> Capabilities:
-        return replace(self.capabilities, max_channels=self.channels_for(self.ctx))
+        caps = replace(self.capabilities, max_channels=self.channels_for(self.ctx))
+        window = getattr(self.ll_engine, "window", None)
+        if window is not None and getattr(window, "base", None) is not None and all(window.bases):
+            caps = replace(caps, peer_load_store=True)   # one node, every rank mapped: no queue at all
+        return caps
 
     def runtime_notes(self) -> dict:
         """What the NIC provider chose (DevX: the rails, who rings the doorbells, how GPU memory is registered),
