@@ -128,7 +128,7 @@ class Window:
     def node_base(self, rank: int) -> int:
         """Where this process's kernels reach `rank`'s window by load/store for the internode kernels' NVLink part
         (0: they cannot). Usually the peer table itself; a window whose transport goes through its NIC for every
-        peer (ibgda) maps node peers for this purpose alone."""
+        peer (ibgda with allow_nvlink_for_low_latency_mode=False) maps node peers for this purpose alone."""
         return self.bases[rank]
 
     def _close_after_peers(self, release) -> None:
