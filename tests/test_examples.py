@@ -18,7 +18,8 @@ _LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "SLURM_", "TORCHELA
 
 
 @pytest.mark.parametrize("name, success", [("quickstart.py", "quickstart OK: 2 ranks"),
-                                           ("low_latency.py", "low_latency OK: 2 ranks")])
+                                           ("low_latency.py", "low_latency OK: 2 ranks"),
+                                           ("elastic_quickstart.py", "elastic quickstart OK: 2 ranks")])
 def test_example_runs(name, success):
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_PREFIXES)}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -38,3 +39,17 @@ def test_readme_quick_start_is_examples_quickstart():
     assert block, "README.md's quick start has no python code block"
     example = open(os.path.join(ROOT, "examples", "quickstart.py"), encoding="utf-8").read()
     assert block.group(1) == example, "README.md's quick start differs from examples/quickstart.py"
+
+
+def test_readme_v2_example_lines_are_in_examples_elastic_quickstart():
+    """The README's V2 block is an excerpt of examples/elastic_quickstart.py (which runs above): every line of it
+    appears there, so the excerpt cannot drift from code that runs."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = readme.split("## DeepEP V2 compatibility", 1)
+    assert len(section) == 2, "README.md has no '## DeepEP V2 compatibility' section"
+    block = re.search(r"```python\n(.*?)```", section[1], re.S)
+    assert block, "README.md's V2 section has no python code block"
+    example = [line.strip() for line in open(os.path.join(ROOT, "examples", "elastic_quickstart.py"),
+                                             encoding="utf-8")]
+    missing = [line for line in block.group(1).splitlines() if line.strip() and line.strip() not in example]
+    assert missing == [], f"README's V2 lines not in examples/elastic_quickstart.py: {missing}"
