@@ -15,18 +15,18 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from . import _validate as check
-from ._buffer_ll import LowLatencyOps
-from ._buffer_zero_copy import ZeroCopyInputs
 from .comm import Comm
 from .config import DEFAULT_NUM_SMS, Config
 from .errors import CommError
 from .event import EventOverlap
 from .failures import collective_op
-from .handles import DispatchHandle, InternodeHandle
-from .contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, Transport
+from .handles import DispatchHandle, InternodeHandle, LowLatencyHandle
+from .contract import (BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, LowLatencyCombineArgs,
+                       LowLatencyDispatchArgs, Transport)
 from .engines.dispatch_layout import dispatch_layout, dispatch_layout_current_stream
 from .engines.launch import current_stream_handle, stream_wait_stream
 from .layout import MAX_TOPK, low_latency_rdma_size_hint
+from .logfmt import chunk_channels as logfmt_chunk
 from .topology import NodeLayout, node_layout
 from .transports import backend_class, choose, internode_normal_transports
 
@@ -37,7 +37,7 @@ _tags = itertools.count(0)
 DEFAULT_TIMEOUT_S = 100.0
 
 
-class Buffer(LowLatencyOps, ZeroCopyInputs):
+class Buffer:
     """Expert-parallel communication buffers for MoE dispatch and combine.
 
     Same constructor (DeepEP V1's positional order) and methods as `deep_ep.Buffer` (V1). Ours in
@@ -497,6 +497,181 @@ class Buffer(LowLatencyOps, ZeroCopyInputs):
             result += [combined_x, combined_w]
         return combined_x, combined_w, result[0]
 
+
+    # ---- zero-copy inputs of the normal-mode ops (not DeepEP V1 APIs) --------------------------------
+    # Where a caller writes an op's rows so that the op reads them in place instead of first copying them into
+    # this Buffer. Over the intranode kernels (transports nvlink, nvshmem and nccl_gin on one node) each op
+    # starts by copying its rows into the rank's own send area, where the peers pull them from; a caller that
+    # writes the rows there itself (the producing kernel's output, e.g. an FP8 cast's `out=`) saves that pass.
+    # Each call waits, on the GPU and ordered before the caller's later work, until every peer has finished
+    # reading this Buffer's last op (every rank calls it before the op, as the op itself is collective). Any op
+    # on this Buffer closes the rows, and the next op may overwrite them (e.g. a combine stages its rows there):
+    # keep a copy of anything still needed after the op (the dispatch's tokens for a shared expert or a
+    # residual). Call again before each op that is to read them in place (also to reuse the same contents).
+    # Other engines (reference transport, several nodes) return a fresh tensor, which the op then copies as any
+    # input.
+    def get_next_dispatch_buffer(self, num_tokens: int, hidden: int,
+                                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """A [num_tokens, hidden] tensor of `dtype` (torch.bfloat16, or torch.float8_e4m3fn for an FP8
+        dispatch) to write this rank's tokens into, then pass as `dispatch`'s x (FP8: as x[0], with scales
+        from anywhere). Over the intranode kernels it is a view of this Buffer: the dispatch's peers read the
+        rows there, and its stage copies only the scales and top-k (one pass over the payload instead of two).
+        A fresh dispatch and a cached one (handle=...) both read it in place. Every rank calls it before the
+        dispatch it is for."""
+        backend = self._live()
+        num_tokens = check.positive_int("num_tokens", num_tokens, minimum=0)
+        hidden = check.positive_int("hidden", hidden)
+        if dtype not in (torch.bfloat16, *check.FP8_DTYPES):
+            raise TypeError(f"get_next_dispatch_buffer: dtype must be torch.bfloat16 or one of {check.FP8_DTYPES}, "
+                            f"got {dtype}")
+        check.hidden(hidden, fp8=dtype != torch.bfloat16)
+        return backend.get_next_dispatch_buffer(num_tokens, hidden, dtype)
+
+    def get_next_combine_buffer(self, handle: DispatchHandle, hidden: Optional[int] = None) -> torch.Tensor:
+        """A [num_recv_rows, hidden] bf16 tensor (hidden: the dispatch's by default) to write the expert outputs
+        of `handle`'s rows into, then pass as `combine`'s x (the normal-mode analogue of
+        `get_next_low_latency_combine_buffer`). Over the intranode kernels it is a view of this Buffer: the
+        combine reads the rows there instead of first copying them in (one pass over them instead of two).
+        Every rank calls it after its dispatch and before its combine; it waits (on the GPU) until every peer
+        has finished reading this Buffer's last op."""
+        backend = self._live()
+        handle = self._inner(handle)
+        check.dispatch_handle(handle, self._ctx.uid)
+        hidden = handle.hidden if hidden is None else check.positive_int("hidden", hidden)
+        check.hidden(hidden, fp8=False)
+        return backend.get_next_combine_buffer(handle, hidden)
+
+    # ---- low-latency mode ---------------------------------------------------------------------
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        check.low_latency(self._ctx, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._live().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    @collective_op("low_latency_dispatch")
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Send each (token, expert) pair to the expert's rank, packed per local expert.
+
+        Returns (recv_x, recv_count, handle, event, hook) as DeepEP; recv_x is (fp8, scales) with use_fp8.
+        Rows [0, recv_count[e]) of expert e hold one block per source rank, contiguous and in that rank's
+        token order; handle.layout_range[e][s] = begin << 32 | count says where each block starts. The
+        blocks' order is the order the sources reserved their rows (the LL kernels, as in DeepEP) or the
+        source order (reference transport; nvlink with DEEPEP_PORTABLE_LL_VMM=0). With the LL kernels
+        recv_x is a view of this Buffer's memory (the peers write it directly; not with
+        DEEPEP_PORTABLE_LL_VMM=0): as DeepEP warns, at most two LL results are valid at a time; the
+        next dispatch on the same buffer half (normally the next dispatch when dispatches and combines
+        alternate) overwrites it. Copy it to keep it longer."""
+        backend = self._live()
+        check.tensor("x", x, torch.bfloat16, (None, None), self.device)
+        num_tokens, hidden = x.shape
+        check.low_latency(self._ctx, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if num_tokens > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{num_max_dispatch_tokens_per_rank}")
+        check.tensor("topk_idx", topk_idx, topk_idx_t, (num_tokens, None), self.device)
+        check.topk_width(topk_idx)
+        check.expert_indices("topk_idx", topk_idx, num_experts)
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True")
+        if use_ue8m0 and (hidden // 128) % 4 != 0:
+            raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden/128 ({hidden // 128}) must be divisible by 4")
+        num_local_experts = num_experts // self.group_size
+        if cumulative_local_expert_recv_stats is not None:
+            check.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32,
+                         (num_local_experts,), self.device)
+        if dispatch_wait_recv_cost_stats is not None:
+            check.tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64,
+                         (self.group_size,), self.device)
+        args = LowLatencyDispatchArgs(x=x, topk_idx=topk_idx,
+                                      num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                                      num_experts=num_experts,
+                                      cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                                      dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
+                                      use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                      return_recv_hook=return_recv_hook, num_sms=type(self).num_sms)
+        result: list = [x, topk_idx]
+        with self._op(None, async_finish, False, result):
+            res = backend.low_latency_dispatch(args)
+            result += [res.recv_x, res.recv_x_scales, res.recv_count]
+        out_x = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
+        return out_x, res.recv_count, res.handle, result[0], res.hook
+
+    @collective_op("low_latency_combine")
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """Weighted sum of each token's expert outputs. Returns (combined_x, event, hook)."""
+        backend = self._live()
+        handle = check.low_latency_handle(handle)
+        T, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        check.low_latency(self._ctx, T, hidden, num_experts)
+        if use_logfmt:
+            logfmt_chunk(hidden)   # hidden % 512 == 0, or a ValueError naming it
+            if zero_copy:
+                raise ValueError("use_logfmt=True cannot be combined with zero_copy=True (as in DeepEP): the "
+                                 "rows are encoded on the way out")
+        num_local_experts = num_experts // self.group_size
+        check.tensor("x", x, torch.bfloat16, (num_local_experts, self.group_size * T, hidden), self.device)
+        check.tensor("topk_idx", topk_idx, topk_idx_t, (None, None), self.device)
+        num_tokens, num_topk = topk_idx.shape
+        check.topk_width(topk_idx)
+        if num_tokens > T:
+            raise ValueError(f"topk_idx has {num_tokens} tokens, more than the handle's maximum {T}")
+        check.expert_indices("topk_idx", topk_idx, num_experts)
+        check.tensor("topk_weights", topk_weights, torch.float32, (num_tokens, num_topk), self.device)
+        if out is not None:
+            check.tensor("out", out, torch.bfloat16, (num_tokens, hidden), self.device)
+        if combine_wait_recv_cost_stats is not None:
+            check.tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64,
+                         (self.group_size,), self.device)
+        args = LowLatencyCombineArgs(x=x, topk_idx=topk_idx, topk_weights=topk_weights, handle=handle,
+                                     zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out,
+                                     combine_wait_recv_cost_stats=combine_wait_recv_cost_stats,
+                                     num_sms=type(self).num_sms, use_logfmt=bool(use_logfmt))
+        result: list = [x, topk_idx, topk_weights]
+        with self._op(None, async_finish, False, result):
+            combined_x, hook = backend.low_latency_combine(args)
+            result.append(combined_x)
+        return combined_x, result[0], hook
+
+    # ---- shrink mode (enable_shrink=True): ranks the low-latency ops leave out ------------------------
+    def _mask(self) -> torch.Tensor:
+        mask = self._live().shrink_mask()
+        if mask is None:
+            raise RuntimeError("the mask buffer needs a Buffer created with enable_shrink=True")
+        # The kernels write it on the comm stream (a peer that timed out): order the caller's stream after.
+        if self._comm_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._comm_stream)
+        return mask
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (mask=True) or unmask a rank for the low-latency ops of this Buffer: a masked rank is neither
+        sent to nor waited for, and its rows count as absent. Unmasking takes a rank back only if it made
+        the same low-latency calls as every other rank meanwhile (clean_low_latency_buffer on every rank,
+        it included, resets the calls)."""
+        check.positive_int("rank_to_mask", rank_to_mask, minimum=0)
+        if rank_to_mask >= self.group_size:
+            raise ValueError(f"rank_to_mask must be < {self.group_size}, got {rank_to_mask}")
+        self._mask()[rank_to_mask] = 1 if mask else 0
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write every rank's mask status (1 = masked) into `mask_status` (int32 [num_ranks])."""
+        check.tensor("mask_status", mask_status, torch.int32, (self.group_size,), self.device)
+        mask_status.copy_(self._mask())
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._mask().zero_()
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        handle = check.low_latency_handle(handle)
+        check.low_latency(self._ctx, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        return self._live().get_next_low_latency_combine_buffer(handle)
 
 def _flatten(items: List) -> List:
     out = []

@@ -29,7 +29,7 @@ FLOORS = [
     {"windows"},
     {"engines"},
     {"transports"},
-    {"buffer", "_buffer_ll", "_buffer_zero_copy", "tools", "buffers"},
+    {"buffer", "tools", "buffers"},
     {"__main__", "", "alias"},          # "" = the package's __init__ (the public face)
 ]
 

@@ -1,6 +1,6 @@
 """Zero-copy inputs of the intranode engine (engines/intranode.py): an op's rows written in place by the caller.
 
-`Buffer.get_next_dispatch_buffer` / `get_next_combine_buffer` (deepep_portable/_buffer_zero_copy.py) open the
+`Buffer.get_next_dispatch_buffer` / `get_next_combine_buffer` (deepep_portable/buffer.py) open the
 next round ahead of its op with the round's prologue alone (open_round.cu) and hand out a view of this rank's
 send area; the op then finds x there (`_reads_in_place`) and stages only what is not in place. A mixin of
 IntranodeEngine, which owns the state these read: the window, the plans, the profile, the comm stream.
