@@ -10,6 +10,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -258,3 +259,14 @@ def test_cpu_doorbell_forwards_each_mailbox_to_its_register(glue):
     assert int(regs[0]) != 0xFFFF
     with pytest.raises(ValueError):
         glue.proxy_start([1], [])
+
+
+def test_the_glue_opens_the_driver_library_the_host_module_opens(glue, tmp_path):
+    # One rule for every CUDA driver loader (driver.cpp, transports/system.py, devx.cc): DEEPEP_PORTABLE_LIBCUDA.
+    missing = str(tmp_path / "libcuda-missing.so.1")
+    code = ("from deepep_portable.transports.ibgda import devx_glue\n"
+            "glue = devx_glue.load()\n"
+            "try:\n    glue.cuda_map_io(0x1000, 4096)\nexcept devx_glue.DevxError as e:\n    print(e)\n")
+    env = dict(os.environ, DEEPEP_PORTABLE_LIBCUDA=missing)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert f"dlopen({missing}) failed" in out, out

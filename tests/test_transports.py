@@ -484,3 +484,17 @@ def test_real_nccl_wheel_headers_match(fresh_probe):
     if not info["pip"] or os.environ.get("NCCL_HOME") or info["device_header"] is None:
         pytest.skip("nvidia-nccl-cu1x (with its headers) not installed, or NCCL_HOME overrides it")
     assert info["header_version_code"] == info["version_code"], info
+
+
+def test_system_opens_the_driver_library_the_host_module_opens(monkeypatch, tmp_path):
+    # transports/system.py follows driver.cpp's rule (DEEPEP_PORTABLE_LIBCUDA, else libcuda.so.1).
+    missing = str(tmp_path / "libcuda-missing.so.1")
+    monkeypatch.setenv(system.LIBCUDA_ENV, missing)
+    system.libcuda.cache_clear()
+    try:
+        lib, why = system.libcuda()
+    finally:
+        system.libcuda.cache_clear()
+    assert lib is None and why.startswith(f"{missing} not found"), why
+    monkeypatch.delenv(system.LIBCUDA_ENV)
+    assert system.libcuda_path() == "libcuda.so.1"

@@ -37,13 +37,23 @@ def _cu_error_name(lib, rc: int) -> str:
     return f"CUresult {rc}"
 
 
+LIBCUDA_ENV = "DEEPEP_PORTABLE_LIBCUDA"
+
+
+def libcuda_path() -> str:
+    """The CUDA driver library every loader opens: DEEPEP_PORTABLE_LIBCUDA, else libcuda.so.1 (the same rule
+    as deepep_portable._C's driver.cpp and the ibgda glue's devx.cc, so the three open one library)."""
+    return os.environ.get(LIBCUDA_ENV) or "libcuda.so.1"
+
+
 @functools.lru_cache(maxsize=None)
 def libcuda() -> Tuple[Optional[ctypes.CDLL], str]:
     """(initialised libcuda handle with >= 1 device, "") or (None or lib, reason)."""
+    path = libcuda_path()
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
+        lib = ctypes.CDLL(path)
     except OSError as e:
-        return None, f"libcuda.so.1 not found ({e})"
+        return None, f"{path} not found ({e})"
     rc = lib.cuInit(0)
     if rc != 0:
         return None, f"cuInit failed: {_cu_error_name(lib, rc)}"
@@ -79,7 +89,7 @@ def driver_status() -> Tuple[bool, str, str]:
     except Exception as e:  # pragma: no cover - ctypes trouble: let torch answer
         fallback = f"ctypes probe failed: {type(e).__name__}: {e}"
     else:
-        src = f"ctypes libcuda.so.1 (deepep_portable._C unavailable: {c_error})"
+        src = f"ctypes {libcuda_path()} (deepep_portable._C unavailable: {c_error})"
         if lib is not None:
             return True, "CUDA driver initialised, device(s) visible", src
         return False, f"no CUDA GPU: {why}", src

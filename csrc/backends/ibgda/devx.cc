@@ -160,10 +160,13 @@ void describe_cu(const CudaApi& api, int r, char* buf, size_t len) noexcept {
 
 CudaApi load_cuda() noexcept {
     CudaApi api;
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    // The library _C's driver.cpp opens (DEEPEP_PORTABLE_LIBCUDA, else libcuda.so.1): one driver in the process.
+    const char* env = getenv("DEEPEP_PORTABLE_LIBCUDA");
+    const char* path = (env && env[0]) ? env : "libcuda.so.1";
+    void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
         const char* why = dlerror();
-        snprintf(api.error, sizeof api.error, "dlopen(libcuda.so.1) failed (no NVIDIA driver?): %s", why ? why : "?");
+        snprintf(api.error, sizeof api.error, "dlopen(%s) failed (no NVIDIA driver?): %s", path, why ? why : "?");
         return api.code = ELIBACC, api;
     }
 #define DX_LOAD(field, symbol) api.field = (decltype(api.field))dlsym(lib, symbol)
