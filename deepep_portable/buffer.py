@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import warnings
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -28,7 +29,7 @@ from .engines.launch import current_stream_handle, stream_wait_stream
 from .layout import MAX_TOPK, low_latency_rdma_size_hint
 from .logfmt import chunk_channels as logfmt_chunk
 from .topology import NodeLayout, node_layout
-from .transports import backend_class, choose, internode_normal_transports
+from .transports import backend_class, choose, internode_normal_transports, registry
 
 topk_idx_t = torch.int64
 _uids = itertools.count(1)
@@ -47,15 +48,17 @@ class Buffer:
                  normal mode over several nodes: the internode kernels' backend (nvshmem) if usable, else
                  reference)
       timeout_s: bound on every wait; a timeout raises an exception naming op, rank and peer.
-      nvshmem_options: for transport "nvshmem", passed to NVSHMEM at its initialisation (the first such
-                 Buffer of the process): ibgda, ib_gid_index, ib_traffic_class, ib_sl, hca_list,
-                 remote_transport, symmetric_size (see transports/nvshmem/runtime.py PASS_THROUGH).
-      ibgda_options: for transport "ibgda": GID index / address family, traffic class, service level, hop
-                 limit, UDP source ports, HCA list, ports, who rings the doorbells (transports/ibgda/roce.py
-                 IbgdaOptions; also from DEEPEP_PORTABLE_IB_* variables), validated here.
-      nccl_options: for transport "nccl_gin": gin (True / False), reuse_torch_comm (True / False) and NCCL's IB
-                 settings (ib_gid_index, ib_traffic_class, ib_sl, hca_list, gin_type;
-                 transports/nccl_gin/options.py), validated here.
+      transport_options: a dict for the chosen transport, checked by its schema (the registry row's `options`)
+                 before anything is set up; unknown keys raise ValueError (docs/CONFIGURATION.md lists each
+                 backend's): "nvshmem": passed to NVSHMEM at its initialisation (the first such Buffer of the
+                 process): ibgda, ib_gid_index, ib_traffic_class, ib_sl, hca_list, remote_transport,
+                 symmetric_size; "ibgda": GID index / address family, traffic class, service level, hop limit, UDP
+                 source ports, HCA list, ports, who rings the doorbells (also from DEEPEP_PORTABLE_IB_*
+                 variables); "nccl_gin": gin (True / False), reuse_torch_comm (True / False) and NCCL's IB
+                 settings (ib_gid_index, ib_traffic_class, ib_sl, hca_list, gin_type). "nvlink" and "reference"
+                 take none. With transport="auto" they are checked by the backend it picks.
+      nvshmem_options, ibgda_options, nccl_options: deprecated aliases of transport_options for one backend
+                 each (a DeprecationWarning; checked and applied as before, whichever transport is chosen).
       ranks_per_node: ranks per node (default: DEEPEP_PORTABLE_RANKS_PER_NODE, else the machines); K
                  consecutive ranks of one machine make a logical node (topology.py, docs/INTERNODE.md).
     `group` may be a torch ProcessGroup or (as first argument or `comm=`) an mpi4py communicator.
@@ -68,8 +71,9 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None,
                  *, transport: str = "auto", timeout_s: Optional[float] = None,
-                 nvshmem_options: Optional[dict] = None, ranks_per_node: Optional[int] = None,
-                 ibgda_options: Optional[dict] = None, nccl_options: Optional[dict] = None) -> None:
+                 transport_options: Optional[dict] = None, ranks_per_node: Optional[int] = None,
+                 nvshmem_options: Optional[dict] = None, ibgda_options: Optional[dict] = None,
+                 nccl_options: Optional[dict] = None) -> None:
         if use_fabric:
             # DeepEP allocates its NVLink buffer with fabric handles (multi-node NVLink, IMEX). Our windows
             # share memory by CUDA IPC handles and POSIX file descriptors only: refuse before any set-up.
@@ -82,19 +86,11 @@ class Buffer:
         check.positive_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check.positive_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check.positive_int("num_qps_per_rank", num_qps_per_rank)
-        if nvshmem_options is not None:   # unknown names raise here, before anything is set up
-            from .transports.nvshmem.runtime import nvshmem_environment
-
-            nvshmem_environment(nvshmem_options)
-        ibgda = None
-        if ibgda_options is not None:
-            from .transports.ibgda.roce import ibgda_options as parse_ibgda
-
-            ibgda = parse_ibgda(ibgda_options)
-        if nccl_options is not None:
-            from .transports.nccl_gin.options import nccl_environment
-
-            nccl_environment(nccl_options)
+        # Unknown names raise here, before anything is set up (the backend's schema: its registry row).
+        backend_options = self._legacy_options(nvshmem_options=nvshmem_options, ibgda_options=ibgda_options,
+                                               nccl_options=nccl_options)
+        if transport_options is not None and transport != "auto":
+            backend_options[transport] = self._transport_options(transport, transport_options, backend_options)
         # Collective, before anything is set up: the windows are symmetric, so these must match on every rank.
         # (ranks_per_node: topology.node_layout checks it with the environment's value.)
         tag = self._agree(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
@@ -118,6 +114,9 @@ class Buffer:
         self._transport_choice = choose(transport, self.nodes.on_one_machine,
                                         internode_normal=self.nodes.num_nodes > 1 and num_nvl_bytes > 0)
         self.transport = self._transport_choice.name
+        if transport_options is not None and transport == "auto":   # checked by the backend "auto" picked
+            backend_options[self.transport] = self._transport_options(self.transport, transport_options,
+                                                                      backend_options)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.device = device
         self._comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -130,9 +129,8 @@ class Buffer:
             ranks_per_node=self.nodes.ranks_per_node,
             options=dict(num_qps_per_rank=num_qps_per_rank,
                          allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
-                         allow_mnnvl=allow_mnnvl, enable_shrink=self.enable_shrink,
-                         nvshmem=dict(nvshmem_options or {}), ibgda=ibgda, nccl=dict(nccl_options or {})),
-            tag=tag)
+                         allow_mnnvl=allow_mnnvl, enable_shrink=self.enable_shrink, **backend_options),
+            tag=tag, describe_error=registry.error_text(self.transport))
         self._failed: Optional[str] = None   # why an earlier op left this Buffer unusable (failures.py)
         self._layout_eager_dev = None   # get_dispatch_layout's hot path: this GPU's index while it is open
         self._combine_eager = None
@@ -146,6 +144,30 @@ class Buffer:
         if device.type == "cuda" and self.nodes.num_nodes == 1:
             self._layout_eager_dev = device.index
         self._combine_eager = self._backend.combine_eager   # combine's eager path (None: the backend has none)
+
+    @staticmethod
+    def _legacy_options(**given) -> dict:
+        """{backend: what it reads} for the deprecated per-backend keywords given (each an alias of
+        transport_options for one backend, the registry row's legacy_option), checked by its schema."""
+        out = {}
+        for keyword, name in registry.legacy_options().items():
+            options = given.pop(keyword, None)
+            if options is not None:
+                warnings.warn(f"Buffer({keyword}=...) is deprecated: pass transport_options=... (with "
+                              f"transport={name!r}, or transport='auto' choosing it)", DeprecationWarning,
+                              stacklevel=3)
+                out[name] = registry.validate_options(name, options, keyword)
+        assert not given, f"deprecated keywords without a registry row: {sorted(given)}"
+        return out
+
+    @staticmethod
+    def _transport_options(name: str, options: dict, backend_options: dict):
+        """transport_options checked by backend `name`'s schema (ValueError also when a deprecated keyword gave
+        the same backend's options)."""
+        if backend_options.get(name) is not None:
+            raise ValueError(f"transport_options and {registry.row(name).legacy_option} both give options for "
+                             f"transport {name!r}: pass transport_options only")
+        return registry.validate_options(name, options)
 
     def _agree(self, **settings) -> int:
         """Collective: every rank passed the same `settings`; if not, every rank raises the same ValueError.

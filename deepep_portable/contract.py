@@ -117,6 +117,7 @@ class BufferContext:
     options: dict = field(default_factory=dict)
     tag: int = 1000                      # message tag of this Buffer's agreements (the same on every rank)
     calls: int = 0                       # collective ops begun, counted alike on every rank (failures.py)
+    describe_error: Optional[Callable] = None   # the backend's own kernel error texts (registry row error_text)
 
     @property
     def num_nodes(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 
 class CommError(RuntimeError):
@@ -88,14 +88,20 @@ def table() -> Tuple[Dict[str, int], Dict[int, str]]:
     return codes, ops
 
 
-def from_record(record: Tuple[int, int, int, int, int, int], timeout_s: float) -> CommError:
+def from_record(record: Tuple[int, int, int, int, int, int], timeout_s: float,
+                describe: Optional[Callable[..., Optional[str]]] = None) -> CommError:
     """The exception for a kernel's error record (code, op, rank, peer, channel, detail): a CommError, since
-    the kernel stopped waiting for peers and the op did not complete on every rank."""
+    the kernel stopped waiting for peers and the op did not complete on every rank. `describe` is the backend's
+    decoder of the codes only it reports (the registry row's error_text: `describe(name, op, rank, peer,
+    channel, detail)` -> the message without its ending, or None)."""
     code, op_id, rank, peer, channel, detail = record
     codes, ops = table()
     op = ops.get(op_id, f"op {op_id}")
     name = {v: k for k, v in codes.items()}.get(code)
     gone = "this Buffer cannot be used again"
+    text = describe(name, op, rank, peer, channel, detail) if describe is not None and name is not None else None
+    if text is not None:
+        return CommError(f"{text}; {gone}")
     if name == "timeout":
         return CommTimeoutError(op, rank, peer, channel, timeout_s)
     if name == "capacity":
@@ -113,18 +119,6 @@ def from_record(record: Tuple[int, int, int, int, int, int], timeout_s: float) -
         return CommError(f"{op} on rank {rank}: call {detail} found peer {peer} still receiving the previous "
                             f"call of the same kind in that buffer half (its data was being overwritten): a "
                             f"receive hook was called after the next-but-one low-latency op of the same kind; "
-                            f"{gone}")
-    if name == "nic":
-        why = "no completion within the timeout (queue full or stuck)" if detail < 0 else \
-            f"an error completion, syndrome {detail:#x}"
-        return CommError(f"{op} on rank {rank}: the RDMA queue pair to peer {peer} (channel {channel}) failed: "
-                            f"{why}; {gone}")
-    if name == "unsupported":
-        why = {1: "the SET-signal shadow table is full (more distinct signal words per peer than it holds)",
-               2: "GIN needs NCCL >= 2.29.7 (VA signals); this build's headers are older",
-               3: "get_value over GIN needs NCCL >= 2.30.3",
-               4: "fetch_add over GIN (GIN has no fetching atomic)"}.get(detail, f"reason {detail}")
-        return CommError(f"{op} on rank {rank}: the nccl_gin transport cannot reach peer {peer} for it: {why}; "
                             f"{gone}")
     if name == "overrun":
         return CommError(f"{op} on rank {rank}: peer {peer} is already at call {detail}, two calls ahead: "

@@ -16,9 +16,8 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x PYTHONPATH 
 # name | ranks | test file | -k expression | environment: the layout and copy kernels (not the killed-rank tests: their
 # SIGKILL under the tool tests the tool); the layout kernel alone (a quick subset of the first); intranode dispatch/combine (small
 # cases: top-3); low-latency dispatch/combine/clean (small, LogFMT, shrink); the transport conformance kernel;
-# the internode kernels (2 logical nodes of 1 rank, nvshmem). Then the other backends' device code: ibgda against the
-# tests' NIC model (LL and internode), nccl_gin over the real NCCL at one rank (LSA on itself: NCCL refuses two ranks
-# on one GPU before 2.30) and its GIN paths on the tests' mock of NCCL's device API at 2 ranks.
+# the internode kernels (2 logical nodes of 1 rank, nvshmem). Then each backend's own suites, as its registry row
+# lists them (python -m deepep_portable.transports.registry --steps sanitize), in the same format.
 LL_SMALL="small or logfmt or shrink"
 INTER_SMALL="odd_shapes and (dense or no-topk)"
 SUITES=("gpu|1|tests/gpu|not killed|"
@@ -26,11 +25,10 @@ SUITES=("gpu|1|tests/gpu|not killed|"
         "intranode|2|tests/mpi/test_intranode_gpu_mpi.py|top3|"
         "low_latency|2|tests/mpi/test_low_latency_gpu_mpi.py|$LL_SMALL|"
         "selftest|2|tests/mpi/test_transport_selftest_gpu_mpi.py||"
-        "internode|2|tests/mpi/test_internode_gpu_mpi.py|$INTER_SMALL|"
-        "ll_ibgda|2|tests/mpi/test_low_latency_gpu_mpi.py|$LL_SMALL|DEEPEP_TEST_IBGDA_MODEL=1 DEEPEP_TEST_LL_TRANSPORT=ibgda"
-        "internode_ibgda|2|tests/mpi/test_internode_gpu_mpi.py|$INTER_SMALL|DEEPEP_TEST_IBGDA_MODEL=1 DEEPEP_TEST_INTERNODE_TRANSPORT=ibgda"
-        "ll_ncclgin|1|tests/mpi/test_low_latency_gpu_mpi.py|$LL_SMALL|DEEPEP_TEST_LL_TRANSPORT=nccl_gin"
-        "ll_ginmock|2|tests/mpi/test_low_latency_gpu_mpi.py|$LL_SMALL|DEEPEP_TEST_NCCL_GIN_MOCK=1 DEEPEP_TEST_LL_TRANSPORT=nccl_gin")
+        "internode|2|tests/mpi/test_internode_gpu_mpi.py|$INTER_SMALL|")
+BACKEND_SUITES=$($PY -W ignore::RuntimeWarning -m deepep_portable.transports.registry --steps sanitize) \
+    || { echo "sanitize.sh: cannot read the backends' suites from the registry"; exit 2; }
+while IFS= read -r entry; do [ -n "$entry" ] && SUITES+=("$entry"); done <<<"$BACKEND_SUITES"
 declare -a SUMMARY
 ONLY=${SANITIZE_SUITES:-}   # a subset of the suites by name, e.g. "gpu low_latency"
 for tool in $TOOLS; do

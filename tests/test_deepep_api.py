@@ -28,7 +28,7 @@ def test_constructor_positional_order_is_deepeps():
     positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
     assert positional == DEEPEP_INIT
     # ours come after, keyword-only
-    assert {p.name for p in params if p.kind == p.KEYWORD_ONLY} == {"transport", "timeout_s", "nvshmem_options",
+    assert {p.name for p in params if p.kind == p.KEYWORD_ONLY} == {"transport", "timeout_s", "nvshmem_options", "transport_options",
                                                                  "ranks_per_node", "ibgda_options", "nccl_options"}
 
 

@@ -57,7 +57,7 @@ V2_SIGNATURES = {
     "destroy": [("self", NO_DEFAULT)],
 }
 V2_STATIC = {"get_buffer_size_hint", "capture"}
-OURS_KEYWORD_ONLY = {"transport", "ranks_per_node", "nvshmem_options", "ibgda_options", "nccl_options"}
+OURS_KEYWORD_ONLY = {"transport", "ranks_per_node", "transport_options", "nvshmem_options", "ibgda_options", "nccl_options"}
 V2_HANDLE_FIELDS = ["do_expand", "num_experts", "expert_alignment", "num_max_tokens_per_rank", "num_sms", "topk_idx",
                     "num_recv_tokens", "num_expanded_tokens", "num_recv_tokens_per_expert_list",
                     "psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",

@@ -23,6 +23,7 @@ from deepep_portable import errors, jit
 from deepep_portable import layout as L
 from deepep_portable.contract import Capabilities
 from deepep_portable.engines import dispatch_layout, intranode, transport_selftest
+from deepep_portable.transports import registry
 from deepep_portable.engines import low_latency as ll
 from deepep_portable.tools import kernels as copy_kernels
 from deepep_portable.transports import libraries
@@ -290,13 +291,18 @@ def test_error_table_is_read_from_the_device_header():
     assert (timeout.rank, timeout.peer, timeout.channel) == (2, 5, 7)
     assert "num_worst_tokens" in str(errors.from_record((2, 1, 0, -1, 0, 99), 1.0))
     assert "rank 3 would receive 99 rows" in str(errors.from_record((2, 1, 0, 3, 0, 99), 1.0))
-    nic = str(errors.from_record((5, 3, 0, 5, 2, 0x13), 1.0))   # ibgda: the failed QP's channel, the syndrome
+    # a backend's own code, decoded by the backend its registry row points at (ibgda: the failed QP's channel, the
+    # syndrome); without that decoder, only the code
+    nic = str(errors.from_record((5, 3, 0, 5, 2, 0x13), 1.0, registry.error_text("ibgda")))
     assert "queue pair to peer 5 (channel 2) failed" in nic and "syndrome 0x13" in nic
+    assert "kernel error code 5" in str(errors.from_record((5, 3, 0, 5, 2, 0x13), 1.0, registry.error_text("nvlink")))
+    assert "two calls ahead" in str(errors.from_record((3, 4, 0, 2, 0, 9), 1.0, registry.error_text("ibgda")))
     assert "recv_x it returned" in str(errors.from_record((3, 3, 0, -1, 0, 1), 1.0))
     assert "zero-copy combine buffer" in str(errors.from_record((3, 4, 0, -1, 0, 1), 1.0))
     assert "two calls ahead" in str(errors.from_record((3, 4, 0, 2, 0, 9), 1.0))
     assert "still receiving" in str(errors.from_record((4, 3, 0, 2, 0, 9), 1.0))
     assert "kernel error code 77" in str(errors.from_record((77, 9, 0, 2, 0, 9), 1.0))
     assert "peer 3 (channel 0) failed: an error completion, syndrome 0x13" in str(
-        errors.from_record((5, 1, 0, 3, 0, 0x13), 1.0))
-    assert "no completion within the timeout" in str(errors.from_record((5, 1, 0, 3, 0, -1), 1.0))
+        errors.from_record((5, 1, 0, 3, 0, 0x13), 1.0, registry.error_text("ibgda")))
+    assert "no completion within the timeout" in str(errors.from_record((5, 1, 0, 3, 0, -1), 1.0,
+                                                                         registry.error_text("ibgda")))

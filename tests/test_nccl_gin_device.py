@@ -71,10 +71,11 @@ def test_internode_kernels(tmp_path, build, op, shape):
 def test_unsupported_calls_become_clear_errors():
     """kErrorUnsupported's record (what wait_ge reports after a failed call) names the peer and the reason."""
     from deepep_portable import errors
+    from deepep_portable.transports import registry
 
     codes, ops = errors.table()
     op = {name: i for i, name in ops.items()}["low_latency_dispatch"]
-    exc = errors.from_record((codes["unsupported"], op, 3, 5, 0, 4), 1.0)
+    exc = errors.from_record((codes["unsupported"], op, 3, 5, 0, 4), 1.0, registry.error_text("nccl_gin"))
     assert "cannot reach peer 5" in str(exc) and "fetch_add over GIN" in str(exc) and "rank 3" in str(exc)
 
 

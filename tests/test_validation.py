@@ -2,11 +2,14 @@
 
 Single process (a one-rank gloo group); tests/mpi/test_validation_mpi.py covers the multi-rank cases.
 """
+import dataclasses
+
 import pytest
 import torch
 
 import deepep_portable as deep_ep
 from deepep_portable import _validate as check
+from deepep_portable.transports import registry
 
 HIDDEN, TOKENS, EXPERTS, TOPK = 256, 8, 8, 2
 
@@ -266,6 +269,7 @@ def test_inference_mode_tensors_are_checked_every_time(buffer, device, monkeypat
         check.expert_indices("topk_idx", bad, EXPERTS)   # skipped: no error, no version counter read
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_unknown_nvshmem_option_rejected(group):
     with pytest.raises(ValueError, match="unknown NVSHMEM option 'ib_gid'"):
         deep_ep.Buffer(group, 1 << 20, 0, transport="reference", nvshmem_options={"ib_gid": 3})
@@ -281,15 +285,24 @@ def test_unknown_nvshmem_option_rejected(group):
     (dict(nccl_options={"gin": "yes"}), r"nccl_options\['gin'\] must be True, False or None"),
     (dict(nccl_options={"hca_list": ""}), "non-empty string")])
 def test_bad_backend_options_rejected_before_set_up(group, kwargs, match):
+    (keyword, options), = kwargs.items()
+    with pytest.warns(DeprecationWarning, match=f"{keyword}=...\\) is deprecated"):
+        with pytest.raises(ValueError, match=match):
+            deep_ep.Buffer(group, 1 << 20, 0, transport="reference", **kwargs)
+    # The same options through transport_options, for the backend the deprecated keyword stands for: the same error.
+    name = registry.legacy_options()[keyword]
     with pytest.raises(ValueError, match=match):
-        deep_ep.Buffer(group, 1 << 20, 0, transport="reference", **kwargs)
+        registry.validate_options(name, options, keyword)
+    with pytest.raises(ValueError, match="unknown transport 'nope'"):   # before anything is set up
+        deep_ep.Buffer(group, 1 << 20, 0, transport="nope", transport_options=options)
 
 
 def test_backend_options_reach_the_backend(group):
-    buf = deep_ep.Buffer(group, 1 << 20, 0, transport="reference", ibgda_options={"traffic_class": 106},
-                         nccl_options={"ib_sl": 3, "gin": False})
+    with pytest.warns(DeprecationWarning):
+        buf = deep_ep.Buffer(group, 1 << 20, 0, transport="reference", ibgda_options={"traffic_class": 106},
+                             nccl_options={"ib_sl": 3, "gin": False})
     assert buf._ctx.options["ibgda"].traffic_class == 106
-    assert buf._ctx.options["nccl"] == {"ib_sl": 3, "gin": False}
+    assert buf._ctx.options["nccl_gin"] == {"ib_sl": 3, "gin": False}
     from deepep_portable.transports.nccl_gin.options import nccl_environment
 
     assert nccl_environment({"ib_sl": 3, "hca_list": "mlx5_0:1", "gin": True}) == {
@@ -340,3 +353,26 @@ def test_combine_eager_predicate_implies_the_full_checks(buffer, device):
             check.combine_args(args["x"], args["handle"], args["topk_weights"], args["bias"], args["config"], uid,
                                device, 16)
     assert not check.combine_eager(x, handle, recv_w, None, None, uid, dev + 1)   # another device
+
+
+def test_transport_options_are_checked_by_the_chosen_backend(group, monkeypatch):
+    # A backend without options refuses any, by name, before anything is set up.
+    with pytest.raises(ValueError, match="transport 'reference' takes no options"):
+        deep_ep.Buffer(group, 1 << 20, 0, transport="reference", transport_options={"ib_sl": 3})
+    with pytest.raises(TypeError, match="transport_options must be a dict"):
+        deep_ep.Buffer(group, 1 << 20, 0, transport="reference", transport_options=[("ib_sl", 3)])
+    buf = deep_ep.Buffer(group, 1 << 20, 0, transport="reference", transport_options={})
+    assert buf._ctx.options.get("reference") is None
+    # A backend with a schema: its validated value lands where its transport reads it (BufferContext.options[name]),
+    # the same as its deprecated keyword's. Checked on the reference transport by pointing its row at nccl_gin's
+    # schema (the backends with options need a GPU to be built).
+    row = registry.row("reference")
+    monkeypatch.setitem(registry.BY_NAME, "reference", dataclasses.replace(row, options=registry.row("nccl_gin").options,
+                                                                           legacy_option="nccl_options"))
+    with pytest.raises(ValueError, match="unknown nccl option 'ib_gid'"):
+        deep_ep.Buffer(group, 1 << 20, 0, transport="reference", transport_options={"ib_gid": 3})
+    buf = deep_ep.Buffer(group, 1 << 20, 0, transport="reference", transport_options={"ib_sl": 3, "gin": False})
+    assert buf._ctx.options["reference"] == {"ib_sl": 3, "gin": False}
+    # transport_options and the deprecated keyword of the same backend: refused (which one wins would be a guess).
+    with pytest.raises(ValueError, match="transport_options and nccl_options both give options"):
+        deep_ep.Buffer._transport_options("nccl_gin", {"ib_sl": 3}, {"nccl_gin": {"ib_sl": 3}})

@@ -24,8 +24,8 @@ What differs from V2, and why:
   - reductions follow V1's order (bias, then the ranks' rows in rank order; nodes first over several
     nodes), not V2's top-k order: equal within bf16 rounding, bit-exact against tests/oracle.py;
   - `num_qps`, `num_allocated_qps`, `sl_idx`, `allow_multiple_reduction` and `allow_hybrid_mode` do not
-    change the route: the transport's own options set queue pairs and service levels (`ibgda_options`,
-    `nvshmem_options`, `nccl_options`); `allow_hybrid_mode` sets the logical domain V2 reports;
+    change the route: the transport's own options set queue pairs and service levels
+    (`transport_options`); `allow_hybrid_mode` sets the logical domain V2 reports;
   - `barrier` is a host barrier after the chosen stream's work (V2's is stream-ordered);
   - Engram, pipeline-parallel send/recv and all-gather/reduce-scatter sessions raise NotImplementedError.
 """
@@ -196,8 +196,8 @@ class StreamOrder:
 class ElasticBuffer:
     """DeepEP V2's ElasticBuffer (expert-parallel dispatch and combine); see the module docstring.
 
-    Ours, keyword-only: transport, ranks_per_node, nvshmem_options, ibgda_options, nccl_options (as V1's
-    `Buffer`). `group` may also be an mpi4py communicator. `num_gpu_timeout_secs` bounds every wait
+    Ours, keyword-only: transport, ranks_per_node, transport_options (and its deprecated aliases
+    nvshmem_options, ibgda_options, nccl_options), as V1's `Buffer`. `group` may also be an mpi4py communicator. `num_gpu_timeout_secs` bounds every wait
     (V1's timeout_s); `num_cpu_timeout_secs` is kept for V2 callers (no separate CPU wait here).
     """
 
@@ -207,7 +207,7 @@ class ElasticBuffer:
                  prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
                  num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
                  *, transport: str = "auto", ranks_per_node: Optional[int] = None,
-                 nvshmem_options: Optional[dict] = None, ibgda_options: Optional[dict] = None,
+                 transport_options: Optional[dict] = None, nvshmem_options: Optional[dict] = None, ibgda_options: Optional[dict] = None,
                  nccl_options: Optional[dict] = None) -> None:
         if num_cpu_bytes:
             _not_implemented("Engram CPU storage (num_cpu_bytes)")
@@ -236,7 +236,8 @@ class ElasticBuffer:
         self.runtime: Optional[Buffer] = Buffer(
             group, num_bytes, num_bytes if nodes.num_nodes > 1 else 0, explicitly_destroy=explicitly_destroy,
             transport=transport, timeout_s=float(num_gpu_timeout_secs), ranks_per_node=ranks_per_node,
-            nvshmem_options=nvshmem_options, ibgda_options=ibgda_options, nccl_options=nccl_options)
+            transport_options=transport_options, nvshmem_options=nvshmem_options, ibgda_options=ibgda_options,
+            nccl_options=nccl_options)
         self.rank_idx, self.num_ranks = self.runtime.rank, self.runtime.group_size
         self.num_rdma_ranks, self.num_nvlink_ranks = self.runtime.nodes.num_nodes, self.runtime.nodes.ranks_per_node
         self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()

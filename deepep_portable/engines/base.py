@@ -24,7 +24,7 @@ class Engine:
             return
         record = window.recorded_error()
         if record is not None:
-            err = errors.from_record(record, self.ctx.timeout_s)
+            err = errors.from_record(record, self.ctx.timeout_s, getattr(self.ctx, "describe_error", None))
             self.broken = str(err)
             raise err
 

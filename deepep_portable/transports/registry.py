@@ -1,11 +1,22 @@
 """The list of backends: one row each. Everything that needs to know which backends exist reads this
-table (`available_transports`, `resolve`, `Buffer(transport=...)`, the probes, `doctor`), so a new
-backend is its folders (csrc/backends/<name>/, transports/<name>/), its probe function and one row here.
+table (`available_transports`, `resolve`, `Buffer(transport=...)`, the probes, `doctor`, the GPU and sanitizer
+scripts), so a new backend is its folders (csrc/backends/<name>/, transports/<name>/) and one row here.
+
+A row points into the backend's folder for what only the backend knows, as "module:function" relative to this
+package (imported when first asked, so a backend's libraries are never loaded by reading the table):
+  options     validates `Buffer(transport_options=...)` for it, before any set-up: returns what its transport
+              reads from BufferContext.options[name], or raises ValueError naming the bad key;
+  error_text  the text of its own kernel error codes (errors.cuh's backend codes: `describe(name, op, rank, peer,
+              channel, detail)` -> str, or None for codes it does not own);
+and lists its GPU test steps (scripts/gpu_tests.sh step names) and its compute-sanitizer suites
+(scripts/sanitize.sh entries). `python -m deepep_portable.transports.registry --steps gpu|sanitize` prints them.
 """
 from __future__ import annotations
 
+import argparse
+import importlib
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -20,17 +31,38 @@ class Backend:
     verified_hardware: str = ""        # where it has run for real, in words (Buffer.transport_info, doctor)
     ran_on_hardware: bool = False      # it has run on real hardware at all ("auto" warns when it picks one that has not)
     ran_across_machines: bool = False  # its path between machines has run over a real network (same warning)
+    options: Optional[str] = None      # its transport_options schema ("module:function"; None: it takes none)
+    legacy_option: Optional[str] = None   # the deprecated Buffer keyword that is an alias of transport_options
+    error_text: Optional[str] = None   # decoder of its own kernel error codes ("module:function")
+    gpu_steps: Tuple[str, ...] = ()    # its steps in scripts/gpu_tests.sh
+    sanitize_steps: Tuple[str, ...] = ()   # its suites in scripts/sanitize.sh: "name|ranks|file|-k expr|environment"
 
 
 # In the order transport="auto" prefers them (nvlink first when every rank is on one node: see resolve).
 BACKENDS: Tuple[Backend, ...] = (
     Backend("nvshmem", ".nvshmem.transport", "NvshmemTransport", "probe_nvshmem", spans_nodes=True, rdma=True,
-            verified_hardware="one GPU shared by ranks (H200); never between machines", ran_on_hardware=True),
+            verified_hardware="one GPU shared by ranks (H200); never between machines", ran_on_hardware=True,
+            options=".nvshmem.runtime:validate_options", legacy_option="nvshmem_options",
+            gpu_steps=("llnvshmem", "internode", "benchinternode")),
     Backend("nccl_gin", ".nccl_gin.transport", "NcclGinTransport", "probe_nccl_gin", spans_nodes=True, rdma=True,
             in_auto=False,   # run on a GPU at one rank only
-            verified_hardware="one rank on a GPU (H200); GIN paths never on a NIC (mock only)", ran_on_hardware=True),
+            verified_hardware="one rank on a GPU (H200); GIN paths never on a NIC (mock only)", ran_on_hardware=True,
+            options=".nccl_gin.options:validate_options", legacy_option="nccl_options",
+            error_text=".nccl_gin.errors:describe",
+            gpu_steps=("llncclgin", "llncclgin2", "llginmock", "internodeginmock"),
+            sanitize_steps=(
+                "ll_ncclgin|1|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink|DEEPEP_TEST_LL_TRANSPORT=nccl_gin",
+                "ll_ginmock|2|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink|DEEPEP_TEST_NCCL_GIN_MOCK=1 "
+                "DEEPEP_TEST_LL_TRANSPORT=nccl_gin")),
     Backend("ibgda", ".ibgda.transport", "IbgdaTransport", "probe_ibgda", spans_nodes=True, rdma=True,
-            verified_hardware="never on a real NIC (NIC model only)"),
+            verified_hardware="never on a real NIC (NIC model only)",
+            options=".ibgda.roce:validate_options", legacy_option="ibgda_options", error_text=".ibgda.errors:describe",
+            gpu_steps=("llibgda", "internodeibgda"),
+            sanitize_steps=(
+                "ll_ibgda|2|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink|DEEPEP_TEST_IBGDA_MODEL=1 "
+                "DEEPEP_TEST_LL_TRANSPORT=ibgda",
+                "internode_ibgda|2|tests/mpi/test_internode_gpu_mpi.py|odd_shapes and (dense or no-topk)|DEEPEP_TEST_IBGDA_MODEL=1 "
+                "DEEPEP_TEST_INTERNODE_TRANSPORT=ibgda")),
     Backend("nvlink", ".nvlink.transport", "NvlinkTransport", "probe_nvlink", spans_nodes=False,
             verified_hardware="one GPU shared by ranks (H200)", ran_on_hardware=True),
     Backend("reference", ".reference", "ReferenceTransport", "probe_reference", spans_nodes=True,
@@ -49,6 +81,42 @@ def row(name: str) -> Backend:
     return BY_NAME[name]
 
 
+def entry(ref: str) -> Callable:
+    """The function a row points at ("module:function", the module relative to this package)."""
+    module, _, function = ref.partition(":")
+    return getattr(importlib.import_module(module, __package__), function)
+
+
+def validate_options(name: str, options: Optional[Mapping[str, Any]], keyword: str = "transport_options") -> Any:
+    """What backend `name` reads from BufferContext.options[name] for these options (its schema checks them), or
+    ValueError: a bad key or value, or options for a backend that takes none. Runs before any set-up."""
+    backend = row(name)
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"{keyword} must be a dict, got {type(options).__name__}")
+    if backend.options is None:
+        if options:
+            raise ValueError(f"{keyword}: transport {name!r} takes no options, got {sorted(options)}")
+        return None
+    return entry(backend.options)(dict(options or {}))
+
+
+def legacy_options() -> Dict[str, str]:
+    """Deprecated Buffer keyword -> the backend whose transport_options it stands for."""
+    return {b.legacy_option: b.name for b in BACKENDS if b.legacy_option}
+
+
+def error_text(name: str) -> Optional[Callable]:
+    """Backend `name`'s decoder of its own kernel error codes (errors.from_record's `describe`), or None."""
+    ref = row(name).error_text
+    return entry(ref) if ref else None
+
+
+def steps(kind: str) -> list:
+    """Every backend's GPU test steps (kind "gpu") or compute-sanitizer suites (kind "sanitize"), in table order."""
+    field = {"gpu": "gpu_steps", "sanitize": "sanitize_steps"}[kind]
+    return [step for b in BACKENDS for step in getattr(b, field)]
+
+
 # Bumped by whatever changes a probe's answer inside a running process (a test installing the ibgda backend's
 # NIC provider): probe.probe() caches per value, so the next call asks again.
 _changes = 0
@@ -61,3 +129,20 @@ def changed() -> None:
 
 def changes() -> int:
     return _changes
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deepep_portable.transports.registry",
+                                     description="What the scripts read from the backend table, one item a line.")
+    parser.add_argument("--steps", choices=("gpu", "sanitize"), help="every backend's GPU steps / sanitizer suites")
+    parser.add_argument("--names", action="store_true", help="the backends' names")
+    args = parser.parse_args(argv)
+    lines = TRANSPORT_NAMES if args.names else steps(args.steps) if args.steps else None
+    if lines is None:
+        parser.error("give --steps or --names")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -92,6 +92,12 @@ def ibgda_options(user: Optional[Mapping] = None, environ: Optional[Mapping[str,
     return IbgdaOptions(**values)
 
 
+def validate_options(options: Mapping) -> IbgdaOptions:
+    """The registry's options schema of this backend: `Buffer(transport_options=...)` over the environment, parsed
+    before any set-up (ibgda_options' ValueErrors)."""
+    return ibgda_options(options)
+
+
 # ---- GIDs ------------------------------------------------------------------------------------------
 def _gid_address(gid: str) -> Optional[ipaddress.IPv6Address]:
     try:

@@ -37,6 +37,13 @@ def nccl_environment(options: Optional[Mapping[str, Any]] = None) -> Dict[str, s
     return env
 
 
+def validate_options(options: Mapping[str, Any]) -> Dict[str, Any]:
+    """The registry's options schema of this backend: `Buffer(transport_options=...)` checked before any set-up
+    (nccl_environment's ValueErrors); the window applies them before its communicator is made."""
+    nccl_environment(options)
+    return dict(options)
+
+
 def apply_environment(options: Optional[Mapping[str, Any]] = None) -> Dict[str, str]:
     env = nccl_environment(options)
     os.environ.update(env)

@@ -20,4 +20,4 @@ class NcclGinTransport(KernelTransport):
     @classmethod
     def make_ll_window(cls, ctx: BufferContext, nbytes: int) -> NcclGinWindow:
         channels = int(ctx.options.get("num_qps_per_rank", 1) or 1)
-        return NcclGinWindow(ctx, nbytes, channels=channels, options=ctx.options.get("nccl"))
+        return NcclGinWindow(ctx, nbytes, channels=channels, options=ctx.options.get("nccl_gin") or {})

@@ -260,6 +260,13 @@ def nvshmem_environment(options: Optional[Mapping[str, Any]] = None) -> Dict[str
     return env
 
 
+def validate_options(options: Mapping[str, Any]) -> Dict[str, Any]:
+    """The registry's options schema of this backend: `Buffer(transport_options=...)` checked before any set-up
+    (unknown names raise ValueError, as nvshmem_environment); NVSHMEM reads them at its initialisation."""
+    nvshmem_environment(options)
+    return dict(options)
+
+
 def apply_environment(options: Optional[Mapping[str, Any]] = None) -> Dict[str, str]:
     """Set nvshmem_environment(options) in os.environ (NVSHMEM reads it at init); returns it."""
     env = nvshmem_environment(options)

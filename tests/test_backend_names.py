@@ -1,0 +1,122 @@
+"""A backend is its folders plus one registry row: no module outside a backend's own folder
+(deepep_portable/transports/<name>/, or transports/reference.py for the reference transport) names a backend,
+by its name as a string or by its module path, apart from the allow-list below, each entry with its reason.
+
+Prose is not naming: a docstring or comment may speak of a backend. What counts is code that would have to
+change when a backend is added or removed: a string equal to a backend's name, a module path into a backend's
+folder (as a string or an import)."""
+from __future__ import annotations
+
+import ast
+import os
+import re
+from typing import List
+
+import deepep_portable
+from deepep_portable.transports import registry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(deepep_portable.__file__)))
+NAMES = tuple(registry.TRANSPORT_NAMES)
+MODULE_PATH = re.compile(r"transports[./](%s)\b|^\.(%s)(\.|:|$)" % ("|".join(NAMES), "|".join(NAMES)))
+
+# path (from the repository root) -> why it may name backends.
+ALLOWED = {
+    "deepep_portable/transports/registry.py": "the table itself",
+    "deepep_portable/transports/__init__.py": "transport='auto''s policy: nvlink first on one machine, reference "
+                                              "as the last resort for normal mode over several nodes",
+    "deepep_portable/transports/kernel.py": "KernelTransport falls back to the reference transport (the oracle) "
+                                            "for what a backend's kernels do not run",
+    # Not moved yet (docs/ARCHITECTURE.md "Known rough edges"): each backend's probe, its doctor section, and the
+    # tools' imports of one backend's helpers.
+    "deepep_portable/transports/probe.py": "the per-backend probes (each should live in its backend's folder)",
+    "deepep_portable/tools/doctor.py": "ibgda's RoCE section (should be the backend's doctor section)",
+    "deepep_portable/tools/doctor_cluster.py": "per-backend option tables and the network round trips",
+    "deepep_portable/tools/precompile.py": "nvshmem's device-linked kernels",
+    "deepep_portable/tools/bench.py": "the reference transport's FP8 cast (the oracle's)",
+    "deepep_portable/tools/compare.py": "the reference transport's FP8 cast and results (the oracle's)",
+}
+
+
+def _own_folder(rel: str) -> bool:
+    parts = rel.split("/")
+    return (len(parts) > 3 and parts[1] == "transports" and parts[2] in NAMES) or \
+        rel == "deepep_portable/transports/reference.py"
+
+
+def _docstrings(tree: ast.AST) -> set:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def names_in(source: str) -> List[str]:
+    """Where `source` names a backend: (line, what) for strings equal to a name or holding a backend's module path,
+    and imports from a backend's folder; docstrings are prose."""
+    tree = ast.parse(source)
+    prose = _docstrings(tree)
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            if node.value in NAMES or MODULE_PATH.search(node.value):
+                hits.append(f"{node.lineno}: {node.value[:60]!r}")
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            if re.search(r"(^|\.)(%s)(\.|$)" % "|".join(NAMES), module) or any(a.name in NAMES for a in node.names):
+                hits.append(f"{node.lineno}: from {module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Import):
+            hits += [f"{node.lineno}: import {a.name}" for a in node.names
+                     if re.search(r"transports\.(%s)\b" % "|".join(NAMES), a.name)]
+    return hits
+
+
+def test_no_module_outside_a_backend_names_one():
+    found = {}
+    for dirpath, dirnames, files in os.walk(os.path.join(ROOT, "deepep_portable")):
+        dirnames[:] = [d for d in dirnames if d not in ("__pycache__", "csrc")]
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, f), ROOT).replace(os.sep, "/")
+            if _own_folder(rel) or rel in ALLOWED:
+                continue
+            hits = names_in(open(os.path.join(dirpath, f)).read())
+            if hits:
+                found[rel] = hits
+    assert found == {}, ("modules outside a backend's folders name a backend: move the code into the backend's "
+                         "folder and point its registry row at it (docs/ARCHITECTURE.md), or add a reason to "
+                         f"ALLOWED: {found}")
+
+
+def test_the_allow_list_is_current():
+    """Every allowed module exists and still names a backend (a module that stopped doing so leaves the list)."""
+    stale = [rel for rel in ALLOWED if not os.path.exists(os.path.join(ROOT, rel))
+             or not names_in(open(os.path.join(ROOT, rel)).read())]
+    assert stale == []
+
+
+def test_the_checker_sees_a_name():
+    assert names_in(f'x = "{NAMES[0]}"\n') and names_in(f"from .transports.{NAMES[0]}.window import W\n")
+    assert names_in(f'ref = ".{NAMES[0]}.errors:describe"\n')
+    assert not names_in(f'"""Prose about {NAMES[0]}."""\nx = 1  # and {NAMES[0]} here\n')
+
+
+def test_every_row_points_at_its_own_folder():
+    for b in registry.BACKENDS:
+        for ref in (b.options, b.error_text, b.module):
+            if ref:
+                assert ref.startswith(f".{b.name}.") or ref == f".{b.name}", (b.name, ref)
+        for ref in (b.options, b.error_text):
+            if ref:
+                assert callable(registry.entry(ref)), ref
+
+
+def test_the_scripts_read_the_steps_from_the_registry():
+    assert registry.steps("sanitize") and all(s.count("|") == 4 for s in registry.steps("sanitize"))
+    assert "llibgda" in registry.steps("gpu")
+    text = open(os.path.join(ROOT, "scripts", "sanitize.sh")).read()
+    assert "deepep_portable.transports.registry --steps sanitize" in text
+    assert not any(step.split("|")[0] in text for step in registry.steps("sanitize"))
