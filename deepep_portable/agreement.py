@@ -44,21 +44,46 @@ def _decode(raw: bytes) -> dict:
 def _round(comm: Comm, fields: dict, tag: int, deadline: float) -> Dict[int, Optional[dict]]:
     """Send `fields` to every peer and read one message from each: {peer: its message, or None if none came by
     the deadline}. Receives are posted before the sends, so a peer's message means it has posted its receive of
-    ours (our send to it then completes). What stays unfinished (a peer that never answered) is kept alive."""
+    ours (our send to it then completes). What stays unfinished (a peer that never answered) is kept alive. A
+    peer whose connection failed (a dead process) counts as one that never answered."""
     peers = [p for p in range(comm.size) if p != comm.rank]
-    recvs = {p: comm.post_recv(p, MESSAGE_BYTES, tag) for p in peers}
+    dead = set()
+    recvs, sends = {}, {}
+    for p in peers:
+        try:
+            recvs[p] = comm.post_recv(p, MESSAGE_BYTES, tag)
+        except Exception:   # noqa: BLE001 - the connection to it is gone
+            dead.add(p)
     data = _encode(fields)
-    sends = {p: comm.post_send(p, data, tag) for p in peers}
+    for p in peers:
+        if p not in dead:
+            try:
+                sends[p] = comm.post_send(p, data, tag)
+            except Exception:   # noqa: BLE001
+                dead.add(p)
+
+    def arrived(p: int) -> bool:
+        if p in dead:
+            return False
+        try:
+            return recvs[p].done()
+        except Exception:   # noqa: BLE001
+            dead.add(p)
+            return False
+
     while True:
-        waiting = [p for p in peers if not recvs[p].done()]
-        if not waiting or time.monotonic() > deadline:
+        waiting = [p for p in peers if not arrived(p)]
+        if not waiting or all(p in dead for p in waiting) or time.monotonic() > deadline:
             break
         time.sleep(0.0002)
     for p in peers:
         if p in waiting:
-            _unfinished.extend((recvs[p], sends[p]))
+            _unfinished.extend(x for x in (recvs.get(p), sends.get(p)) if x is not None)
         else:
-            sends[p].finish()
+            try:
+                sends[p].finish()
+            except Exception:   # noqa: BLE001 - it answered, then its connection went: its message stands
+                pass
     return {p: (None if p in waiting else _decode(recvs[p].data())) for p in peers}
 
 
@@ -81,7 +106,10 @@ def agree(comm: Comm, tag: int, status: dict, timeout_s: float, op: str, rank: i
         data = _encode(dict(kind="verdict", gave_up=True))
         for p in range(comm.size):
             if p != comm.rank:
-                _unfinished.extend((comm.post_recv(p, MESSAGE_BYTES, tag), comm.post_send(p, data, tag)))
+                try:
+                    _unfinished.extend((comm.post_recv(p, MESSAGE_BYTES, tag), comm.post_send(p, data, tag)))
+                except Exception:   # noqa: BLE001 - a dead peer: nothing to tell it
+                    pass
         raise _absent(PeersAbsentError(op, rank, absent, timeout_s), statuses)
     verdicts = _round(comm, dict(kind="verdict", gave_up=False), tag, time.monotonic() + timeout_s)
     gave_up = [peer for peer, m in verdicts.items() if m is not None and m.get("gave_up")]

@@ -29,6 +29,8 @@ from .errors import CommError, CommTimeoutError, PeersAbsentError
 # How much longer than its timeout a refusing rank of a kernel transport waits for its peers to report: their
 # kernels give up after timeout_s, and their host learns it at its next call into the Buffer (or synchronize()).
 REFUSAL_GRACE_S = 15.0
+# How long a rank whose kernel gave up waiting for a peer waits to hear the others (at most timeout_s).
+AGREEMENT_WAIT_S = 10.0
 
 
 def after_launch(exc: BaseException) -> BaseException:
@@ -112,8 +114,10 @@ class KernelFailures:
         if not isinstance(error, CommTimeoutError) or error.peer < 0 or error.peer == error.rank \
                 or self.ctx.num_ranks == 1:
             return error
+        # A peer that refused the call is waiting in the agreement already, and the others' kernels gave up at
+        # about the same time as this rank's: a short wait hears them; a dead rank is named by the error anyway.
         try:
-            statuses = self._agree(op, call, None, short(str(error)), self.ctx.timeout_s)
+            statuses = self._agree(op, call, None, short(str(error)), min(self.ctx.timeout_s, AGREEMENT_WAIT_S))
             absent = ""
         except PeersAbsentError as e:
             statuses, absent = e.statuses, f" ({e})"
@@ -121,5 +125,13 @@ class KernelFailures:
         if causes:
             why = "; ".join(f"rank {r} refused {s['op']} (its call {s['call']}) before launching it: {s['refused']}"
                             for r, s in sorted(causes.items()))
-            return CommError(f"{error} Cause: {why}.{absent}")
-        return CommError(f"{error}{absent}") if absent else error
+            return _with_message(error, f"{error} Cause: {why}.{absent}")
+        return _with_message(error, f"{error}{absent}") if absent else error
+
+
+def _with_message(error: Exception, message: str) -> Exception:
+    """`error` (its type and attributes kept: callers catch CommTimeoutError and read .peer) with `message`."""
+    out = type(error).__new__(type(error))   # no __init__: exceptions with their own constructor arguments too
+    out.__dict__.update(error.__dict__)
+    out.args = (message,)
+    return out
