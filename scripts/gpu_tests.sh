@@ -137,6 +137,7 @@ for s in $STEPS; do
             if [[ $parts == *" tests "* ]]; then
                 for t in ${FAILURE_TRANSPORTS:-nvlink nvshmem}; do
                     DEEPEP_TEST_TRANSPORT=$t step "failures_$t" $MPIRUN -x DEEPEP_TEST_TRANSPORT -x DEEPEP_TEST_FAILURE_TIMEOUT_S \
+                        ${DEEPEP_TEST_FAILURE_SIZE:+-x DEEPEP_TEST_FAILURE_SIZE} \
                         -n "$RANKS" $PY -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_failures_mpi.py
                 done
             fi

@@ -44,6 +44,16 @@ def groups(pg):
     return {s: (dist.new_group(list(range(s)), backend="gloo"), s) for s in sizes}
 
 
+def _one_nvshmem_size(groups, size: int) -> None:
+    """NVSHMEM is initialized once per process, over the ranks of its first Buffer, and every later Buffer of the
+    process must span the same ranks: over nvshmem one job covers one group size (DEEPEP_TEST_FAILURE_SIZE, by
+    default the job's); the others skip."""
+    if _transport() == "nvshmem":
+        wanted = int(os.environ.get("DEEPEP_TEST_FAILURE_SIZE", str(max(groups))))
+        if size != wanted:
+            pytest.skip(f"nvshmem: this job runs the {wanted}-rank groups (NVSHMEM spans one set of ranks per process)")
+
+
 def _make_buffer(group, size):
     hidden = SMALL["hidden"]
     nvl = deep_ep.Config().get_nvl_buffer_size_hint(hidden * 2, size, TOKENS)
@@ -123,6 +133,7 @@ def test_one_rank_bad_input_fails_every_rank_then_a_correct_op_works(groups, pg,
     size = size or num_ranks
     if size not in groups:
         pytest.skip(f"{size} ranks: more than this job's {num_ranks}")
+    _one_nvshmem_size(groups, size)
     group, size = groups[size]
     member = rank < size
     gen = generator(request, base_seed, rank)
@@ -159,6 +170,7 @@ def test_every_rank_refusing_the_same_call_keeps_the_buffer(groups, pg, device, 
     anywhere, and the Buffer goes on, on every transport."""
     rank, num_ranks = world(pg)
     group, size = groups[num_ranks]
+    _one_nvshmem_size(groups, size)
     gen = generator(request, base_seed, rank)
     buf = _make_buffer(group, size)
     kind, text, usable, _ = _outcome(lambda: _call(buf, "dtype", True, gen, device, size), buf)
