@@ -24,10 +24,16 @@
 #   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT, in parts jit_cache.tgz.NN).
 #   NUM_SMS=16 (normal mode), LL_NUM_SMS (low-latency mode; default: Buffer's); BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420);
 #   BENCH_ARGS: extra arguments for every bench step (e.g. "--start-line host").
+#   backends: every backend's GPU steps as the registry lists them (its rows' gpu_steps: python -W ignore::RuntimeWarning
+#   -m deepep_portable.transports.registry --steps gpu), expanded in place before the steps run.
 set -uo pipefail
 RANKS=${1:-4}
 STEPS=${2:-"build doctor single mpi bench"}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+if [[ " $STEPS " == *" backends "* ]]; then   # the backends' own GPU steps, from the registry's rows
+    BACKEND_STEPS=$($PY -W ignore::RuntimeWarning -m deepep_portable.transports.registry --steps gpu | tr '\n' ' ')
+    STEPS=$(for s in $STEPS; do [[ $s == backends ]] && echo "$BACKEND_STEPS" || echo "$s"; done | tr '\n' ' ')
+fi
 export DEEPEP_TEST_LL_TRANSPORT=${DEEPEP_TEST_LL_TRANSPORT:-nvlink}
 
 declare -a SUMMARY

@@ -120,3 +120,4 @@ def test_the_scripts_read_the_steps_from_the_registry():
     text = open(os.path.join(ROOT, "scripts", "sanitize.sh")).read()
     assert "deepep_portable.transports.registry --steps sanitize" in text
     assert not any(step.split("|")[0] in text for step in registry.steps("sanitize"))
+    assert "deepep_portable.transports.registry --steps gpu" in open(os.path.join(ROOT, "scripts", "gpu_tests.sh")).read()
