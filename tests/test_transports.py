@@ -18,6 +18,9 @@ import deepep_portable
 import deepep_portable.transports as transports
 from deepep_portable.transports import TRANSPORT_NAMES, TransportStatus, available_transports
 from deepep_portable.transports import libraries, probe, rdma, registry, system
+from deepep_portable.transports.ibgda import probe as ibgda_probe
+from deepep_portable.transports.nccl_gin import probe as nccl_gin_probe
+from deepep_portable.transports.nvshmem import probe as nvshmem_probe
 
 ACCELERATED = ["nvshmem", "ibgda", "nccl_gin"]
 HAS_GPU = system.driver_status()[0]
@@ -156,7 +159,7 @@ def test_nvshmem_not_found_lists_search_path(fresh_probe, monkeypatch, tmp_path)
     monkeypatch.setattr(libraries, "_SYSTEM_LIB_DIRS", [])
     monkeypatch.setattr(libraries, "_ldconfig_cache", lambda: {})
     monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
-    s = probe.probe_nvshmem()
+    s = nvshmem_probe.probe_nvshmem()
     assert not s.usable
     assert "libnvshmem_host.so.3 not found" in s.reason
     assert str(tmp_path / "nowhere" / "lib" / "libnvshmem_host.so.3") in s.reason
@@ -166,7 +169,7 @@ def test_nvshmem_not_found_lists_search_path(fresh_probe, monkeypatch, tmp_path)
 def test_nvshmem_needs_device_library(fresh_probe, monkeypatch, tmp_path):
     lib = _fake_nvshmem(tmp_path)
     monkeypatch.setenv("NVSHMEM_HOME", str(lib.parent))
-    s = probe.probe_nvshmem()
+    s = nvshmem_probe.probe_nvshmem()
     assert not s.usable
     assert f"found at {lib / 'libnvshmem_host.so.3'} but no device library" in s.reason
     assert s.details["host_lib"] == str(lib / "libnvshmem_host.so.3")
@@ -195,17 +198,17 @@ def test_nvshmem_usable_path(fresh_probe, monkeypatch, tmp_path, fake_backend):
     monkeypatch.setattr(system, "gpu_info", lambda: gpus)
 
     if not _backend_exists("nvshmem"):
-        s = probe.probe_nvshmem()
+        s = nvshmem_probe.probe_nvshmem()
         assert not s.usable
         assert s.reason == (f"libraries found at {lib} but the nvshmem backend is not implemented "
                             "in this build yet")
     fake_backend("nvshmem")
-    s = probe.probe_nvshmem()
+    s = nvshmem_probe.probe_nvshmem()
     assert s.usable, s.reason
     assert s.details["device_libs"] == str(lib / "libnvshmem_device.a")
 
     gpus[0] = {"index": 0, "name": "Fake P100", "cc": "6.0", "sms": 56}
-    s = probe.probe_nvshmem()
+    s = nvshmem_probe.probe_nvshmem()
     assert not s.usable
     assert "GPU 0 (Fake P100) has compute capability 6.0; NVSHMEM needs >= 7.0" in s.reason
 
@@ -235,7 +238,7 @@ def test_nccl_not_found_lists_search_path(fresh_probe, monkeypatch, tmp_path):
     monkeypatch.setattr(libraries, "_SYSTEM_LIB_DIRS", [])
     monkeypatch.setattr(libraries, "_ldconfig_cache", lambda: {})
     monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
-    s = probe.probe_nccl_gin()
+    s = nccl_gin_probe.probe_nccl_gin()
     assert not s.usable
     assert f"libnccl.so.2 not found (searched: {tmp_path / 'nccl' / 'lib' / 'libnccl.so.2'}" in s.reason
 
@@ -244,8 +247,8 @@ def test_nccl_without_gin_is_named(fresh_probe, monkeypatch):
     """2.28.3 had the device API with LSA only; GIN arrived in 2.28.7 (shared/research/NCCL_GIN.md)."""
     fake = dict(lib="/x/libnccl.so.2", version="2.28.3", version_code=22803, device_header="/x/nccl_device.h",
                 searched=[], header_searched=[], pip={})
-    monkeypatch.setattr(probe, "nccl_info", lambda: fake)
-    s = probe.probe_nccl_gin()
+    monkeypatch.setattr(nccl_gin_probe, "nccl_info", lambda: fake)
+    s = nccl_gin_probe.probe_nccl_gin()
     assert not s.usable and "NCCL 2.28.3 at /x/libnccl.so.2 has no GIN device API (needs >= 2.28.7)" in s.reason
 
 
@@ -255,7 +258,7 @@ def test_real_nccl_wheel(fresh_probe):
         pytest.skip("nvidia-nccl-cu1x not installed or NCCL_HOME overrides it")
     assert info["lib"].endswith("nvidia/nccl/lib/libnccl.so.2")
     assert info["version"], info
-    s = probe.probe_nccl_gin()
+    s = nccl_gin_probe.probe_nccl_gin()
     assert s.details["version"] == info["version"]
     if libraries._nccl_version_tuple(info["version_code"]) >= (2, 28, 0):
         assert info["device_header"] and info["device_header"].endswith("nccl_device.h")
@@ -311,21 +314,21 @@ def test_ibgda_probe_with_fake_devices(tmp_path, fake_backend, monkeypatch):
     root = tmp_path / "ib"
     _fake_sysfs(root, name="rxe0", driver="rdma_rxe")
     os.rename(root / "drivers", tmp_path / "drivers")
-    s = probe.probe_ibgda(str(root))
+    s = ibgda_probe.probe_ibgda(str(root))
     assert not s.usable
     assert "no RDMA device" not in s.reason
     assert "no mlx5 RDMA device (IBGDA writes mlx5 WQEs)" in s.reason and "rxe0" in s.reason
 
     root2 = tmp_path / "ib2"
     _fake_sysfs(root2, state="1: DOWN")
-    s = probe.probe_ibgda(str(root2))
+    s = ibgda_probe.probe_ibgda(str(root2))
     assert "no mlx5 port is ACTIVE: mlx5_0:1 1: DOWN" in s.reason
 
     root3 = tmp_path / "ib3"
     _fake_sysfs(root3)
     monkeypatch.setattr(system, "driver_status", lambda: (True, "test GPU", "test"))
     fake_backend("ibgda")
-    s = probe.probe_ibgda(str(root3))
+    s = ibgda_probe.probe_ibgda(str(root3))
     libs_ok = "libibverbs.so.1" in s.details and "libmlx5.so.1" in s.details
     # An mlx5 port up and the libraries there: usable exactly when the DevX provider's C glue builds.
     from deepep_portable.transports.ibgda.devx_glue import glue_status
@@ -355,7 +358,7 @@ def test_ibgda_probe_with_an_installed_provider(monkeypatch):
 
 
 def test_ibgda_no_sysfs_dir(tmp_path):
-    s = probe.probe_ibgda(str(tmp_path / "absent"))
+    s = ibgda_probe.probe_ibgda(str(tmp_path / "absent"))
     assert not s.usable
     assert f"no RDMA device in {tmp_path / 'absent'} (directory does not exist)" in s.reason
 
@@ -474,8 +477,8 @@ def test_nccl_headers_must_match_the_library(fresh_probe, monkeypatch, tmp_path)
     assert libraries.nccl_header_version(str(tmp_path / "missing.h")) is None
     fake = dict(lib="/x/libnccl.so.2", version="2.30.4", version_code=23004, pip={}, searched=[],
                 header_searched=[], device_header=str(tmp_path / "nccl_device.h"), header_version_code=22809)
-    monkeypatch.setattr(probe, "nccl_info", lambda: fake)
-    s = probe.probe_nccl_gin()
+    monkeypatch.setattr(nccl_gin_probe, "nccl_info", lambda: fake)
+    s = nccl_gin_probe.probe_nccl_gin()
     assert not s.usable and "headers next to" in s.reason and "version 2.28.9" in s.reason and "2.30.4" in s.reason
 
 

@@ -37,6 +37,7 @@ from ..comm import DeadlinePassed
 from ..errors import CommError, PeerFailedError
 from ..contract import (BufferContext, CachedDispatchArgs, Capabilities, CombineArgs, DispatchArgs, DispatchResult,
                         LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult, Transport,
+                        TransportStatus,
                         allocate_low_latency_outputs)
 from ..handles import DispatchHandle, LowLatencyHandle
 
@@ -529,3 +530,28 @@ class ReferenceTransport(Transport):
     def destroy(self) -> None:
         self._ll_combine_buffers.clear()
         self._local_buffers.clear()
+
+
+def probe_reference() -> TransportStatus:
+    """Its registry row's probe: torch.distributed is there (never raises: transports/probe.py)."""
+    from .probe import _status
+
+    details: Dict = {}
+    problems: List[str] = []
+    try:
+        import torch
+        import torch.distributed as dist
+        details["torch"] = torch.__version__
+        if not dist.is_available():
+            problems.append("torch.distributed is not available in this torch build")
+        backends = [b for b, f in (("gloo", "is_gloo_available"), ("nccl", "is_nccl_available"),
+                                   ("mpi", "is_mpi_available")) if getattr(dist, f, lambda: False)()]
+        details["process_group_backends"] = ",".join(backends)
+        cuda = torch.cuda.is_available()
+        details["cuda_visible"] = str(cuda)
+        if cuda:
+            details["device"] = torch.cuda.get_device_name(0)
+    except Exception as e:  # pragma: no cover
+        problems.append(f"torch.distributed unusable: {type(e).__name__}: {e}")
+    where = f"CUDA device {details['device']}" if "device" in details else "CPU tensors (no CUDA)"
+    return _status("reference", problems, f"torch.distributed all_to_all on {where}", details)

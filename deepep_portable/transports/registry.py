@@ -4,6 +4,8 @@ scripts), so a new backend is its folders (csrc/backends/<name>/, transports/<na
 
 A row points into the backend's folder for what only the backend knows, as "module:function" relative to this
 package (imported when first asked, so a backend's libraries are never loaded by reading the table):
+  probe       whether it can run in this process, and exactly why not (transports/probe.py calls and caches it;
+              it never raises: every "no" is a reason);
   options     validates `Buffer(transport_options=...)` for it, before any set-up: returns what its transport
               reads from BufferContext.options[name], or raises ValueError naming the bad key;
   error_text  the text of its own kernel error codes (errors.cuh's backend codes: `describe(name, op, rank, peer,
@@ -24,7 +26,7 @@ class Backend:
     name: str
     module: Optional[str]     # its Transport class's module, relative to this package (None: not built yet)
     cls: Optional[str]        # the Transport class in that module
-    probe: str                # its probe function in transports/probe.py (never raises: reasons, not exceptions)
+    probe: str                # its probe ("module:function"; never raises: reasons, not exceptions)
     spans_nodes: bool         # can serve ranks on several nodes ("auto" skips it otherwise)
     in_auto: bool = True      # "auto" may pick it (False: asked for by name only, e.g. not run at several ranks yet)
     rdma: bool = False        # reaches other machines by RDMA through a NIC (doctor --cluster tests it between nodes)
@@ -40,11 +42,13 @@ class Backend:
 
 # In the order transport="auto" prefers them (nvlink first when every rank is on one node: see resolve).
 BACKENDS: Tuple[Backend, ...] = (
-    Backend("nvshmem", ".nvshmem.transport", "NvshmemTransport", "probe_nvshmem", spans_nodes=True, rdma=True,
+    Backend("nvshmem", ".nvshmem.transport", "NvshmemTransport", ".nvshmem.probe:probe_nvshmem",
+            spans_nodes=True, rdma=True,
             verified_hardware="one GPU shared by ranks (H200); never between machines", ran_on_hardware=True,
             options=".nvshmem.runtime:validate_options", legacy_option="nvshmem_options",
             gpu_steps=("llnvshmem", "internode", "benchinternode")),
-    Backend("nccl_gin", ".nccl_gin.transport", "NcclGinTransport", "probe_nccl_gin", spans_nodes=True, rdma=True,
+    Backend("nccl_gin", ".nccl_gin.transport", "NcclGinTransport", ".nccl_gin.probe:probe_nccl_gin",
+            spans_nodes=True, rdma=True,
             in_auto=False,   # run on a GPU at one rank only
             verified_hardware="one rank on a GPU (H200); GIN paths never on a NIC (mock only)", ran_on_hardware=True,
             options=".nccl_gin.options:validate_options", legacy_option="nccl_options",
@@ -54,7 +58,8 @@ BACKENDS: Tuple[Backend, ...] = (
                 "ll_ncclgin|1|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink|DEEPEP_TEST_LL_TRANSPORT=nccl_gin",
                 "ll_ginmock|2|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink|DEEPEP_TEST_NCCL_GIN_MOCK=1 "
                 "DEEPEP_TEST_LL_TRANSPORT=nccl_gin")),
-    Backend("ibgda", ".ibgda.transport", "IbgdaTransport", "probe_ibgda", spans_nodes=True, rdma=True,
+    Backend("ibgda", ".ibgda.transport", "IbgdaTransport", ".ibgda.probe:probe_ibgda",
+            spans_nodes=True, rdma=True,
             verified_hardware="never on a real NIC (NIC model only)",
             options=".ibgda.roce:validate_options", legacy_option="ibgda_options", error_text=".ibgda.errors:describe",
             gpu_steps=("llibgda", "internodeibgda"),
@@ -63,9 +68,9 @@ BACKENDS: Tuple[Backend, ...] = (
                 "DEEPEP_TEST_LL_TRANSPORT=ibgda",
                 "internode_ibgda|2|tests/mpi/test_internode_gpu_mpi.py|odd_shapes and (dense or no-topk)|DEEPEP_TEST_IBGDA_MODEL=1 "
                 "DEEPEP_TEST_INTERNODE_TRANSPORT=ibgda")),
-    Backend("nvlink", ".nvlink.transport", "NvlinkTransport", "probe_nvlink", spans_nodes=False,
+    Backend("nvlink", ".nvlink.transport", "NvlinkTransport", ".nvlink.probe:probe_nvlink", spans_nodes=False,
             verified_hardware="one GPU shared by ranks (H200)", ran_on_hardware=True),
-    Backend("reference", ".reference", "ReferenceTransport", "probe_reference", spans_nodes=True,
+    Backend("reference", ".reference", "ReferenceTransport", ".reference:probe_reference", spans_nodes=True,
             verified_hardware="CPU (gloo; torch.distributed carries it between machines)", ran_on_hardware=True,
             ran_across_machines=True),
 )
