@@ -496,7 +496,7 @@ class Buffer:
         """Sum each token's expert outputs back on its source rank (no weights applied).
 
         Returns (combined_x [num_tokens, hidden] bf16, combined_topk_weights or None, event)."""
-        # The eager path (engines/intranode_eager.py): the common call, nothing to overlap, arguments that pass every
+        # The eager path (IntranodeEngine.combine_eager): the common call, nothing to overlap, arguments that pass every
         # check below (_validate.combine_eager). Its host steps before the first kernel are part of the op's time.
         eager = self._combine_eager
         if (eager is not None and previous_event is None and not async_finish and not allocate_on_comm_stream

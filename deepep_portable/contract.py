@@ -240,7 +240,7 @@ class Transport(abc.ABC):
     name: str = "?"
     internode_normal: bool = False   # serves normal-mode ops over several nodes (docs/INTERNODE.md)
     # combine_eager(x, handle, topk_weights, num_sms) -> (out, out_topk_weights) or None: the combine's eager path
-    # (engines/intranode_eager.py), for arguments that passed _validate.combine_eager with nothing to overlap; None
+    # (IntranodeEngine.combine_eager), for arguments that passed _validate.combine_eager with nothing to overlap; None
     # returned sends the call through combine(). A backend without one leaves it None.
     combine_eager: Optional[Callable] = None
     capabilities: Capabilities = Capabilities(peer_load_store=False, remote_atomics=False, ordered_delivery=False,

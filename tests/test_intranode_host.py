@@ -9,7 +9,7 @@ import pytest
 
 from deepep_portable import jit
 from deepep_portable import errors
-from deepep_portable.engines import intranode, intranode_eager, intranode_zero_copy
+from deepep_portable.engines import intranode
 from deepep_portable import layout as L
 
 try:
@@ -24,8 +24,7 @@ except Exception:   # pragma: no cover - CI installs a compiler
      dict(NUM_RANKS=3, HIDDEN_BYTES=256, NUM_TOPK=5, NUM_SCALES=2)),
     (intranode.COMBINE_SOURCE, intranode.COMBINE_KERNELS[1], intranode.CombineParams,
      dict(NUM_RANKS=3, HIDDEN=128, NUM_TOPK=0)),
-    (intranode_zero_copy.OPEN_ROUND_SOURCE, intranode_zero_copy.OPEN_ROUND_KERNEL, intranode_zero_copy.OpenRoundParams,
-     {}),
+    (intranode.OPEN_ROUND_SOURCE, intranode.OPEN_ROUND_KERNEL, intranode.OpenRoundParams, {}),
 ])
 def test_param_struct_matches_kernel(tmp_path, source, kernel, struct, defines):
     out = tmp_path / "k.ptx"
@@ -73,7 +72,7 @@ def test_control_words_do_not_overlap():
     for off, size in words:
         assert off % min(size, 8) == 0   # u64 signals are 8-byte aligned
     # the kernels' ControlLayout takes the offsets in this order
-    assert intranode._CONTROL[-1] == "pull_arrive" and len(intranode._CONTROL) == 11
+    assert intranode.CONTROL[-1] == "pull_arrive" and len(intranode.CONTROL) == 11
 
 
 class _PlanStub:
@@ -133,7 +132,7 @@ def test_eager_combine_packs_the_words_the_full_path_sets():
     stub = _PlanStub(8, 1 << 30)
     _, t = intranode.IntranodeEngine._combine_plan(stub, 7168, 8)
     t.timeout_ns, t.error_host = 123, 456   # fields after the per-call words must survive in the tail
-    begin, end = intranode_eager.call_words_span(intranode.CombineParams)
+    begin, end = intranode.call_words_span(intranode.CombineParams)
     raw = bytes(t)
     words = dict(x=0x7f00_0000_1000, topk_weights=0x7f00_0000_2000, x_rows=21600, rank_prefix_matrix=0x7f00_3000,
                  send_rows=0x7f00_4000, bias_0=0, bias_1=0, out=0x7f00_5000, out_topk_weights=0x7f00_6000,
@@ -141,13 +140,13 @@ def test_eager_combine_packs_the_words_the_full_path_sets():
     p = intranode.CombineParams.from_buffer_copy(t)
     for k, v in words.items():
         setattr(p, k, v)
-    assert raw[:begin] + intranode_eager._CALL_WORDS.pack(*words.values()) + raw[end:] == bytes(p)
-    assert tuple(words) == intranode_eager._CALL_FIELDS
+    assert raw[:begin] + intranode._CALL_WORDS.pack(*words.values()) + raw[end:] == bytes(p)
+    assert tuple(words) == intranode._CALL_FIELDS
     shuffled = type("Shuffled", (ctypes.Structure,), {"_fields_": [(f, ctypes.c_int64) for f in (
         "x", "topk_weights", "x_rows", "rank_prefix_matrix", "send_rows", "bias_0", "out", "bias_1",
         "out_topk_weights", "num_tokens")]})
     with pytest.raises(AssertionError, match="contiguous"):
-        intranode_eager.call_words_span(shuffled)
+        intranode.call_words_span(shuffled)
 
 
 class _EagerStub:
@@ -169,11 +168,11 @@ def test_eager_combine_leaves_what_it_does_not_handle_to_the_full_path(monkeypat
     monkeypatch.delenv("DEEPEP_PORTABLE_FORCE_ARCH", raising=False)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     handle = type("H", (), {"num_tokens": 10})()
-    plan = intranode_eager.EagerCombinePlan(None, None, b"", b"", 1, room=10)
+    plan = intranode.EagerCombinePlan(None, None, b"", b"", 1, room=10)
     key = (64, 0, 16, None)
 
     def call(**kw):
-        return intranode_eager.EagerCombine.combine_eager(_EagerStub(**kw), x, handle, None, 16)
+        return intranode.IntranodeEngine.combine_eager(_EagerStub(**kw), x, handle, None, 16)
 
     assert call(_opened=("combine", 1, 4, 64)) is None
     assert call(broken="a timeout earlier") is None
@@ -202,9 +201,9 @@ def _stub_engine(monkeypatch, log: list):
 
     monkeypatch.setattr(intranode, "launch", lambda fn, grid, block, p, s, *a, **k:
                         log.append(("launch", fn.name, grid, block, 0, s, bytes(p), ())))
-    monkeypatch.setattr(intranode_eager, "stream_wait_stream", lambda dev, waiter, waited:
+    monkeypatch.setattr(intranode, "stream_wait_stream", lambda dev, waiter, waited:
                         log.append(("wait", waiter, waited)))
-    monkeypatch.setattr(intranode_eager, "current_stream_handle", lambda dev: 777)
+    monkeypatch.setattr(intranode, "current_stream_handle", lambda dev: 777)
     monkeypatch.delenv("DEEPEP_PORTABLE_FORCE_ARCH", raising=False)
     eng = intranode.IntranodeEngine.__new__(intranode.IntranodeEngine)
     eng.ctx = types.SimpleNamespace(num_nvl_bytes=1 << 26, comm_stream=types.SimpleNamespace(cuda_stream=555),
@@ -218,7 +217,7 @@ def _stub_engine(monkeypatch, log: list):
     eng._plans, eng._kernel = {}, lambda source, name, defines: Fn(name)
     eng.error_claim, eng.ctrl = eng.base + 8, list(range(11))
     eng._init_zero_copy()
-    eng._init_eager(intranode.CombineParams, intranode.THREADS)
+    eng._init_eager()
     return eng
 
 
@@ -349,4 +348,4 @@ def test_the_openers_plan_carries_its_ops_id():
     (k1, p1), (k2, p2) = plan("dispatch"), plan("combine")
     assert (p1.op, p2.op, p1.num_ranks) == (ids["dispatch"], ids["combine"], 4) and p1.rank == 3
     assert plan("dispatch")[1] is p1 and len(stub.kernels) == 2   # built once per op
-    assert k1 == k2 == intranode_zero_copy.OPEN_ROUND_KERNEL
+    assert k1 == k2 == intranode.OPEN_ROUND_KERNEL

@@ -684,7 +684,7 @@ def test_combine_whose_outputs_cannot_be_allocated_serves_its_peers(nvl, pg, dev
 
 def test_eager_combine_matches_the_full_path(nvl, pg, device, request, base_seed):
     """The common combine call (nothing to overlap, no bias, x outside the Buffer) takes the eager path
-    (engines/intranode_eager.py), with and without top-k weights and with a Config; the same inputs through the full
+    (IntranodeEngine.combine_eager), with and without top-k weights and with a Config; the same inputs through the full
     path (async_finish, then a wait on its event) give bit for bit the same outputs."""
     _, _, experts, x, w, idx = combine_inputs(pg, device, request, base_seed, min_tokens=0)
     engine = nvl.backend.engine("normal")
