@@ -27,7 +27,6 @@ ALLOWED = {
     "deepep_portable/transports/kernel.py": "KernelTransport falls back to the reference transport (the oracle) "
                                             "for what a backend's kernels do not run",
     # Not moved yet (docs/ARCHITECTURE.md "Known rough edges"): the tools' imports of one backend's helpers.
-    "deepep_portable/tools/doctor.py": "ibgda's RoCE section (should be the backend's doctor section)",
     "deepep_portable/tools/doctor_cluster.py": "per-backend option tables and the network round trips",
     "deepep_portable/tools/precompile.py": "nvshmem's device-linked kernels",
     "deepep_portable/tools/bench.py": "the reference transport's FP8 cast (the oracle's)",
@@ -104,10 +103,10 @@ def test_the_checker_sees_a_name():
 
 def test_every_row_points_at_its_own_folder():
     for b in registry.BACKENDS:
-        for ref in (b.probe, b.options, b.error_text, b.module):
+        for ref in (b.probe, b.options, b.error_text, b.doctor, b.module):
             if ref:
                 assert ref.startswith((f".{b.name}.", f".{b.name}:")) or ref == f".{b.name}", (b.name, ref)
-        for ref in (b.probe, b.options, b.error_text):
+        for ref in (b.probe, b.options, b.error_text, b.doctor):
             if ref:
                 assert callable(registry.entry(ref)), ref
 

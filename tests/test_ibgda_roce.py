@@ -107,10 +107,10 @@ def test_channels_alternate_over_rails():
 
 
 def test_doctor_says_which_gid_ibgda_would_use(tmp_path):
-    from deepep_portable.tools import doctor
+    from deepep_portable.transports.ibgda import doctor
 
     _fake_port(tmp_path, "mlx5_0", 1, "Ethernet", [(LINK_LOCAL, "RoCE v2"), (V4, "RoCE v2")])
     _fake_port(tmp_path, "mlx5_1", 1, "Ethernet", [(LINK_LOCAL, "RoCE v2")])
     devs = {d["name"]: d for d in rdma.rdma_devices_sysfs(str(tmp_path))}
-    assert doctor._gid_choice(devs["mlx5_0"]["ports"][0]).startswith(f"ibgda would use gid[1] {V4}: RoCE v2")
-    assert "no usable GID" in doctor._gid_choice(devs["mlx5_1"]["ports"][0])
+    assert doctor.gid_choice(devs["mlx5_0"]["ports"][0]).startswith(f"ibgda would use gid[1] {V4}: RoCE v2")
+    assert "no usable GID" in doctor.gid_choice(devs["mlx5_1"]["ports"][0])

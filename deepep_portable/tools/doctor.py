@@ -145,36 +145,6 @@ def _compiler(o: _Out) -> None:
     o.kv("nvcc", f"{nvcc}: " + (_release(out) if rc == 0 else f"--version failed: {out.strip()[:200]}"))
 
 
-def _libraries(o: _Out) -> None:
-    from ..transports import libraries
-
-    n = libraries.nccl_info()
-    if n["lib"]:
-        o.kv("NCCL", f"{n['version'] or 'version unknown: ' + str(n.get('version_error'))} "
-                     f"at {n['lib']}")
-        o.kv("nccl_device.h", n["device_header"] or "not found")
-    else:
-        o.kv("NCCL", "libnccl.so.2 not found; searched " + ", ".join(n["searched"]))
-    for dist, ver in n["pip"].items():
-        o.kv(f"  pip {dist}", ver)
-    try:
-        import torch
-        if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
-            o.kv("torch's NCCL", ".".join(map(str, torch.cuda.nccl.version())))
-    except Exception:
-        pass
-    s = libraries.nvshmem_info()
-    if s["host_lib"]:
-        o.kv("NVSHMEM", f"{s.get('version') or 'version unknown: ' + str(s.get('version_error'))} "
-                        f"at {s['host_lib']}")
-        o.kv("device library", ", ".join(os.path.basename(p) for p in s["device_libs"])
-             or "not found; searched " + ", ".join(s["device_searched"]))
-    else:
-        o.kv("NVSHMEM", "libnvshmem_host.so.3 not found; searched " + ", ".join(s["searched"]))
-    for dist, ver in s["pip"].items():
-        o.kv(f"  pip {dist}", ver)
-
-
 def _rdma(o: _Out) -> None:
     from ..transports import rdma
 
@@ -196,35 +166,16 @@ def _rdma(o: _Out) -> None:
                        + (f" on {g['netdev']}" if g.get("netdev") else ""), indent=6)
             if not p["gids"]:
                 o.line("no non-zero GIDs", indent=6)
-            o.line(_gid_choice(p), indent=6)
-    _closest_nics(o, devs)
 
 
-def _gid_choice(port) -> str:
-    """Which GID the ibgda backend would use on this port (options from the environment), or why none."""
-    from ..transports.ibgda import roce
+def _backend_section(ref: str):
+    """A section printing the lines of a backend's own doctor function (its registry row's `doctor`)."""
+    def section(o: _Out) -> None:
+        from ..transports import registry
 
-    try:
-        index, gid, why = roce.pick_gid(port, roce.ibgda_options())
-        return f"ibgda would use gid[{index}] {gid}: {why}"
-    except ValueError as e:
-        return f"ibgda: {e}"
-
-
-def _closest_nics(o: _Out, devs) -> None:
-    """Per GPU, the RDMA devices by PCIe distance (the ones the ibgda backend would pick first)."""
-    from ..transports import rdma, system
-    from ..transports.ibgda import roce
-
-    if not devs:
-        return
-    for g in system.gpu_info() or []:
-        gpu_dir = system.gpu_sysfs_dir(g)
-        if gpu_dir is None:
-            continue
-        ranked = roce.rank_nics(gpu_dir, devs, rdma.SYSFS_INFINIBAND)
-        nics = ", ".join(f"{name} {roce.DISTANCE_NAMES[d].split()[0]}" for d, name in ranked)
-        o.line(f"GPU {g.get('index', '?')} ({g.get('pci_bus_id')}), closest RDMA devices first: {nics}")
+        for ln in registry.entry(ref)():
+            o.line(ln)
+    return section
 
 
 def _transports(o: _Out) -> None:
@@ -274,18 +225,27 @@ _SECTIONS: List[tuple] = [
     ("Python / torch", _python),
     ("CUDA driver and GPUs", _driver_and_gpus),
     ("CUDA compiler (JIT)", _compiler),
-    ("NCCL / NVSHMEM", _libraries),
     ("RDMA devices", _rdma),
     ("Transports", _transports),
     ("Environment", _environment),
 ]
 
 
+def sections() -> List[tuple]:
+    """(title, function) in print order: the machine's, then each backend's own (its registry row's `doctor`),
+    then what each transport makes of it all."""
+    from ..transports import registry
+
+    own = [(f"Backend {b.name}", _backend_section(b.doctor)) for b in registry.BACKENDS if b.doctor]
+    at = next(i for i, (title, _) in enumerate(_SECTIONS) if title == "Transports")
+    return _SECTIONS[:at] + own + _SECTIONS[at:]
+
+
 def run_doctor(file: TextIO = sys.stdout) -> int:
     """Print the report to `file`. Returns 0 (a missing component is a finding, not an error)."""
     o = _Out(file)
     print("deepep_portable doctor", file=file)
-    for title, fn in _SECTIONS:
+    for title, fn in sections():
         o.section(title)
         try:
             fn(o)

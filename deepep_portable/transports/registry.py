@@ -10,6 +10,8 @@ package (imported when first asked, so a backend's libraries are never loaded by
               reads from BufferContext.options[name], or raises ValueError naming the bad key;
   error_text  the text of its own kernel error codes (errors.cuh's backend codes: `describe(name, op, rank, peer,
               channel, detail)` -> str, or None for codes it does not own);
+  doctor      its own section of `python -m deepep_portable doctor`: () -> lines (what only it looks at: its
+              libraries on disk, its choices on this machine's NICs); never raises for a missing piece;
 and lists its GPU test steps (scripts/gpu_tests.sh step names) and its compute-sanitizer suites
 (scripts/sanitize.sh entries). `python -m deepep_portable.transports.registry --steps gpu|sanitize` prints them.
 """
@@ -36,6 +38,7 @@ class Backend:
     options: Optional[str] = None      # its transport_options schema ("module:function"; None: it takes none)
     legacy_option: Optional[str] = None   # the deprecated Buffer keyword that is an alias of transport_options
     error_text: Optional[str] = None   # decoder of its own kernel error codes ("module:function")
+    doctor: Optional[str] = None       # its own section of `doctor` ("module:function" -> lines)
     gpu_steps: Tuple[str, ...] = ()    # its steps in scripts/gpu_tests.sh
     sanitize_steps: Tuple[str, ...] = ()   # its suites in scripts/sanitize.sh: "name|ranks|file|-k expr|environment"
 
@@ -46,13 +49,14 @@ BACKENDS: Tuple[Backend, ...] = (
             spans_nodes=True, rdma=True,
             verified_hardware="one GPU shared by ranks (H200); never between machines", ran_on_hardware=True,
             options=".nvshmem.runtime:validate_options", legacy_option="nvshmem_options",
+            doctor=".nvshmem.doctor:doctor",
             gpu_steps=("llnvshmem", "internode", "benchinternode")),
     Backend("nccl_gin", ".nccl_gin.transport", "NcclGinTransport", ".nccl_gin.probe:probe_nccl_gin",
             spans_nodes=True, rdma=True,
             in_auto=False,   # run on a GPU at one rank only
             verified_hardware="one rank on a GPU (H200); GIN paths never on a NIC (mock only)", ran_on_hardware=True,
             options=".nccl_gin.options:validate_options", legacy_option="nccl_options",
-            error_text=".nccl_gin.errors:describe",
+            error_text=".nccl_gin.errors:describe", doctor=".nccl_gin.doctor:doctor",
             gpu_steps=("llncclgin", "llncclgin2", "llginmock", "internodeginmock"),
             sanitize_steps=(
                 "ll_ncclgin|1|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink|DEEPEP_TEST_LL_TRANSPORT=nccl_gin",
@@ -62,6 +66,7 @@ BACKENDS: Tuple[Backend, ...] = (
             spans_nodes=True, rdma=True,
             verified_hardware="never on a real NIC (NIC model only)",
             options=".ibgda.roce:validate_options", legacy_option="ibgda_options", error_text=".ibgda.errors:describe",
+            doctor=".ibgda.doctor:doctor",
             gpu_steps=("llibgda", "internodeibgda"),
             sanitize_steps=(
                 "ll_ibgda|2|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink|DEEPEP_TEST_IBGDA_MODEL=1 "
