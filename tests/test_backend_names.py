@@ -103,10 +103,10 @@ def test_the_checker_sees_a_name():
 
 def test_every_row_points_at_its_own_folder():
     for b in registry.BACKENDS:
-        for ref in (b.probe, b.options, b.error_text, b.doctor, b.module):
+        for ref in (b.probe, b.options, b.error_text, b.doctor, b.network_settings, b.module):
             if ref:
                 assert ref.startswith((f".{b.name}.", f".{b.name}:")) or ref == f".{b.name}", (b.name, ref)
-        for ref in (b.probe, b.options, b.error_text, b.doctor):
+        for ref in (b.probe, b.options, b.error_text, b.doctor, b.network_settings):
             if ref:
                 assert callable(registry.entry(ref)), ref
 

@@ -105,34 +105,10 @@ def read_gpu(root: str, bus_id: Optional[str]) -> Dict:
 
 
 def network_settings(env: Mapping[str, str]) -> Dict[str, Dict]:
-    """The network settings each RDMA transport would use, from the environment (a Buffer's ibgda_options,
-    nvshmem_options and nccl_options set the same values): {transport: {gid_index, traffic_class, service_level,
-    hca_list, ...}}, None where the library picks; {"error": ...} where the environment is invalid."""
-    from ..transports.nccl_gin.options import PASS_THROUGH as NCCL
-    from ..transports.nvshmem.runtime import PASS_THROUGH as NVSHMEM
-
-    out: Dict[str, Dict] = {}
-    try:
-        o = roce.ibgda_options(environ=env)
-        out["ibgda"] = {k: getattr(o, k) for k in SAME_SETTINGS}
-        out["ibgda"]["hca_list"] = ",".join(o.hca_list) if o.hca_list else None
-    except ValueError as e:
-        out["ibgda"] = {"error": str(e)}
-
-    def library(names: Dict[str, str], gpu_var: Optional[str] = None, unset_gid: Optional[str] = None) -> Dict:
-        # names: setting -> the library's variable; unset_gid: what it does without a GID index, if that can be wrong
-        got = {k: env.get(v) or None for k, v in names.items()}
-        return {"gid_index": _int(got["gid_index"]), "traffic_class": _int(got["traffic_class"]),
-                "service_level": _int(got["service_level"]), "hca_list": got["hca_list"], "vars": dict(names),
-                "defaults": {"traffic_class": 0, "service_level": 0}, "unset_gid": unset_gid,
-                "gpu_initiated": bool(gpu_var) and str(env.get(gpu_var, "")).lower() in ("1", "true", "yes", "on")}
-
-    out["nvshmem"] = library({"gid_index": NVSHMEM["ib_gid_index"], "traffic_class": NVSHMEM["ib_traffic_class"],
-                              "service_level": NVSHMEM["ib_sl"], "hca_list": NVSHMEM["hca_list"]}, NVSHMEM["ibgda"],
-                             "NVSHMEM releases that default to index 0")
-    out["nccl_gin"] = library({"gid_index": NCCL["ib_gid_index"][0], "traffic_class": NCCL["ib_traffic_class"][0],
-                               "service_level": NCCL["ib_sl"][0], "hca_list": NCCL["hca_list"][0]})
-    return out
+    """The network settings each RDMA transport would use, from the environment (its transport_options set the same
+    values): {transport: {gid_index, traffic_class, service_level, hca_list, ...}}, None where the library picks;
+    {"error": ...} where the environment is invalid. Each backend answers for itself (its row's network_settings)."""
+    return {b.name: registry.entry(b.network_settings)(env) for b in registry.BACKENDS if b.network_settings}
 
 
 def _source_hash() -> str:

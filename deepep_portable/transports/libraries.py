@@ -16,7 +16,7 @@ import shutil
 import site
 import subprocess
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 
 def _run(cmd: List[str], timeout: float = 20.0) -> Tuple[int, str]:
@@ -249,3 +249,18 @@ def _load_lib(soname: str) -> Tuple[Optional[str], str]:
         if os.path.basename(path).startswith(base + ".so"):
             return path, ""
     return soname, ""
+
+
+def library_settings(env: Mapping[str, str], names: Dict[str, str], gpu_var: Optional[str] = None,
+                     unset_gid: Optional[str] = None) -> Dict:
+    """The network settings an RDMA library (NVSHMEM, NCCL) reads from the environment, as `doctor --cluster`
+    compares them: names maps setting -> the library's variable; unset_gid: what it does without a GID index, if
+    that can be wrong; gpu_var: the variable that turns its GPU-initiated path on."""
+    def number(text) -> Optional[int]:
+        return int(str(text).strip()) if str(text).strip().lstrip("-").isdigit() else None
+
+    got = {k: env.get(v) or None for k, v in names.items()}
+    return {"gid_index": number(got["gid_index"]), "traffic_class": number(got["traffic_class"]),
+            "service_level": number(got["service_level"]), "hca_list": got["hca_list"], "vars": dict(names),
+            "defaults": {"traffic_class": 0, "service_level": 0}, "unset_gid": unset_gid,
+            "gpu_initiated": bool(gpu_var) and str(env.get(gpu_var, "")).lower() in ("1", "true", "yes", "on")}

@@ -12,6 +12,8 @@ package (imported when first asked, so a backend's libraries are never loaded by
               channel, detail)` -> str, or None for codes it does not own);
   doctor      its own section of `python -m deepep_portable doctor`: () -> lines (what only it looks at: its
               libraries on disk, its choices on this machine's NICs); never raises for a missing piece;
+  network_settings  (environ) -> the network settings it would use ({gid_index, traffic_class, service_level,
+              hca_list, ...}, or {"error": ...}); `doctor --cluster` compares them between ranks and with each port;
 and lists its GPU test steps (scripts/gpu_tests.sh step names) and its compute-sanitizer suites
 (scripts/sanitize.sh entries). `python -m deepep_portable.transports.registry --steps gpu|sanitize` prints them.
 """
@@ -39,6 +41,7 @@ class Backend:
     legacy_option: Optional[str] = None   # the deprecated Buffer keyword that is an alias of transport_options
     error_text: Optional[str] = None   # decoder of its own kernel error codes ("module:function")
     doctor: Optional[str] = None       # its own section of `doctor` ("module:function" -> lines)
+    network_settings: Optional[str] = None   # its network settings, for doctor --cluster ("module:function")
     gpu_steps: Tuple[str, ...] = ()    # its steps in scripts/gpu_tests.sh
     sanitize_steps: Tuple[str, ...] = ()   # its suites in scripts/sanitize.sh: "name|ranks|file|-k expr|environment"
 
@@ -49,7 +52,7 @@ BACKENDS: Tuple[Backend, ...] = (
             spans_nodes=True, rdma=True,
             verified_hardware="one GPU shared by ranks (H200); never between machines", ran_on_hardware=True,
             options=".nvshmem.runtime:validate_options", legacy_option="nvshmem_options",
-            doctor=".nvshmem.doctor:doctor",
+            doctor=".nvshmem.doctor:doctor", network_settings=".nvshmem.doctor:network_settings",
             gpu_steps=("llnvshmem", "internode", "benchinternode")),
     Backend("nccl_gin", ".nccl_gin.transport", "NcclGinTransport", ".nccl_gin.probe:probe_nccl_gin",
             spans_nodes=True, rdma=True,
@@ -57,6 +60,7 @@ BACKENDS: Tuple[Backend, ...] = (
             verified_hardware="one rank on a GPU (H200); GIN paths never on a NIC (mock only)", ran_on_hardware=True,
             options=".nccl_gin.options:validate_options", legacy_option="nccl_options",
             error_text=".nccl_gin.errors:describe", doctor=".nccl_gin.doctor:doctor",
+            network_settings=".nccl_gin.doctor:network_settings",
             gpu_steps=("llncclgin", "llncclgin2", "llginmock", "internodeginmock"),
             sanitize_steps=(
                 "ll_ncclgin|1|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink|DEEPEP_TEST_LL_TRANSPORT=nccl_gin",
@@ -66,7 +70,7 @@ BACKENDS: Tuple[Backend, ...] = (
             spans_nodes=True, rdma=True,
             verified_hardware="never on a real NIC (NIC model only)",
             options=".ibgda.roce:validate_options", legacy_option="ibgda_options", error_text=".ibgda.errors:describe",
-            doctor=".ibgda.doctor:doctor",
+            doctor=".ibgda.doctor:doctor", network_settings=".ibgda.doctor:network_settings",
             gpu_steps=("llibgda", "internodeibgda"),
             sanitize_steps=(
                 "ll_ibgda|2|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink|DEEPEP_TEST_IBGDA_MODEL=1 "

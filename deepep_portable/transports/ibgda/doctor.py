@@ -3,7 +3,7 @@ would use on each RDMA port (options from the environment) and, per GPU, the RDM
 ones it would pick first). Lines only; nothing here raises for a missing piece."""
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 from .. import rdma, system
 from . import roce
@@ -38,3 +38,20 @@ def doctor() -> List[str]:
     if not devs:
         return ["no RDMA device: no GID or NIC to choose (the RDMA devices section says why)"]
     return [f"{d['name']}:{p['port']}: {gid_choice(p)}" for d in devs for p in d["ports"]] + closest_nics(devs)
+
+
+# The options doctor --cluster compares between ranks (and against each port).
+CLUSTER_SETTINGS = ("gid_index", "address_family", "traffic_class", "service_level", "hop_limit", "udp_sport_base",
+                    "doorbell", "multi_port")
+
+
+def network_settings(env) -> Dict:
+    """The network settings ibgda would use, from the environment (doctor --cluster: the row's network_settings);
+    {"error": ...} where the environment is invalid."""
+    try:
+        o = roce.ibgda_options(environ=env)
+    except ValueError as e:
+        return {"error": str(e)}
+    out = {k: getattr(o, k) for k in CLUSTER_SETTINGS}
+    out["hca_list"] = ",".join(o.hca_list) if o.hca_list else None
+    return out

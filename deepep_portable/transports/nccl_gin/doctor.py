@@ -3,7 +3,7 @@ library on disk, its device header, the pip wheels, and torch's own NCCL. Lines 
 piece."""
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 from .. import libraries
 
@@ -26,3 +26,12 @@ def doctor() -> List[str]:
     except Exception:
         pass
     return out
+
+
+def network_settings(env) -> Dict:
+    """The network settings NCCL would use, from the environment (doctor --cluster: the row's network_settings)."""
+    from .options import PASS_THROUGH as NCCL
+
+    return libraries.library_settings(
+        env, {"gid_index": NCCL["ib_gid_index"][0], "traffic_class": NCCL["ib_traffic_class"][0],
+              "service_level": NCCL["ib_sl"][0], "hca_list": NCCL["hca_list"][0]})

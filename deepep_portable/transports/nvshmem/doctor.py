@@ -3,7 +3,7 @@ host and device libraries on disk and the pip wheels. Lines only; never raises f
 from __future__ import annotations
 
 import os
-from typing import List
+from typing import Dict, List
 
 from .. import libraries
 
@@ -21,3 +21,13 @@ def doctor() -> List[str]:
     else:
         out = [kv("NVSHMEM", "libnvshmem_host.so.3 not found; searched " + ", ".join(s["searched"]))]
     return out + [kv(f"  pip {dist}", ver) for dist, ver in s["pip"].items()]
+
+
+def network_settings(env) -> Dict:
+    """The network settings NVSHMEM would use, from the environment (doctor --cluster: the row's network_settings)."""
+    from .runtime import PASS_THROUGH as NVSHMEM
+
+    return libraries.library_settings(
+        env, {"gid_index": NVSHMEM["ib_gid_index"], "traffic_class": NVSHMEM["ib_traffic_class"],
+              "service_level": NVSHMEM["ib_sl"], "hca_list": NVSHMEM["hca_list"]}, NVSHMEM["ibgda"],
+        "NVSHMEM releases that default to index 0")
