@@ -60,7 +60,7 @@ def test_builds_caches_and_loads(glue, cache):
     assert devx_glue.build() == glue.path and os.stat(glue.path).st_mtime_ns == stamp   # a cache hit
     assert devx_glue.load() is glue
     readelf = shutil.which("readelf")
-    if readelf:   # libcuda is dlopen'ed, never linked: the glue loads on machines without a driver
+    if readelf:   # libcuda is never linked (the host hands its entry points over): it loads without a driver
         needed = subprocess.run([readelf, "-d", glue.path], capture_output=True, text=True).stdout
         assert "libibverbs" in needed and "libmlx5" in needed and "libcuda" not in needed
 
@@ -262,7 +262,8 @@ def test_cpu_doorbell_forwards_each_mailbox_to_its_register(glue):
 
 
 def test_the_glue_opens_the_driver_library_the_host_module_opens(glue, tmp_path):
-    # One rule for every CUDA driver loader (driver.cpp, transports/system.py, devx.cc): DEEPEP_PORTABLE_LIBCUDA.
+    # One rule for both CUDA driver loaders (driver.cpp, transports/system.py): DEEPEP_PORTABLE_LIBCUDA; the glue
+    # reports the Python loader's failure.
     missing = str(tmp_path / "libcuda-missing.so.1")
     code = ("from deepep_portable.transports.ibgda import devx_glue\n"
             "glue = devx_glue.load()\n"
@@ -270,3 +271,54 @@ def test_the_glue_opens_the_driver_library_the_host_module_opens(glue, tmp_path)
     env = dict(os.environ, DEEPEP_PORTABLE_LIBCUDA=missing)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert f"dlopen({missing}) failed" in out, out
+
+
+FAKE_DRIVER = r"""
+#include <stddef.h>
+static int initialised;
+int cuInit(unsigned flags) { initialised = flags == 0; return 0; }
+int cuCtxGetCurrent(void** ctx) { *ctx = initialised ? (void*)0x1 : 0; return 0; }
+int cuGetErrorString(int r, const char** s) { *s = "fake text"; return 0; }
+int cuGetErrorName(int r, const char** s) { *s = "FAKE_NAME"; return 0; }
+int cuMemHostRegister_v2(void* p, size_t n, unsigned flags) { return flags == 7 ? 0 : 1; }
+int cuMemHostGetDevicePointer_v2(unsigned long long* d, void* p, unsigned f) {
+    *d = (unsigned long long)p + 0x100000; return 0; }
+int cuMemHostUnregister(void* p) { return p == (void*)0x2000 ? 0 : 712; }
+/* no cuMemGetHandleForAddressRange: a driver too old for dmabuf */
+"""
+
+
+def test_the_glue_calls_the_driver_the_python_loader_opened(cxx, cache, tmp_path):
+    """devx.cc never opens the driver: it calls the entry points devx_glue hands over from system.open_libcuda (here
+    a fake driver at DEEPEP_PORTABLE_LIBCUDA), names an entry point the driver lacks, keeps the first hand-over, and
+    refuses a table of the wrong size."""
+    src = open(os.path.join(jit.kernel_root(), devx_glue.SOURCE)).read()
+    assert "dlopen" not in src and "dlsym" not in src
+    fake = tmp_path / "libcuda-fake.so"
+    (tmp_path / "fake.c").write_text(FAKE_DRIVER)
+    subprocess.run([cxx, "-x", "c", "-shared", "-fPIC", str(tmp_path / "fake.c"), "-o", str(fake)], check=True)
+    code = """if True:
+        import ctypes, errno
+        from deepep_portable.transports import system
+        from deepep_portable.transports.ibgda import devx_glue
+        glue = devx_glue.load()
+        assert glue.cuda_map_io(0x1000, 4096) == 0x101000
+        glue.cuda_unmap_io(0x2000)
+        refusals = [("cuda_unmap_io", (0x1000,), errno.EEXIST, "CUresult 712 FAKE_NAME (fake text)"),
+                    ("cuda_dmabuf_fd", (0x1000, 4096), errno.ENOSYS, "cuMemGetHandleForAddressRange")]
+        for call, args, code, text in refusals:
+            try:
+                getattr(glue, call)(*args)
+            except devx_glue.DevxError as e:
+                assert e.errno == code and text in str(e), str(e)
+            else:
+                raise AssertionError(call)
+        assert glue.lib.dx_use_cuda(None, (ctypes.c_uint64 * 3)(), 3) == errno.EINVAL
+        assert "3 entry points, 8 expected" in glue.last_error()
+        assert glue.lib.dx_use_cuda(b"later", None, 0) == 0 and glue.cuda_map_io(0x1000, 4096) == 0x101000
+        assert system.open_libcuda()[0]._name == %r
+        print("ok")
+    """ % str(fake)
+    env = dict(os.environ, DEEPEP_PORTABLE_LIBCUDA=str(fake), DEEPEP_PORTABLE_CACHE_DIR=str(cache))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr

@@ -41,19 +41,33 @@ LIBCUDA_ENV = "DEEPEP_PORTABLE_LIBCUDA"
 
 
 def libcuda_path() -> str:
-    """The CUDA driver library every loader opens: DEEPEP_PORTABLE_LIBCUDA, else libcuda.so.1 (the same rule
-    as deepep_portable._C's driver.cpp and the ibgda glue's devx.cc, so the three open one library)."""
+    """The CUDA driver library both loaders open: DEEPEP_PORTABLE_LIBCUDA, else libcuda.so.1 (the same rule
+    as deepep_portable._C's driver.cpp, so the two open one library)."""
     return os.environ.get(LIBCUDA_ENV) or "libcuda.so.1"
+
+
+@functools.lru_cache(maxsize=None)
+def _open_libcuda(path: str) -> Tuple[Optional[ctypes.CDLL], str]:
+    try:
+        return ctypes.CDLL(path), ""
+    except OSError as e:
+        return None, str(e)
+
+
+def open_libcuda() -> Tuple[Optional[ctypes.CDLL], str]:
+    """(the CUDA driver library at libcuda_path(), opened, not initialised, "") or (None, the loader's error): the
+    Python side's one loader of the driver. The probes use it, and the ibgda glue takes its entry points from it
+    (devx_glue.py) instead of opening the driver itself."""
+    return _open_libcuda(libcuda_path())
 
 
 @functools.lru_cache(maxsize=None)
 def libcuda() -> Tuple[Optional[ctypes.CDLL], str]:
     """(initialised libcuda handle with >= 1 device, "") or (None or lib, reason)."""
     path = libcuda_path()
-    try:
-        lib = ctypes.CDLL(path)
-    except OSError as e:
-        return None, f"{path} not found ({e})"
+    lib, why = open_libcuda()
+    if lib is None:
+        return None, f"{path} not found ({why})"
     rc = lib.cuInit(0)
     if rc != 0:
         return None, f"cuInit failed: {_cu_error_name(lib, rc)}"
@@ -297,5 +311,5 @@ def release_primary_context(device: int) -> None:
 
 def clear_cache() -> None:
     """Forget every cached answer (tests; after a driver or tool appeared in a live process)."""
-    for f in (libcuda, driver_status, _gpu_info_cached, nvidia_smi_topology):
+    for f in (_open_libcuda, libcuda, driver_status, _gpu_info_cached, nvidia_smi_topology):
         f.cache_clear()

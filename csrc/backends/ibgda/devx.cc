@@ -26,16 +26,19 @@
 //   6. dx_close last. GPU memory behind a UMEM or MR is freed only after its deregistration. A dmabuf fd from
 //      dx_cuda_dmabuf_fd may be closed once registered (the kernel keeps its own reference to the dmabuf).
 //
-// CUDA: the driver API is reached through dlopen("libcuda.so.1"), never linked, so this library loads on
-// machines without a GPU (the CUDA calls then fail with a message). Values and prototypes are static_assert'ed
-// against cuda.h when the compiler finds it ($CUDA_HOME/include); else the fallbacks (CUDA 13.0's values) serve.
-#include <dlfcn.h>
+// CUDA: the driver API is never linked and never opened here: the host hands over the entry points of the driver
+// library it opened (dx_use_cuda, before any dx_cuda_* call; devx_glue.py passes those of transports/system.py's
+// loader, the Python side's one), so this library loads on machines without a GPU (the CUDA calls then fail with
+// the host's message) and the Python side has one driver loader. Values and prototypes are static_assert'ed against
+// cuda.h when the compiler finds it ($CUDA_HOME/include); else the fallbacks (CUDA 13.0's values) serve.
 #include <errno.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <atomic>
+#include <mutex>
 #include <type_traits>
 #include <infiniband/mlx5dv.h>
 #include <infiniband/verbs.h>
@@ -95,7 +98,7 @@ int fail_devx(int code, const char* call, const void* in, size_t inlen, const vo
     return fail_errno(code, "%s(opcode 0x%x) failed", call, opcode);
 }
 
-// ---- CUDA driver API through dlopen -------------------------------------------------------------------------
+// ---- CUDA driver API, handed over by the host ------------------------------------------------------------------
 
 // The values used, from CUDA 13.0's cuda.h (checked against the cuda.h found, if any, just below).
 constexpr int kCuSuccess = 0, kCuInvalidValue = 1, kCuOutOfMemory = 2, kCuNotInitialized = 3, kCuNoDevice = 100,
@@ -158,25 +161,30 @@ void describe_cu(const CudaApi& api, int r, char* buf, size_t len) noexcept {
     snprintf(buf, len, "CUresult %d %s (%s)", r, name ? name : "?", text ? text : "?");
 }
 
-CudaApi load_cuda() noexcept {
+// The entry points dx_use_cuda takes, in this order (the host looks each name up in the driver it opened).
+#define DX_CUDA_ENTRIES "cuInit,cuCtxGetCurrent,cuGetErrorString,cuGetErrorName,cuMemGetHandleForAddressRange," \
+                        DX_SYM_HOST_REGISTER "," DX_SYM_HOST_DEVICE_POINTER ",cuMemHostUnregister"
+constexpr int kNumCudaEntries = 8;
+
+// What the first dx_use_cuda handed over, read once g_cuda_handed says so.
+char g_cuda_unavailable[512];
+uint64_t g_cuda_entries[kNumCudaEntries];
+std::once_flag g_cuda_once;
+std::atomic<bool> g_cuda_handed{false};
+
+// The driver's entry points from the host (addresses, DX_CUDA_ENTRIES' order), or why it has none (`unavailable`).
+CudaApi use_cuda(const char* unavailable, const uint64_t* entries) noexcept {
     CudaApi api;
-    // The library _C's driver.cpp opens (DEEPEP_PORTABLE_LIBCUDA, else libcuda.so.1): one driver in the process.
-    const char* env = getenv("DEEPEP_PORTABLE_LIBCUDA");
-    const char* path = (env && env[0]) ? env : "libcuda.so.1";
-    void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-        const char* why = dlerror();
-        snprintf(api.error, sizeof api.error, "dlopen(%s) failed (no NVIDIA driver?): %s", path, why ? why : "?");
+    if (unavailable) {
+        snprintf(api.error, sizeof api.error, "%s", unavailable);
         return api.code = ELIBACC, api;
     }
-#define DX_LOAD(field, symbol) api.field = (decltype(api.field))dlsym(lib, symbol)
-    DX_LOAD(init, "cuInit"), DX_LOAD(ctx_get_current, "cuCtxGetCurrent");
-    DX_LOAD(error_string, "cuGetErrorString"), DX_LOAD(error_name, "cuGetErrorName");
-    DX_LOAD(get_handle, "cuMemGetHandleForAddressRange"), DX_LOAD(host_unregister, "cuMemHostUnregister");
-    DX_LOAD(host_register, DX_SYM_HOST_REGISTER), DX_LOAD(host_device_pointer, DX_SYM_HOST_DEVICE_POINTER);
-#undef DX_LOAD
+#define DX_TAKE(field, i) api.field = (decltype(api.field))(uintptr_t)entries[i]
+    DX_TAKE(init, 0), DX_TAKE(ctx_get_current, 1), DX_TAKE(error_string, 2), DX_TAKE(error_name, 3);
+    DX_TAKE(get_handle, 4), DX_TAKE(host_register, 5), DX_TAKE(host_device_pointer, 6), DX_TAKE(host_unregister, 7);
+#undef DX_TAKE
     if (!api.init || !api.ctx_get_current) {
-        snprintf(api.error, sizeof api.error, "libcuda.so.1 lacks cuInit/cuCtxGetCurrent");
+        snprintf(api.error, sizeof api.error, "the CUDA driver lacks cuInit/cuCtxGetCurrent");
         return api.code = ENOSYS, api;
     }
     if (int r = (int)api.init(0)) {
@@ -188,7 +196,14 @@ CudaApi load_cuda() noexcept {
 }
 
 const CudaApi& cuda() noexcept {
-    static const CudaApi api = load_cuda();   // thread-safe one-time initialisation
+    static const CudaApi none = [] {
+        CudaApi api;
+        snprintf(api.error, sizeof api.error, "the host handed over no CUDA driver (dx_use_cuda not called)");
+        return api.code = ELIBACC, api;
+    }();
+    if (!g_cuda_handed.load(std::memory_order_acquire)) return none;
+    // cuInit on the first CUDA call, not at the hand-over (a probe that loads the glue initialises no driver).
+    static const CudaApi api = use_cuda(g_cuda_unavailable[0] ? g_cuda_unavailable : nullptr, g_cuda_entries);
     return api;
 }
 
@@ -196,7 +211,7 @@ const CudaApi& cuda() noexcept {
 int cuda_ready(const char* call, bool have, const char* symbol) noexcept {
     const CudaApi& api = cuda();
     if (api.code) return fail(api.code, "%s: %s", call, api.error);
-    if (!have) return fail(ENOSYS, "%s: libcuda.so.1 has no %s (driver too old)", call, symbol);
+    if (!have) return fail(ENOSYS, "%s: the CUDA driver has no %s (too old)", call, symbol);
     CuCtx ctx = nullptr;
     if (api.ctx_get_current(&ctx) != kCuSuccess || !ctx)
         return fail(ENODEV, "%s: no current CUDA context on this thread (make the device current first, e.g. "
@@ -460,6 +475,24 @@ DX_API int dx_resolve_rmac(void* pd, int port, int gid_index, const uint8_t dgid
     ibv_destroy_ah(ah);
     if (r) return fail_errno(e, "dx_resolve_rmac: mlx5dv_init_obj(MLX5DV_OBJ_AH) failed");
     return dv.av ? 0 : fail(EIO, "dx_resolve_rmac: mlx5dv_init_obj(MLX5DV_OBJ_AH) gave no address vector");
+}
+
+DX_API const char* dx_cuda_entry_names(void) noexcept { return DX_CUDA_ENTRIES; }
+
+// The CUDA driver's entry points (`count` addresses in dx_cuda_entry_names' order; 0 for one the driver lacks), or
+// `unavailable`: why the host has no driver (the dx_cuda_* calls then fail with it). The first call counts; later
+// ones change nothing. EINVAL for a count other than the names'.
+DX_API int dx_use_cuda(const char* unavailable, const uint64_t* entries, int count) noexcept {
+    if (!unavailable && (!entries || count != kNumCudaEntries))
+        return fail(EINVAL, "dx_use_cuda: %d entry points, %d expected (" DX_CUDA_ENTRIES ")", count, kNumCudaEntries);
+    std::call_once(g_cuda_once, [&] {
+        if (unavailable)
+            snprintf(g_cuda_unavailable, sizeof g_cuda_unavailable, "%s", unavailable[0] ? unavailable : "?");
+        else
+            memcpy(g_cuda_entries, entries, sizeof g_cuda_entries);
+        g_cuda_handed.store(true, std::memory_order_release);
+    });
+    return 0;
 }
 
 DX_API int dx_cuda_dmabuf_fd(uint64_t dptr, size_t size, int* fd) noexcept {

@@ -25,11 +25,12 @@ import threading
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from ... import jit
+from .. import system
 
 SOURCE = "backends/ibgda/devx.cc"
 PROXY_SOURCE = "backends/ibgda/doorbell_proxy.cc"   # the CPU doorbell, built into the same library
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17")
-LIBS = ("-libverbs", "-lmlx5", "-ldl")
+LIBS = ("-libverbs", "-lmlx5")
 HEADER = "infiniband/mlx5dv.h"
 
 _vp, _i, _u32, _u64, _sz, _cp = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_size_t,
@@ -61,6 +62,8 @@ SIGNATURES: Dict[str, Tuple[object, List[object]]] = {
     "dx_reg_mr": (_i, [_vp, _u64, _sz, _i, _u64, _u32, _pvp, _pu32, _pu32]),
     "dx_dereg_mr": (_i, [_vp]),
     "dx_resolve_rmac": (_i, [_vp, _i, _i, _vp, _i, _vp]),
+    "dx_cuda_entry_names": (_cp, []),
+    "dx_use_cuda": (_i, [_cp, _pu64, _i]),
     "dx_cuda_dmabuf_fd": (_i, [_u64, _sz, _pi]),
     "dx_cuda_map_io": (_i, [_u64, _sz, _pu64]),
     "dx_cuda_unmap_io": (_i, [_u64]),
@@ -196,6 +199,28 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _hand_over_cuda(lib: ctypes.CDLL) -> None:
+    """Gives the glue the CUDA driver's entry points from the Python side's one loader (system.open_libcuda), or why
+    there is none (its CUDA calls then fail with that). The glue keeps the first hand-over of the process."""
+    cuda, why = system.open_libcuda()
+    if cuda is None:
+        rc = lib.dx_use_cuda(f"dlopen({system.libcuda_path()}) failed (no NVIDIA driver?): {why}".encode(), None, 0)
+    else:
+        names = (lib.dx_cuda_entry_names() or b"").decode().split(",")
+        addresses = (ctypes.c_uint64 * len(names))(*(_address(cuda, n) for n in names))
+        rc = lib.dx_use_cuda(None, addresses, len(names))
+    if rc != 0:
+        raise GlueError(f"dx_use_cuda: {(lib.dx_last_error() or b'').decode(errors='replace')}")
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int:
+    """The address of `name` in `lib`, 0 if it has none (the glue then reports the driver too old for that call)."""
+    try:
+        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+    except AttributeError:
+        return 0
+
+
 class DevxGlue:
     """The loaded glue. Methods take the C functions' arguments in the same order (less the out-pointers) and return
     what those write. Handles are ints (opaque pointers the caller releases with the matching method, in devx.cc's
@@ -210,6 +235,7 @@ class DevxGlue:
             raise GlueError(f"cannot load {self.path}: {e} (libibverbs.so.1 / libmlx5.so.1 missing?)") from e
         names = (self.lib.dx_constant_names() or b"").decode()
         self.constants: Dict[str, int] = {n: self.lib.dx_constant(n.encode()) for n in names.split(",") if n}
+        _hand_over_cuda(self.lib)
 
     def last_error(self) -> str:
         return (self.lib.dx_last_error() or b"").decode(errors="replace")
@@ -325,7 +351,7 @@ class DevxGlue:
                     f"resolve_rmac(port {port}, gid index {gid_index})")
         return mac.raw
 
-    # -- CUDA (driver API through dlopen; a CUDA context must be current on the calling thread)
+    # -- CUDA (the driver system.open_libcuda opened; a CUDA context must be current on the calling thread)
     def cuda_dmabuf_fd(self, dptr: int, size: int) -> int:
         """A dmabuf fd for [dptr, dptr + size) (size page-aligned); the caller closes it (os.close)."""
         fd = ctypes.c_int(-1)
