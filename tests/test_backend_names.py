@@ -27,7 +27,9 @@ ALLOWED = {
     "deepep_portable/transports/kernel.py": "KernelTransport falls back to the reference transport (the oracle) "
                                             "for what a backend's kernels do not run",
     # Not moved yet (docs/ARCHITECTURE.md "Known rough edges"): the tools' imports of one backend's helpers.
-    "deepep_portable/tools/doctor_cluster.py": "per-backend option tables and the network round trips",
+    "deepep_portable/tools/doctor_cluster.py": "ibgda's findings (its GID per port, doorbell, rails, options) and "
+                                               "NVSHMEM's IBGDA driver finding; the GPU-NIC PCIe distance is "
+                                               "ibgda's roce.rank_nics",
     "deepep_portable/tools/precompile.py": "nvshmem's device-linked kernels",
     "deepep_portable/tools/bench.py": "the reference transport's FP8 cast (the oracle's)",
     "deepep_portable/tools/compare.py": "the reference transport's FP8 cast and results (the oracle's)",
