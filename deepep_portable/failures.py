@@ -67,14 +67,45 @@ def collective_op(op: str) -> Callable:
                     raise
                 raise err from e
             except Exception as e:
-                backend = self._backend
-                if getattr(e, "after_launch", False) or backend is None:
-                    raise
-                try:
-                    backend.refuse(op, call, f"{type(e).__name__}: {e}")
-                except CommError as c:
-                    self._failed = f"an earlier op failed and left this Buffer unusable ({c})"
-                    add_note(e, f"deepep_portable: {c}")
+                if not getattr(e, "after_launch", False):
+                    _refuse(self, op, call, e)
+                raise
+        return run
+    return wrap
+
+
+def _refuse(buffer, op: str, call: int, error: Exception) -> None:
+    """Tell `buffer`'s peers that this rank refused call `call` of `op` (backend.refuse); when that leaves the Buffer
+    unusable, remember why and say so on `error`."""
+    backend = buffer._backend
+    if backend is None:
+        return
+    try:
+        backend.refuse(op, call, f"{type(error).__name__}: {error}")
+    except CommError as c:
+        buffer._failed = f"an earlier op failed and left this Buffer unusable ({c})"
+        add_note(error, f"deepep_portable: {c}")
+
+
+def refused_before(op: str, runtime_of: Callable) -> Callable:
+    """Decorator of a method built on a Buffer's collective ops (ElasticBuffer's dispatch and combine): an exception
+    it raises before the first of them (its own checks) is refused as that op (`op`: the name of its first collective
+    op), as if the Buffer itself had refused it, so the peers hear of it. `runtime_of(self)` is the Buffer."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            buffer = runtime_of(self)
+            before = None if buffer is None else buffer._ctx.calls
+            try:
+                return method(self, *args, **kwargs)
+            except CommError:
+                raise
+            except Exception as e:
+                if before is not None and buffer._ctx.calls == before and buffer._failed is None \
+                        and not getattr(e, "after_launch", False):
+                    buffer._ctx.calls += 1
+                    _refuse(buffer, op, buffer._ctx.calls, e)
                 raise
         return run
     return wrap

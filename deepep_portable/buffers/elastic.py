@@ -47,6 +47,7 @@ from ..internode_layout import internode_rdma_bytes
 from ..layout import HINT_TOPK, normal_buffer_bytes
 from ..topology import NodeLayout, node_layout
 from ..event import EventOverlap as BufferEventOverlap
+from ..failures import refused_before
 from ..utils.event import EventHandle, EventOverlap
 
 BUFFER_ALIGNMENT = 2 << 20     # V2 sizes buffers in 2 MiB steps
@@ -357,6 +358,7 @@ class ElasticBuffer:
         return dataclasses.replace(make(self.num_ranks), num_sms=num_sms)
 
     # ---- dispatch / combine ------------------------------------------------------------------
+    @refused_before("dispatch", lambda self: self.runtime)   # its first collective op: Buffer.dispatch
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -499,6 +501,7 @@ class ElasticBuffer:
         if num_qps > self.num_allocated_qps:
             raise ValueError(f"num_qps={num_qps} exceeds num_allocated_qps={self.num_allocated_qps}")
 
+    @refused_before("combine", lambda self: self.runtime)   # its first collective op: Buffer.combine
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
                 num_sms: int = 0, num_qps: int = 0, previous_event: Optional[EventHandle] = None,

@@ -222,3 +222,52 @@ def test_ranks_at_different_ops_are_stopped(pg, device, request, base_seed):
     else:
         res = _outcome(lambda: _dispatch(buf, x, idx, w, experts))
     assert res[0] == "comm" and "out of step" in res[1], res
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_bad_elastic_call_on_one_rank_reaches_the_others(groups, pg, device, request, base_seed, op):
+    """DeepEP V2's ElasticBuffer checks its own arguments before it calls the Buffer's ops: a rank that fails them
+    still refuses the call its peers make (its first collective op), so they raise a CommError naming it, and a
+    correct round trip works after (on the same ElasticBuffer where the error says it is usable, else a new one)."""
+    rank, num_ranks = world(pg)
+    group, size = groups[num_ranks]
+    _one_nvshmem_size(groups, size)
+    gen = generator(request, base_seed, rank)
+    hidden, topk = SMALL["hidden"], SMALL["topk"]
+
+    def make():
+        return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=TOKENS, hidden=hidden, num_topk=topk,
+                                     num_gpu_timeout_secs=max(1, int(TIMEOUT_S)), transport=_transport())
+
+    elastic = make()
+    x, idx, w, experts = _inputs(gen, device, size)
+    bad = size - 1
+
+    def call():
+        if op == "dispatch":
+            elastic.dispatch(x, topk_idx=idx.to(torch.int32) if rank == bad else idx, topk_weights=w,
+                             num_experts=experts)
+        else:
+            recv_x, _, _, handle, _ = elastic.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
+            elastic.runtime.synchronize()
+            elastic.combine(recv_x.float() if rank == bad else recv_x, handle)
+        elastic.runtime.synchronize()
+
+    results = _gather(_outcome(call, elastic.runtime), pg)
+    kind, text, usable, _ = results[rank]
+    if rank == bad:
+        assert kind == "refused", results[rank]
+    else:
+        assert kind == "comm" and f"rank {bad}" in text and "TypeError" in text, results[rank]
+    assert len({r[2] for r in results}) == 1, f"ranks disagree on whether the Buffer is usable: {results}"
+    if not usable:
+        elastic = make()
+    recv_x, _, _, handle, _ = elastic.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
+    combined, _, _ = elastic.combine(recv_x, handle)
+    in_rank = torch.zeros(x.size(0), size, dtype=torch.bool, device=device)
+    valid = idx >= 0
+    in_rank[torch.arange(x.size(0), device=device).unsqueeze(1).expand_as(idx)[valid],
+            (idx // (experts // size))[valid]] = True
+    expected = (x.float() * in_rank.sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    assert torch.equal(combined, expected), f"rank {rank}: the round trip after the failure differs"
