@@ -53,14 +53,6 @@ def _path(root: str, *parts: str) -> str:
     return os.path.join(root, *[p.lstrip("/") for p in parts])
 
 
-def _read(path: str) -> Optional[str]:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
 def _int(text) -> Optional[int]:
     return int(str(text).strip()) if str(text).strip().lstrip("-").isdigit() else None
 
@@ -79,21 +71,21 @@ def read_machine(root: str = "/") -> Dict:
     for d in nics:
         dev_dir = os.path.join(ib, d["name"], "device")
         d["pci_path"] = os.path.realpath(dev_dir) if os.path.exists(dev_dir) else None
-        d["numa_node"] = _int(_read(os.path.join(dev_dir, "numa_node")))
+        d["numa_node"] = _int(rdma.read_text(os.path.join(dev_dir, "numa_node")))
         nets = sorted(os.listdir(os.path.join(dev_dir, "net"))) if os.path.isdir(os.path.join(dev_dir, "net")) else []
         for p in d["ports"]:
             netdev = next((g["netdev"] for g in p["gids"] if g.get("netdev")), None) or (nets[0] if nets else None)
             p["netdev"] = netdev
-            p["netdev_mtu"] = _int(_read(_path(root, "sys/class/net", netdev, "mtu"))) if netdev else None
-            p["nic_traffic_class"] = _read(os.path.join(ib, d["name"], "tc", str(p["port"]), "traffic_class"))
+            p["netdev_mtu"] = _int(rdma.read_text(_path(root, "sys/class/net", netdev, "mtu"))) if netdev else None
+            p["nic_traffic_class"] = rdma.read_text(os.path.join(ib, d["name"], "tc", str(p["port"]), "traffic_class"))
     return {"infiniband": ib, "infiniband_exists": os.path.isdir(ib), "nics": nics,
             "uverbs": sorted(os.path.basename(p) for p in glob.glob(_path(root, "dev/infiniband/uverbs*"))),
             "modules": {m: os.path.isdir(_path(root, "sys/module", m))
                         for m in ("nvidia", "nvidia_peermem", "nv_peer_mem")},
-            "nvidia_version": _read(_path(root, "proc/driver/nvidia/version")),
-            "nvidia_params": nvidia_params(_read(_path(root, "proc/driver/nvidia/params"))),
+            "nvidia_version": rdma.read_text(_path(root, "proc/driver/nvidia/version")),
+            "nvidia_params": nvidia_params(rdma.read_text(_path(root, "proc/driver/nvidia/params"))),
             "params_path": _path(root, "proc/driver/nvidia/params"),
-            "kernel": _read(_path(root, "proc/sys/kernel/osrelease"))}
+            "kernel": rdma.read_text(_path(root, "proc/sys/kernel/osrelease"))}
 
 
 def read_gpu(root: str, bus_id: Optional[str]) -> Dict:
@@ -101,7 +93,7 @@ def read_gpu(root: str, bus_id: Optional[str]) -> Dict:
     d = _path(root, "sys/bus/pci/devices", bus_id.lower()) if bus_id else None
     found = d is not None and os.path.exists(d)
     return {"bus_id": bus_id, "dir": d if found else None, "searched": d,
-            "numa_node": _int(_read(os.path.join(d, "numa_node"))) if found else None}
+            "numa_node": _int(rdma.read_text(os.path.join(d, "numa_node"))) if found else None}
 
 
 def network_settings(env: Mapping[str, str]) -> Dict[str, Dict]:

@@ -12,7 +12,8 @@ from .libraries import _run
 SYSFS_INFINIBAND = "/sys/class/infiniband"
 
 
-def _read(path: str) -> Optional[str]:
+def read_text(path: str) -> Optional[str]:
+    """A sysfs / procfs file's text, stripped; None when it cannot be read."""
     try:
         with open(path) as f:
             return f.read().strip()
@@ -31,9 +32,9 @@ def rdma_devices_sysfs(root: str = SYSFS_INFINIBAND) -> List[Dict]:
         drv = os.path.realpath(os.path.join(d, "device", "driver"))
         dev = {"name": name,
                "driver": os.path.basename(drv) if os.path.exists(os.path.join(d, "device", "driver")) else None,
-               "hca_type": _read(os.path.join(d, "hca_type")),
-               "fw_ver": _read(os.path.join(d, "fw_ver")),
-               "node_guid": _read(os.path.join(d, "node_guid")),
+               "hca_type": read_text(os.path.join(d, "hca_type")),
+               "fw_ver": read_text(os.path.join(d, "fw_ver")),
+               "node_guid": read_text(os.path.join(d, "node_guid")),
                "ports": []}
         pdir = os.path.join(d, "ports")
         ports = sorted(os.listdir(pdir), key=lambda s: int(s) if s.isdigit() else 0) \
@@ -44,17 +45,17 @@ def rdma_devices_sysfs(root: str = SYSFS_INFINIBAND) -> List[Dict]:
             gdir = os.path.join(pp, "gids")
             if os.path.isdir(gdir):
                 for idx in sorted(os.listdir(gdir), key=lambda s: int(s) if s.isdigit() else 0):
-                    g = _read(os.path.join(gdir, idx))
+                    g = read_text(os.path.join(gdir, idx))
                     if not g or set(g.replace(":", "")) <= {"0"}:
                         continue
                     gids.append({"index": int(idx) if idx.isdigit() else idx, "gid": g,
-                                 "type": _read(os.path.join(pp, "gid_attrs", "types", idx)),
-                                 "netdev": _read(os.path.join(pp, "gid_attrs", "ndevs", idx))})
+                                 "type": read_text(os.path.join(pp, "gid_attrs", "types", idx)),
+                                 "netdev": read_text(os.path.join(pp, "gid_attrs", "ndevs", idx))})
             dev["ports"].append({"port": int(p) if p.isdigit() else p,
-                                 "state": _read(os.path.join(pp, "state")),
-                                 "phys_state": _read(os.path.join(pp, "phys_state")),
-                                 "link_layer": _read(os.path.join(pp, "link_layer")),
-                                 "rate": _read(os.path.join(pp, "rate")),
+                                 "state": read_text(os.path.join(pp, "state")),
+                                 "phys_state": read_text(os.path.join(pp, "phys_state")),
+                                 "link_layer": read_text(os.path.join(pp, "link_layer")),
+                                 "rate": read_text(os.path.join(pp, "rate")),
                                  "gids": gids})
         devs.append(dev)
     return devs

@@ -63,16 +63,26 @@ class KernelBuild:
         return ("-include", self.header)
 
 
-# The windows open on each device in this process (weak: a Buffer dropped without destroy() stops counting).
-_live_windows: Dict[int, "weakref.WeakSet[Window]"] = {}
+# The windows open on each device in this process: {device: {id(window): (weak reference, Buffer uid)}}, and the
+# count of distinct Buffers among them, recounted when a window opens, closes or is collected (grid() reads it on
+# every op). Weak: a Buffer dropped without destroy() stops counting.
+_live_windows: Dict[int, Dict[int, tuple]] = {}
+_live_counts: Dict[int, int] = {}
+
+
+def _recount(dev: int) -> None:
+    windows = _live_windows.get(dev, {})
+    _live_counts[dev] = max(1, len({uid for _, uid in windows.values()}))
+
+
+def _forget(dev: int, key: int) -> None:
+    if _live_windows.get(dev, {}).pop(key, None) is not None:
+        _recount(dev)
 
 
 def live_buffers(dev: int) -> int:
     """How many Buffers of this process have a window open on device `dev` (at least 1)."""
-    windows = _live_windows.get(dev)
-    if not windows:
-        return 1
-    return max(1, len({w.ctx.uid for w in list(windows) if w.base is not None and getattr(w, "ctx", None)}))
+    return _live_counts.get(dev, 1)
 
 
 class Window:
@@ -123,7 +133,11 @@ class Window:
         # Spinning blocks of every rank must be resident at once: ranks that share a GPU split its SMs.
         sharing = sum(1 for u in peer_uuids if u == my_uuid)
         self.max_blocks = max(1, sm_count(self.dev) // sharing)
-        _live_windows.setdefault(self.dev, weakref.WeakSet()).add(self)
+        dev, key = self.dev, id(self)
+        ref = weakref.ref(self, lambda _ref: _forget(dev, key))
+        ctx = getattr(self, "ctx", None)
+        _live_windows.setdefault(dev, {})[key] = (ref, key if ctx is None else ctx.uid)
+        _recount(dev)
 
     def node_base(self, rank: int) -> int:
         """Where this process's kernels reach `rank`'s window by load/store for the internode kernels' NVLink part
@@ -150,7 +164,7 @@ class Window:
                 if getattr(self, "errors", None) is not None:
                     self.errors.free()
                 self.base = None
-                _live_windows.get(getattr(self, "dev", -1), set()).discard(self)
+                _forget(getattr(self, "dev", -1), id(self))
 
     def grid(self, num_sms: int) -> int:
         """Blocks per kernel: the caller's SM budget, capped so that every rank sharing this GPU fits at once,

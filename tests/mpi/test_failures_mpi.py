@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 import deepep_portable as deep_ep
-from test_reference_mpi import SMALL, generator, make_topk, num_experts_for, run_low_latency, run_normal, world
+from test_reference_mpi import SMALL, generator, num_experts_for, run_low_latency, run_normal, world
+from test_two_buffers_mpi import dispatch_with_layout as _dispatch, make_inputs
 
 pytestmark = pytest.mark.mpi
 TOKENS = 24
@@ -62,17 +63,7 @@ def _make_buffer(group, size):
 
 
 def _inputs(gen, device, size, tokens=TOKENS):
-    experts = num_experts_for(SMALL["experts"], size)
-    x = torch.randn(tokens, SMALL["hidden"], generator=gen).to(torch.bfloat16).to(device)
-    idx = make_topk(tokens, SMALL["topk"], experts, gen).to(device)
-    w = torch.rand(tokens, SMALL["topk"], generator=gen).to(device)
-    return x, idx, w, experts
-
-
-def _dispatch(buf, x, idx, w, experts, layout_idx=None):
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx if layout_idx is None else layout_idx, experts)
-    return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                        topk_idx=idx, topk_weights=w)
+    return make_inputs(gen, device, size, tokens, SMALL)
 
 
 def _call(buf, case: str, bad: bool, gen, device, size):

@@ -47,16 +47,18 @@ def test_alternating_round_trips(two_buffers, pg, device, request, base_seed):
                        num_bias=i)
 
 
-def _inputs(gen, device, num_ranks, tokens=TOKENS):
-    experts = num_experts_for(BIG["experts"], num_ranks)
-    x = torch.randn(tokens, BIG["hidden"], generator=gen).to(torch.bfloat16).to(device)
-    idx = make_topk(tokens, BIG["topk"], experts, gen).to(device)
-    w = torch.rand(tokens, BIG["topk"], generator=gen).to(device)
+def make_inputs(gen, device, num_ranks, tokens=TOKENS, shape=BIG):
+    """(x, topk_idx, topk_weights, num_experts) of `tokens` random tokens of `shape` (test_reference_mpi's shapes)."""
+    experts = num_experts_for(shape["experts"], num_ranks)
+    x = torch.randn(tokens, shape["hidden"], generator=gen).to(torch.bfloat16).to(device)
+    idx = make_topk(tokens, shape["topk"], experts, gen).to(device)
+    w = torch.rand(tokens, shape["topk"], generator=gen).to(device)
     return x, idx, w, experts
 
 
-def _dispatch(buf, x, idx, w, experts):
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+def dispatch_with_layout(buf, x, idx, w, experts, layout_idx=None):
+    """get_dispatch_layout (of `layout_idx` when given, else of idx) then dispatch with idx and w."""
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx if layout_idx is None else layout_idx, experts)
     return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                         topk_idx=idx, topk_weights=w)
 
@@ -66,13 +68,13 @@ def run_both_at_once(buffers, pg, gen, device, tokens=TOKENS, num_bias=0):
     then both combines, each Buffer from a stream of its own where there is a GPU): the same bits, on every
     rank; an op that failed is named (Buffer.synchronize raises what its kernels recorded)."""
     rank, num_ranks = world(pg)
-    inputs = [_inputs(gen, device, num_ranks, tokens) for _ in buffers]
+    inputs = [make_inputs(gen, device, num_ranks, tokens) for _ in buffers]
     biases = [torch.randn(tokens, BIG["hidden"], generator=gen).to(torch.bfloat16).to(device)
               for _ in range(num_bias)]
     bias = tuple(biases) if num_bias == 2 else (biases[0] if biases else None)
     alone = []
     for buf, (x, idx, w, experts) in zip(buffers, inputs):
-        recv_x, _, recv_w, _, handle, _ = _dispatch(buf, x, idx, w, experts)
+        recv_x, _, recv_w, _, handle, _ = dispatch_with_layout(buf, x, idx, w, experts)
         combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w, bias=bias)
         alone.append((recv_x.cpu(), combined.cpu(), combined_w.cpu()))
     streams = [torch.cuda.Stream() for _ in buffers] if device.type == "cuda" else [None] * len(buffers)
@@ -86,7 +88,7 @@ def run_both_at_once(buffers, pg, gen, device, tokens=TOKENS, num_bias=0):
         outs = []
         for buf, (x, idx, w, experts), stream in zip(buffers, inputs, streams):
             with on(stream):
-                outs.append(_dispatch(buf, x, idx, w, experts))
+                outs.append(dispatch_with_layout(buf, x, idx, w, experts))
         for buf, out, stream in zip(buffers, outs, streams):
             recv_x, _, recv_w, _, handle, _ = out
             with on(stream):
