@@ -1,11 +1,14 @@
 """RDMA devices as the probes and `doctor` see them: sysfs first (always readable), pyverbs where
-it imports (Debian's python3-pyverbs is built for the system Python only)."""
+it imports (Debian's python3-pyverbs is built for the system Python only). Also what any RDMA user reads from
+those records: a port's kind and RoCE v2 GIDs (`is_roce`, `routable_v2`, `gid_text`) and the PCIe distance
+between a GPU and each NIC (`nic_distance`, `rank_nics`), shared by the backends and `doctor --cluster`."""
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .libraries import _run
 
@@ -160,3 +163,63 @@ def rdma_devices() -> Tuple[List[Dict], str]:
             for g in p["gids"]:
                 g["netdev"] = snet.get(g["index"], {}).get("netdev")
     return devs, "pyverbs"
+
+
+# ---- ports and GIDs (rdma_devices_sysfs's port records) ---------------------------------------------------
+def is_roce(port: Mapping) -> bool:
+    """An Ethernet (RoCE) port, as opposed to InfiniBand."""
+    return str(port.get("link_layer") or "").lower() == "ethernet"
+
+
+def routable_v2(g: Mapping) -> bool:
+    """A RoCE v2 GID that routes: not zero, not link-local (fe80::)."""
+    gid = str(g.get("gid") or "").lower()
+    return str(g.get("type") or "").strip().lower() == "roce v2" and not gid.startswith("fe80") \
+        and set(gid.replace(":", "")) > {"0"}
+
+
+def gid_text(gid: str) -> str:
+    """A GID as people write it: ::ffff:10.0.0.1, fe80::1."""
+    try:
+        a = ipaddress.IPv6Address(gid)
+    except ValueError:
+        return gid
+    return f"::ffff:{a.ipv4_mapped}" if a.ipv4_mapped else a.compressed
+
+
+# ---- PCIe distance between a GPU and the NICs ---------------------------------------------------------------
+# Distance classes, closest first (NCCL's / nvidia-smi topo's words).
+PIX, PXB, PHB, SYS = 0, 1, 2, 3
+DISTANCE_NAMES = {PIX: "PIX (same PCIe switch)", PXB: "PXB (several switches)", PHB: "PHB (same host bridge)",
+                  SYS: "SYS (other root complex / socket)"}
+
+
+def _pci_chain(sysfs_device: str) -> List[str]:
+    """The PCI path of a sysfs device directory: its realpath's components from the root complex down."""
+    parts = os.path.realpath(sysfs_device).split(os.sep)
+    return [p for p in parts if p.startswith("pci") or (p.count(":") == 2 and "." in p)]
+
+
+def nic_distance(gpu_device_dir: str, nic_device_dir: str) -> int:
+    """PIX / PXB / PHB / SYS between two PCI devices (their sysfs `device` directories)."""
+    a, b = _pci_chain(gpu_device_dir), _pci_chain(nic_device_dir)
+    if not a or not b or a[0] != b[0]:
+        return SYS
+    shared = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        shared += 1
+    below_root = shared - 1   # bridges both devices share below the root complex
+    if below_root <= 0:
+        return PHB
+    # siblings under one switch port (their chains differ only in the last two components) share a switch
+    return PIX if len(a) - shared <= 2 and len(b) - shared <= 2 else PXB
+
+
+def rank_nics(gpu_device_dir: str, nics: Sequence[Mapping], sysfs_infiniband: str) -> List[Tuple[int, str]]:
+    """[(distance, name)] of the RDMA devices `nics` (rdma_devices_sysfs records), closest first, ties by name."""
+    out = []
+    for dev in nics:
+        out.append((nic_distance(gpu_device_dir, os.path.join(sysfs_infiniband, dev["name"], "device")), dev["name"]))
+    return sorted(out)

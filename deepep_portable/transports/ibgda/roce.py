@@ -10,8 +10,8 @@ options (facts: shared/research/IBGDA.md §3):
 - `udp_sport()`: RoCE v2 UDP source port per QP. DevX QPs get no kernel hash, and one fixed port (what
   NVSHMEM uses) pins every QP to one ECMP path and one LAG port: ours hash (local QPN, remote QPN,
   channel) into 0xC000-0xFFFF, or count up from a given base.
-- `nic_distance()` / `rank_nics()` / `spread_channels()`: NICs by PCIe distance to the GPU, and channels
-  spread round-robin over the (device, port) rails of the closest NICs.
+- `rank_nics()` (rdma.py's, as are `nic_distance()` and the distance classes) / `spread_channels()`: NICs by
+  PCIe distance to the GPU, and channels spread round-robin over the (device, port) rails of the closest NICs.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import ipaddress
 import os
 from dataclasses import dataclass, fields
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..rdma import DISTANCE_NAMES, PHB, PIX, PXB, SYS, nic_distance, rank_nics  # noqa: F401 (this module's names too)
 
 ENV_PREFIX = "DEEPEP_PORTABLE_IB_"
 
@@ -158,41 +160,7 @@ def udp_sport(local_qpn: int, remote_qpn: int, channel: int, base: Optional[int]
 
 
 # ---- NICs and channels -----------------------------------------------------------------------------
-# PCIe distance classes, closest first (NCCL's / nvidia-smi topo's words).
-PIX, PXB, PHB, SYS = 0, 1, 2, 3
-DISTANCE_NAMES = {PIX: "PIX (same PCIe switch)", PXB: "PXB (several switches)", PHB: "PHB (same host bridge)",
-                  SYS: "SYS (other root complex / socket)"}
-
-
-def _pci_chain(sysfs_device: str) -> List[str]:
-    """The PCI path of a sysfs device directory: its realpath's components from the root complex down."""
-    parts = os.path.realpath(sysfs_device).split(os.sep)
-    return [p for p in parts if p.startswith("pci") or (p.count(":") == 2 and "." in p)]
-
-
-def nic_distance(gpu_device_dir: str, nic_device_dir: str) -> int:
-    """PIX / PXB / PHB / SYS between two PCI devices (their sysfs `device` directories)."""
-    a, b = _pci_chain(gpu_device_dir), _pci_chain(nic_device_dir)
-    if not a or not b or a[0] != b[0]:
-        return SYS
-    shared = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        shared += 1
-    below_root = shared - 1   # bridges both devices share below the root complex
-    if below_root <= 0:
-        return PHB
-    # siblings under one switch port (their chains differ only in the last two components) share a switch
-    return PIX if len(a) - shared <= 2 and len(b) - shared <= 2 else PXB
-
-
-def rank_nics(gpu_device_dir: str, nics: Sequence[Mapping], sysfs_infiniband: str) -> List[Tuple[int, str]]:
-    """[(distance, name)] of the RDMA devices `nics` (rdma_devices_sysfs records), closest first, ties by name."""
-    out = []
-    for dev in nics:
-        out.append((nic_distance(gpu_device_dir, os.path.join(sysfs_infiniband, dev["name"], "device")), dev["name"]))
-    return sorted(out)
+# PCIe distance (PIX, PXB, PHB, SYS) and the NICs ranked by it: shared with doctor --cluster, in rdma.py.
 
 
 def spread_channels(num_channels: int, rails: Sequence[Tuple[str, int]]) -> List[Tuple[str, int]]:
