@@ -12,6 +12,8 @@ import os
 import re
 from typing import List
 
+import pytest
+
 import deepep_portable
 from deepep_portable.transports import registry
 
@@ -26,11 +28,7 @@ ALLOWED = {
                                               "as the last resort for normal mode over several nodes",
     "deepep_portable/transports/kernel.py": "KernelTransport falls back to the reference transport (the oracle) "
                                             "for what a backend's kernels do not run",
-    # Not moved yet (docs/ARCHITECTURE.md "Known rough edges"): the tools' imports of one backend's helpers.
-    "deepep_portable/tools/doctor_cluster.py": "ibgda's findings (its GID per port, doorbell, rails, options) and "
-                                               "NVSHMEM's IBGDA driver finding; the GPU-NIC PCIe distance is "
-                                               "ibgda's roce.rank_nics",
-    "deepep_portable/tools/precompile.py": "nvshmem's device-linked kernels",
+    # Not moved yet (docs/ARCHITECTURE.md "Known rough edges"): the bench tools' uses of the oracle.
     "deepep_portable/tools/bench.py": "the reference transport's FP8 cast (the oracle's)",
     "deepep_portable/tools/compare.py": "the reference transport's FP8 cast and results (the oracle's)",
 }
@@ -105,10 +103,11 @@ def test_the_checker_sees_a_name():
 
 def test_every_row_points_at_its_own_folder():
     for b in registry.BACKENDS:
-        for ref in (b.probe, b.options, b.error_text, b.doctor, b.network_settings, b.module):
+        refs = (b.probe, b.options, b.error_text, b.doctor, b.network_settings, b.cluster_findings, b.precompile)
+        for ref in refs + (b.module,):
             if ref:
                 assert ref.startswith((f".{b.name}.", f".{b.name}:")) or ref == f".{b.name}", (b.name, ref)
-        for ref in (b.probe, b.options, b.error_text, b.doctor, b.network_settings):
+        for ref in refs:
             if ref:
                 assert callable(registry.entry(ref)), ref
 
@@ -120,3 +119,61 @@ def test_the_scripts_read_the_steps_from_the_registry():
     assert "deepep_portable.transports.registry --steps sanitize" in text
     assert not any(step.split("|")[0] in text for step in registry.steps("sanitize"))
     assert "deepep_portable.transports.registry --steps gpu" in open(os.path.join(ROOT, "scripts", "gpu_tests.sh")).read()
+
+
+def _fake_row(monkeypatch, alone: bool = False, **hooks):
+    """A registry row named "fake" whose hooks are `hooks` (field -> function), from a module made for the test,
+    after the real rows (alone: instead of them)."""
+    import sys
+    import types
+
+    module = types.ModuleType("deepep_portable_fake_backend")
+    for field, fn in hooks.items():
+        setattr(module, field, fn)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    row = registry.Backend("fake", None, None, f"{module.__name__}:probe", spans_nodes=False,
+                           **{field: f"{module.__name__}:{field}" for field in hooks})
+    monkeypatch.setattr(registry, "BACKENDS", (() if alone else registry.BACKENDS) + (row,))
+    return row
+
+
+def test_precompile_asks_the_rows(monkeypatch, capsys):
+    """`precompile` builds what a row's precompile hook builds, on request (True: every such row; or by name), after
+    every kernel family, and names no backend itself."""
+    from deepep_portable import jit
+    from deepep_portable.tools import precompile
+
+    asked = []
+
+    def build(archs):
+        asked.append(archs)
+        return [("fake.cu[fake]", a, 1.5, a == "sm_90") for a in archs]
+
+    _fake_row(monkeypatch, alone=True, precompile=build)   # the real rows' builds need nvcc and their libraries
+    monkeypatch.setattr(precompile, "load_families", lambda: {})
+    monkeypatch.setattr(jit, "precompile", lambda archs: [("family", a, 0.5, False) for a in archs])
+    assert precompile.main(["sm_80", "sm_90"]) == 0 and asked == []
+    assert precompile.main(["sm_80", "sm_90"], True) == 0 and asked == [("sm_80", "sm_90")]
+    assert precompile.main(["sm_90"], ["fake"]) == 0 and asked[-1] == ("sm_90",)
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["family"] * 2 + ["family"] * 2 + ["fake.cu[fake]"] * 2 + \
+        ["family", "fake.cu[fake]"]
+    assert lines[4].split()[1:] == ["sm_80", "1.5", "s"] and lines[5].split()[1:] == ["sm_90", "cached"]
+    with pytest.raises(ValueError, match="no such backend"):
+        precompile.main(["sm_90"], ["nope"])
+
+
+def test_hooks_lists_the_rows_that_fill_a_field(monkeypatch):
+    real = [b.name for b in registry.BACKENDS if b.precompile]
+    assert real and [n for n, _ in registry.hooks("precompile")] == real
+    _fake_row(monkeypatch, cluster_findings=lambda part, facts, context: [])
+    hooked = [n for n, _ in registry.hooks("cluster_findings")]
+    assert hooked == [b.name for b in registry.BACKENDS if b.cluster_findings] and hooked[-1] == "fake"
+
+
+def test_precompile_of_nvshmem_leaves_sm_80_out(monkeypatch):
+    """`precompile --nvshmem` builds NVSHMEM's device-linked kernels (its row's hook) for the archs asked, less sm_80."""
+    from deepep_portable.transports.nvshmem import transport
+
+    monkeypatch.setattr(transport, "precompile", lambda archs: [("k", a, 0.0, True) for a in archs])
+    assert dict(registry.hooks("precompile"))["nvshmem"](("sm_80", "sm_90")) == [("k", "sm_90", 0.0, True)]

@@ -285,3 +285,59 @@ def test_ibgda_rails_farther_than_the_closest_nic(machine):
     f = find(found, "ibgda rails", "hca_list puts channels on mlx5_1, farther from the GPU than mlx5_0")
     assert f.level == dc.WARN and "DEEPEP_PORTABLE_IB_HCA_LIST" in f.todo
     assert find(found, "ibgda rails", "channels spread over mlx5_1:1")
+
+
+# ---- what the backends' registry rows add ------------------------------------------------------------------------
+def _fake_backend(monkeypatch, hook):
+    """A registry row "fake" after the real ones, whose cluster_findings is `hook`."""
+    import sys
+    import types
+
+    from deepep_portable.transports import registry
+
+    module = types.ModuleType("deepep_portable_fake_backend")
+    module.findings = hook
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    row = registry.Backend("fake", None, None, f"{module.__name__}:probe", spans_nodes=False,
+                           cluster_findings=f"{module.__name__}:findings")
+    monkeypatch.setattr(registry, "BACKENDS", registry.BACKENDS + (row,))
+
+
+def test_a_rows_cluster_findings_are_in_the_report(machine, monkeypatch):
+    from deepep_portable.transports import registry
+
+    asked = []
+
+    def hook(part, facts, context):
+        asked.append((part, dict(context)))
+        return [("WARN", f"fake {part}", f"seen at {context.get('where', part)}", f"fix the {part}")]
+
+    _fake_backend(monkeypatch, hook)
+    found = dc.local_findings(facts(machine))
+    assert [p for p, _ in asked] == list(registry.CLUSTER_PARTS)   # one ACTIVE port, readable driver params, a GPU
+    context = dict(asked)
+    assert context["port"]["where"] == "mlx5_0:1" and [g["index"] for g in context["port"]["routable_v2"]] == [3]
+    assert context["driver"]["has_nic"] and not context["driver"]["peer_mapping_override"]
+    assert "NVreg_EnableStreamMemOPs=1" in context["driver"]["missing"]
+    assert [r["name"] for r in context["affinity"]["ranked"]] == ["mlx5_0", "mlx5_1"]
+    assert context["affinity"]["best"]["name"] == "mlx5_0" and context["affinity"]["gpu_dir"].endswith(GPU_BUS)
+    f = find(found, "fake port", "seen at mlx5_0:1")
+    assert f.level == dc.WARN and f.todo == "fix the port"
+    base = facts(machine)
+    text = dc.format_report([_rank(base, "a"), _rank(base, "b")], [[0], [1]], True, [], [])
+    assert "WARN  fake port: seen at mlx5_0:1  [every rank]" in text and "what to do: fix the affinity" in text
+    assert "WARN  ibgda doorbell" in text   # the real rows' findings stay
+
+
+def test_a_rows_cluster_findings_that_fail_are_a_finding(machine, monkeypatch):
+    def hook(part, facts, context):
+        if part == "rank":
+            return [("LOUD", "fake", "a level that is none", "")]
+        raise RuntimeError("boom")
+
+    _fake_backend(monkeypatch, hook)
+    found = dc.local_findings(facts(machine))
+    assert find(found, "doctor", "fake's findings: bad level").level == dc.FAIL
+    f = find(found, "doctor", "fake's findings (port): RuntimeError: boom")
+    assert f.level == dc.FAIL and f.todo
+    find(found, "ibgda rails", "channels spread over")   # the other rows are still asked

@@ -14,7 +14,6 @@ import contextlib
 import datetime
 import glob
 import hashlib
-import ipaddress
 import os
 import platform
 import re
@@ -29,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from ..transports import rdma, registry
-from ..transports.ibgda import roce
 
 FAIL, WARN, NOTE, OK = "FAIL", "WARN", "NOTE", "OK"
 _ORDER = {FAIL: 0, WARN: 1, NOTE: 2, OK: 3}
@@ -188,23 +186,20 @@ def rdma_mtu(netdev_mtu: Optional[int]) -> Optional[int]:
     return next((m for m in IB_MTUS if m + ROCE_HEADERS <= netdev_mtu), None) if netdev_mtu else None
 
 
-def _is_roce(port: Mapping) -> bool:
-    return str(port.get("link_layer") or "").lower() == "ethernet"
-
-
-def _routable_v2(g: Mapping) -> bool:
-    gid = str(g.get("gid") or "").lower()
-    return str(g.get("type") or "").strip().lower() == "roce v2" and not gid.startswith("fe80") \
-        and set(gid.replace(":", "")) > {"0"}
-
-
-def _gid_text(gid: str) -> str:
-    """A GID as people write it: ::ffff:10.0.0.1, fe80::1."""
-    try:
-        a = ipaddress.IPv6Address(gid)
-    except ValueError:
-        return gid
-    return f"::ffff:{a.ipv4_mapped}" if a.ipv4_mapped else a.compressed
+def backend_findings(part: str, facts: Mapping, context: Mapping) -> List[Finding]:
+    """What each backend finds at this part of a rank's findings (its registry row's cluster_findings, asked with
+    the rank's facts and the part's context: registry.CLUSTER_PARTS), in table order; a backend whose hook fails
+    is a FAIL naming it, not a report that stops."""
+    out: List[Finding] = []
+    for name, hook in registry.hooks("cluster_findings"):
+        try:
+            out += [Finding(*f) if f[0] in _ORDER else Finding(FAIL, "doctor", f"{name}'s findings: bad level {f!r}",
+                                                               "report it with this output")
+                    for f in hook(part, facts, context)]
+        except Exception as e:
+            out.append(Finding(FAIL, "doctor", f"{name}'s findings ({part}): {type(e).__name__}: {e}",
+                               "report it with this output"))
+    return out
 
 
 def in_effect(settings: Mapping, key: str, transport: str) -> Optional[int]:
@@ -215,11 +210,12 @@ def in_effect(settings: Mapping, key: str, transport: str) -> Optional[int]:
 
 def _port_down(where: str, port: Mapping) -> Finding:
     state, phys, netdev = str(port.get("state")), str(port.get("phys_state")), port.get("netdev") or "its netdev"
+    roce = rdma.is_roce(port)
     if "INIT" in state and "LinkUp" in phys:
         todo = "the link is up but no subnet manager configured the port: check the fabric's subnet manager (opensm)"
     elif "Disabled" in phys:
-        todo = f"the port is disabled: enable it ({f'ip link set {netdev} up' if _is_roce(port) else 'ibportstate'})"
-    elif _is_roce(port):
+        todo = f"the port is disabled: enable it ({f'ip link set {netdev} up' if roce else 'ibportstate'})"
+    elif roce:
         todo = f"bring {netdev} up (ip link set {netdev} up) and check the cable and the switch port"
     else:
         todo = "no link: check the cable and the switch port (ibstat shows the physical state)"
@@ -228,51 +224,39 @@ def _port_down(where: str, port: Mapping) -> Finding:
                    "ports carry traffic")
 
 
-def _gid_findings(where: str, port: Mapping, settings: Mapping) -> List[Finding]:
+def _gid_findings(where: str, port: Mapping, facts: Mapping) -> List[Finding]:
     gids, netdev, out = port.get("gids") or [], port.get("netdev") or "its netdev", []
-    v2 = [g for g in gids if _routable_v2(g)]
-    if _is_roce(port) and not v2:
-        listing = ", ".join(f"{g['index']}={_gid_text(g['gid'])} ({g.get('type')})" for g in gids) or "none"
+    settings = facts.get("settings") or {}
+    v2 = [g for g in gids if rdma.routable_v2(g)]
+    if rdma.is_roce(port) and not v2:
+        listing = ", ".join(f"{g['index']}={rdma.gid_text(g['gid'])} ({g.get('type')})" for g in gids) or "none"
         out.append(Finding(FAIL, where, f"no routable RoCE v2 GID (GIDs: {listing})",
                            f"give {netdev} an IPv4 address (each address of the interface adds RoCE v1 and v2 GIDs) "
                            "and check the RoCE mode (rdma link; cma_roce_mode)"))
-    ib = settings.get("ibgda") or {}
-    if "error" not in ib:
-        try:
-            idx, gid, why = roce.pick_gid(port, roce.ibgda_options(
-                {k: ib.get(k) for k in ("gid_index", "address_family")}, environ={}))
-            if _is_roce(port) and v2 and not any(g["index"] == idx for g in v2):
-                out.append(Finding(WARN, where, f"ibgda uses gid[{idx}] {_gid_text(gid)}, not a routable RoCE v2 GID "
-                                   f"({why})",
-                                   f"set {roce.ENV_PREFIX}GID_INDEX to a RoCE v2 index of this port: "
-                                   + ", ".join(str(g["index"]) for g in v2)))
-        except ValueError as e:
-            out.append(Finding(FAIL, where, f"ibgda: {e}", (f"configure an IP address on {netdev}, or set "
-                               if _is_roce(port) else "check the port's GID table (ibv_devinfo -v), or set ")
-                               + f"{roce.ENV_PREFIX}GID_INDEX to a valid index"))
-    if not _is_roce(port) or not v2:
+    out += backend_findings("port", facts, {"where": where, "port": port, "routable_v2": v2})
+    if not rdma.is_roce(port) or not v2:
         return out
     for s in [s for s in settings.values() if "vars" in s]:   # the libraries' own GID index variables
         var, idx = s["vars"]["gid_index"], s.get("gid_index")
         g = next((g for g in gids if g["index"] == (0 if idx is None else idx)), None)
-        if idx is None and s.get("unset_gid") and (g is None or not _routable_v2(g)):
+        if idx is None and s.get("unset_gid") and (g is None or not rdma.routable_v2(g)):
             out.append(Finding(WARN, where, f"{var} is unset: {s['unset_gid']} use gid[0] "
-                               + (f"{_gid_text(g['gid'])} ({g.get('type')})" if g else "(none)") + " here",
+                               + (f"{rdma.gid_text(g['gid'])} ({g.get('type')})" if g else "(none)") + " here",
                                f"export {var}={v2[0]['index']} (a RoCE v2 GID of this port) on every rank"))
-        elif idx is not None and (g is None or not _routable_v2(g)):
+        elif idx is not None and (g is None or not rdma.routable_v2(g)):
             what = "is not a GID of this port" if g is None else \
-                f"is {_gid_text(g['gid'])} ({g.get('type')}), not routable RoCE v2"
+                f"is {rdma.gid_text(g['gid'])} ({g.get('type')}), not routable RoCE v2"
             out.append(Finding(FAIL, where, f"{var}={idx} {what}", f"export {var}={v2[0]['index']} (a RoCE v2 GID of "
                                "this port)"))
     return out
 
 
-def _port_findings(name: str, port: Mapping, settings: Mapping) -> List[Finding]:
-    where = f"{name}:{port['port']}"
+def _port_findings(name: str, port: Mapping, facts: Mapping) -> List[Finding]:
+    where, settings = f"{name}:{port['port']}", facts.get("settings") or {}
     if not str(port.get("state") or "").endswith("ACTIVE"):
         return [_port_down(where, port)]
-    out = _gid_findings(where, port, settings)
-    if not _is_roce(port):
+    out = _gid_findings(where, port, facts)
+    if not rdma.is_roce(port):
         return out
     mtu = rdma_mtu(port.get("netdev_mtu"))
     if port.get("netdev_mtu") and (mtu or 0) < 4096:
@@ -286,7 +270,7 @@ def _port_findings(name: str, port: Mapping, settings: Mapping) -> List[Finding]
         out.append(Finding(WARN, where, "traffic class 0 (DSCP 0) for every transport: RoCE traffic goes in the "
                            "default class, lossy on most fabrics",
                            "ask the network team which DSCP is lossless (PFC) or ECN-marked and set it for every "
-                           f"transport: {roce.ENV_PREFIX}TRAFFIC_CLASS, NVSHMEM_IB_TRAFFIC_CLASS, NCCL_IB_TC = "
+                           "transport: DEEPEP_PORTABLE_IB_TRAFFIC_CLASS, NVSHMEM_IB_TRAFFIC_CLASS, NCCL_IB_TC = "
                            "DSCP * 4 (+ ECN bits), e.g. 106 for DSCP 26"))
     return out
 
@@ -310,34 +294,23 @@ def _gpudirect(machine: Mapping, dma_buf: Optional[bool]) -> Finding:
                    "open kernel modules on Linux >= 5.12 (dma-buf)")
 
 
-def _driver_settings(machine: Mapping, settings: Mapping, has_nic: bool) -> List[Finding]:
+def _driver_settings(facts: Mapping, has_nic: bool) -> List[Finding]:
+    machine = facts.get("machine") or {}
     params = machine.get("nvidia_params") or {}
     if not params:
         return [Finding(NOTE, "NVIDIA driver", f"cannot read {machine.get('params_path')}: driver settings not "
                         "checked")]
+    stream_mem_ops = params.get("EnableStreamMemOPs", "").strip() == "1"
     peer_override = re.search(r"PeerMappingOverride\s*=\s*1\b", params.get("RegistryDwords", "")) is not None
-    missing = ([] if params.get("EnableStreamMemOPs", "").strip() == "1" else ["NVreg_EnableStreamMemOPs=1"]) + \
+    missing = ([] if stream_mem_ops else ["NVreg_EnableStreamMemOPs=1"]) + \
         ([] if peer_override else ['NVreg_RegistryDwords="PeerMappingOverride=1;"'])
     todo = ("add `options nvidia " + " ".join(missing) + "` to /etc/modprobe.d/nvidia.conf, then rebuild the initramfs "
             "and reboot (or reload the nvidia modules)")
-    if not missing:
-        out = [Finding(OK, "NVIDIA driver", "EnableStreamMemOPs=1 and PeerMappingOverride=1 (NVSHMEM's IBGDA, the "
-                       "ibgda GPU doorbell)")]
-    elif (settings.get("nvshmem") or {}).get("gpu_initiated"):
-        out = [Finding(FAIL, "NVSHMEM IBGDA", "NVSHMEM_IB_ENABLE_IBGDA is on but the driver lacks "
-                       + ", ".join(missing), todo)]
-    else:
-        out = [Finding(NOTE, "NVSHMEM IBGDA", "NVSHMEM's IBGDA (nvshmem_options ibgda=True) would need "
-                       + ", ".join(missing) + "; its default CPU proxy does not", todo)]
-    ib = settings.get("ibgda") or {}
-    if has_nic and not peer_override and "error" not in ib:
-        gpu_only = ib.get("doorbell") == "gpu"
-        out.append(Finding(FAIL if gpu_only else WARN, "ibgda doorbell",
-                           ("doorbell='gpu', but " if gpu_only else "") + "without PeerMappingOverride=1 the driver "
-                           "usually refuses to map the NIC's doorbell page into the GPU"
-                           + ("" if gpu_only else ": ibgda then has a host thread ring it (slower)"),
-                           todo + (f"; or set {roce.ENV_PREFIX}DOORBELL=auto" if gpu_only else "")))
-    return out
+    out = [] if missing else [Finding(OK, "NVIDIA driver", "EnableStreamMemOPs=1 and PeerMappingOverride=1 (NVSHMEM's "
+                                      "IBGDA, the ibgda GPU doorbell)")]
+    return out + backend_findings("driver", facts, {"has_nic": has_nic, "stream_mem_ops": stream_mem_ops,
+                                                    "peer_mapping_override": peer_override, "missing": missing,
+                                                    "todo": todo})
 
 
 def affinity(facts: Mapping) -> Tuple[List[Dict], List[Finding]]:
@@ -353,11 +326,11 @@ def affinity(facts: Mapping) -> Tuple[List[Dict], List[Finding]]:
         return [], []
     numa = {d["name"]: d.get("numa_node") for d in nics}
     up = {d["name"] for d in nics if any(str(p.get("state") or "").endswith("ACTIVE") for p in d["ports"])}
-    ranked = [{"name": n, "distance": roce.DISTANCE_NAMES[c].split()[0], "numa": numa[n], "code": c, "active": n in up}
-              for c, n in roce.rank_nics(gpu["dir"], nics, machine["infiniband"])]
+    ranked = [{"name": n, "distance": rdma.DISTANCE_NAMES[c].split()[0], "numa": numa[n], "code": c, "active": n in up}
+              for c, n in rdma.rank_nics(gpu["dir"], nics, machine["infiniband"])]
     out: List[Finding] = []
     best = next((r for r in ranked if r["active"]), None)   # no active port at all: the port findings say so
-    if best and (best["code"] == roce.SYS or None not in (best["numa"], gpu.get("numa_node"))
+    if best and (best["code"] == rdma.SYS or None not in (best["numa"], gpu.get("numa_node"))
                  and best["numa"] != gpu["numa_node"]):
         closer = ", ".join(f"{r['name']} {r['distance']}" for r in ranked if r["code"] < best["code"])
         out.append(Finding(WARN, f"GPU {gpu['bus_id']}", f"its closest RDMA NIC with an active port, {best['name']}, "
@@ -366,20 +339,8 @@ def affinity(facts: Mapping) -> Tuple[List[Dict], List[Finding]]:
                                                                else ""),
                            "bring the closer NIC's port up, run ranks on the GPUs that share a PCIe switch with a NIC, "
                            "or name each rank's NIC (ibgda hca_list, NVSHMEM_HCA_LIST, NCCL_IB_HCA per local rank)"))
-    ib = settings.get("ibgda") or {}
-    if "error" not in ib:
-        try:
-            rails = roce.choose_rails(nics, roce.ibgda_options({k: ib.get(k) for k in ("hca_list", "multi_port")},
-                                                               environ={}), gpu["dir"], machine["infiniband"])
-            far = sorted({d for d, _ in rails} - {r["name"] for r in ranked if best and r["code"] <= best["code"]})
-            if far and best and ib.get("hca_list"):
-                out.append(Finding(WARN, "ibgda rails", f"hca_list puts channels on {', '.join(far)}, farther from "
-                                   f"the GPU than {best['name']}",
-                                   f"check {roce.ENV_PREFIX}HCA_LIST / ibgda_options hca_list"))
-            out.append(Finding(NOTE, "ibgda rails", "channels spread over " + ", ".join(f"{d}:{p}" for d, p in rails)))
-        except ValueError as e:
-            out.append(Finding(FAIL, "ibgda rails", str(e), f"bring a port up, or fix {roce.ENV_PREFIX}HCA_LIST / "
-                               "ibgda_options hca_list"))
+    out += backend_findings("affinity", facts, {"gpu_dir": gpu["dir"], "nics": nics, "ranked": ranked, "best": best,
+                                                "infiniband": machine["infiniband"]})
     for transport, s in settings.items():
         listed = [e.lstrip("^=").split(":")[0] for e in str(s.get("hca_list") or "").split(",") if e.strip("^= ")]
         unknown = [n for n in listed if not any(x.startswith(n) for x in numa)]
@@ -394,9 +355,7 @@ def local_findings(facts: Mapping) -> List[Finding]:
     machine, settings = facts.get("machine") or {}, facts.get("settings") or {}
     out = [Finding(FAIL, "doctor", f"could not look at {e}", "report it with this output")
            for e in facts.get("errors", [])]
-    if "error" in (settings.get("ibgda") or {}):
-        out.append(Finding(FAIL, "ibgda options", settings["ibgda"]["error"], f"fix the {roce.ENV_PREFIX}* variable it "
-                           "names"))
+    out += backend_findings("rank", facts, {})
     nics = machine.get("nics") or []
     if not nics:
         out.append(Finding(FAIL, "RDMA", f"no RDMA NIC ({machine.get('infiniband', '/sys/class/infiniband')} "
@@ -409,10 +368,10 @@ def local_findings(facts: Mapping) -> List[Finding]:
                            "load ib_uverbs (modprobe ib_uverbs); in a container pass --device=/dev/infiniband"))
     for d in nics:
         for p in d["ports"]:
-            out += _port_findings(d["name"], p, settings)
+            out += _port_findings(d["name"], p, facts)
     if (machine.get("modules") or {}).get("nvidia"):
         out += [_gpudirect(machine, facts.get("dma_buf"))] if nics else []
-        out += _driver_settings(machine, settings, bool(nics))
+        out += _driver_settings(facts, bool(nics))
     return out + affinity(facts)[1]
 
 
@@ -605,10 +564,10 @@ def _round_trip_lines(results: Sequence[Dict], transports: Sequence[str], nodes:
 
 
 def _port_line(p: Mapping, settings: Mapping) -> str:
-    if _is_roce(p):
-        v2 = [g for g in p.get("gids") or [] if _routable_v2(g)]
+    if rdma.is_roce(p):
+        v2 = [g for g in p.get("gids") or [] if rdma.routable_v2(g)]
         path = (f"MTU {rdma_mtu(p.get('netdev_mtu')) or '?'} ({p.get('netdev')} {p.get('netdev_mtu') or '?'}), "
-                + (f"RoCE v2 GID {v2[0]['index']} {_gid_text(v2[0]['gid'])}" if v2 else "no routable RoCE v2 GID"))
+                + (f"RoCE v2 GID {v2[0]['index']} {rdma.gid_text(v2[0]['gid'])}" if v2 else "no routable RoCE v2 GID"))
     else:
         path = "MTU not in sysfs (ibv_devinfo shows active_mtu)"
     tc_sl = ", ".join(f"{t} tc {in_effect(settings, 'traffic_class', t)} sl {in_effect(settings, 'service_level', t)}"

@@ -2,13 +2,13 @@
 
 A family is declared (jit.register_family) next to the code that launches its kernels, and a backend
 declares the kernels built for it in its transport module (e.g. low_latency.register_families(build));
-importing those modules is what makes jit.families() complete. A backend whose kernels are
-device-linked against a library offers `precompile(archs)` in that module instead (NVSHMEM:
-`--nvshmem`)."""
+importing those modules is what makes jit.families() complete. A backend with kernels jit.precompile cannot
+build (device-linked against a library) points its registry row's `precompile` at what builds them; they are built
+on request (`--nvshmem`)."""
 from __future__ import annotations
 
 import importlib
-from typing import Dict, Sequence
+from typing import Collection, Dict, Sequence, Union
 
 from .. import jit
 
@@ -28,13 +28,23 @@ def load_families() -> Dict[str, jit.KernelFamily]:
     return jit.families()
 
 
-def main(archs: Sequence[str], nvshmem: bool) -> int:
+def main(archs: Sequence[str], linked: Union[bool, Collection[str]] = False) -> int:
+    """Every kernel family for `archs`, then the kernels of the backends in `linked` that jit.precompile cannot build
+    (their rows' `precompile`): True for every such backend (`--nvshmem`: NVSHMEM's are the only ones), or their
+    names."""
+    from ..transports import registry
+
     load_families()
+    hooks = registry.hooks("precompile")
+    if linked is not True:
+        unknown = sorted(set(linked or ()) - {backend for backend, _ in hooks})
+        if unknown:
+            raise ValueError(f"{unknown}: no such backend builds kernels of its own; those that do: "
+                             f"{[backend for backend, _ in hooks]}")
+    builds = [build for backend, build in hooks if linked is True or backend in (linked or ())]
     for name, arch, seconds, hit in jit.precompile(tuple(archs)):
         print(f"{name:40s} {arch:6s} {'cached' if hit else f'{seconds:.1f} s'}")
-    if nvshmem:
-        from ..transports.nvshmem.transport import precompile
-
-        for name, arch, seconds, hit in precompile(tuple(a for a in archs if a != "sm_80")):
+    for build in builds:
+        for name, arch, seconds, hit in build(tuple(archs)):
             print(f"{name:40s} {arch:6s} {'cached' if hit else f'{seconds:.1f} s'}")
     return 0

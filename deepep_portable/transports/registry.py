@@ -14,6 +14,13 @@ package (imported when first asked, so a backend's libraries are never loaded by
               libraries on disk, its choices on this machine's NICs); never raises for a missing piece;
   network_settings  (environ) -> the network settings it would use ({gid_index, traffic_class, service_level,
               hca_list, ...}, or {"error": ...}); `doctor --cluster` compares them between ranks and with each port;
+  cluster_findings  its own findings in `doctor --cluster`'s report: (part, facts, context) -> [(level, subject,
+              text, todo)], plain tuples (level "FAIL", "WARN", "NOTE" or "OK"; every FAIL and WARN with a todo),
+              asked at each part of one rank's findings (CLUSTER_PARTS below) with that rank's collected facts
+              (its network settings under facts["settings"][name]) and what the report derived there; a backend
+              cannot import the tools' Finding, which sit a floor above it;
+  precompile  (archs) -> [(label, arch, seconds, cache_hit)]: its kernels that `jit.precompile` cannot build (e.g.
+              device-linked against a library), which `python -m deepep_portable precompile` builds on request;
 and lists its GPU test steps (scripts/gpu_tests.sh step names) and its compute-sanitizer suites
 (scripts/sanitize.sh entries). `python -m deepep_portable.transports.registry --steps gpu|sanitize` prints them.
 """
@@ -42,6 +49,8 @@ class Backend:
     error_text: Optional[str] = None   # decoder of its own kernel error codes ("module:function")
     doctor: Optional[str] = None       # its own section of `doctor` ("module:function" -> lines)
     network_settings: Optional[str] = None   # its network settings, for doctor --cluster ("module:function")
+    cluster_findings: Optional[str] = None   # its findings in doctor --cluster's report ("module:function")
+    precompile: Optional[str] = None   # builds its kernels that jit.precompile cannot ("module:function")
     gpu_steps: Tuple[str, ...] = ()    # its steps in scripts/gpu_tests.sh
     sanitize_steps: Tuple[str, ...] = ()   # its suites in scripts/sanitize.sh: "name|ranks|file|-k expr|environment"
 
@@ -53,6 +62,7 @@ BACKENDS: Tuple[Backend, ...] = (
             verified_hardware="one GPU shared by ranks (H200); never between machines", ran_on_hardware=True,
             options=".nvshmem.runtime:validate_options", legacy_option="nvshmem_options",
             doctor=".nvshmem.doctor:doctor", network_settings=".nvshmem.doctor:network_settings",
+            cluster_findings=".nvshmem.cluster:findings", precompile=".nvshmem.transport:precompile_linked",
             gpu_steps=("llnvshmem", "internode", "benchinternode")),
     Backend("nccl_gin", ".nccl_gin.transport", "NcclGinTransport", ".nccl_gin.probe:probe_nccl_gin",
             spans_nodes=True, rdma=True,
@@ -71,6 +81,7 @@ BACKENDS: Tuple[Backend, ...] = (
             verified_hardware="never on a real NIC (NIC model only)",
             options=".ibgda.roce:validate_options", legacy_option="ibgda_options", error_text=".ibgda.errors:describe",
             doctor=".ibgda.doctor:doctor", network_settings=".ibgda.doctor:network_settings",
+            cluster_findings=".ibgda.cluster:findings",
             gpu_steps=("llibgda", "internodeibgda"),
             sanitize_steps=(
                 "ll_ibgda|2|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink|DEEPEP_TEST_IBGDA_MODEL=1 "
@@ -123,6 +134,26 @@ def error_text(name: str) -> Optional[Callable]:
     """Backend `name`'s decoder of its own kernel error codes (errors.from_record's `describe`), or None."""
     ref = row(name).error_text
     return entry(ref) if ref else None
+
+
+# The parts of one rank's findings in doctor --cluster where each row's cluster_findings is asked, in the report's
+# order, with the context each gets beside the rank's facts:
+#   "rank"      before the NIC checks; context {}
+#   "port"      each ACTIVE port, after its RoCE v2 GID check and before the libraries' GID variables; context
+#               {"where": "mlx5_0:1", "port": the port record, "routable_v2": its routable RoCE v2 GIDs}
+#   "driver"    after the NVIDIA driver's parameters, when they could be read; context {"has_nic",
+#               "stream_mem_ops", "peer_mapping_override": bools, "missing": the module options to add, "todo":
+#               how to add them}
+#   "affinity"  after the GPU-NIC distance, when the rank has a GPU, its sysfs directory and an RDMA NIC; context
+#               {"gpu_dir", "nics", "infiniband": the sysfs class directory, "ranked": [{name, distance, numa, code,
+#               active}] closest first, "best": the closest with an active port or None}
+CLUSTER_PARTS = ("rank", "port", "driver", "affinity")
+
+
+def hooks(field: str) -> list:
+    """[(backend name, function)] of every row that fills `field` (a "module:function" field such as
+    cluster_findings or precompile), in table order."""
+    return [(b.name, entry(getattr(b, field))) for b in BACKENDS if getattr(b, field)]
 
 
 def steps(kind: str) -> list:

@@ -67,3 +67,9 @@ def precompile(archs=("sm_90",), jobs: Optional[int] = None, variants: Optional[
     jit.find_nvcc()   # raises naming where it looked
     with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
         return list(pool.map(run, tasks))
+
+
+def precompile_linked(archs: Sequence[str]):
+    """`python -m deepep_portable precompile --nvshmem` (this backend's registry row's `precompile`): precompile()'s
+    default kernels for `archs`, sm_80 left out."""
+    return precompile(tuple(a for a in archs if a != "sm_80"))
