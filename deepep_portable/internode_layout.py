@@ -13,6 +13,7 @@ starts with a handshake after which no rank still reads anything of the previous
     dispatch: [ landing slots [M][N] | staged bodies [N] | staged metas [N][M] ]
               slot = body (payload | scales | top-k ids int32 | top-k weights) | meta (int32 [P] | source token)
     combine:  [ landing rows [M][N] | partial rows [M][N] | staged input rows [rest of the window] ]
+              (N leaves the staged rows at least the room of the other two; each op checks its own rows)
               row = bf16 [hidden] | float32 top-k weights
 
 N (tokens per rank and call) is what the window holds for the op's shape, at most
@@ -144,10 +145,14 @@ class InternodeCombineLayout:
         return combine_slot_bytes(self.hidden, self.num_topk)
 
     def max_tokens(self, window_bytes: int) -> int:
-        """N such that the landing and partial rows of N tokens per node and R * N staged rows (the most
-        a rank can receive from sources of N tokens) fit."""
+        """N: the landing and partial rows of N tokens per node, leaving the staged rows (this rank's combine
+        input, max_rows) room for S * N rows, S = min(R, 2M): at least as much as landing and partial rows
+        take together. A rank receives at most R * N rows but on a balanced gate far fewer, so the staged
+        rows are checked per op against the rows the handle holds, not reserved for the worst case; the size
+        hint still reserves R * N (internode_rdma_bytes)."""
         r = self.regions
-        return _tokens_that_fit(r, window_bytes, (2 * r.num_nodes + r.num_ranks) * self.row_bytes, 2)
+        staged = min(r.num_ranks, 2 * r.num_nodes)
+        return _tokens_that_fit(r, window_bytes, (2 * r.num_nodes + staged) * self.row_bytes, 2)
 
     def landing_offset(self, n: int) -> int:
         return self.regions.data_offset
