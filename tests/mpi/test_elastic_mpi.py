@@ -367,3 +367,65 @@ def test_async_events_order_the_callers_stream(buf, pg, device, request, base_se
     ck.true(values[-1].event is None, "release_handle kept the event")
     ck.bits(values[0], inp.expected.recv_x, "recv_x after the event")
     ck.done()
+
+
+# ---- CUDA graphs: the decode pattern --------------------------------------------------------------------
+def same_routing(pg, gen, device, like: Inputs) -> Inputs:
+    """New payload and weights on `like`'s routing (what a cached handle replays), with the oracle's answer."""
+    new = Inputs(pg, gen, device, num_tokens=like.x.size(0))
+    new.idx, new.in_rank, new.in_rank_all, new.idx_all = like.idx, like.in_rank, like.in_rank_all, like.idx_all
+    new.expected = oracle.dispatch(new.rank, new.experts, new.x_all, new.in_rank_all, new.scales_all, new.idx_all,
+                                   new.weights_all)
+    new.num_recv = new.expected.num_recv_tokens
+    return new
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("cached", [False, True])
+def test_decode_cuda_graph(buf, pg, device, request, base_seed, cached):
+    """Decode as serving engines run it: a fixed num_max_tokens_per_rank, no CPU sync, dispatch + expert (x2,
+    exact in bf16) + combine captured once and replayed with new contents: new routing each step, or a cached
+    handle's routing with new payload and weights. Every replay bit-exact against the oracle and against the
+    same calls made eagerly on the same inputs."""
+    from test_intranode_gpu_mpi import GpuChecker, capture_graph
+
+    gen = generator(request, base_seed, world(pg)[0])
+    ck = GpuChecker(pg)
+    first = Inputs(pg, gen, device, num_tokens=MAX_TOKENS - 6)
+    static = dict(x=first.x.clone(), idx=first.idx.clone(), w=first.weights.clone())
+    fresh = dict(num_experts=first.experts, num_max_tokens_per_rank=MAX_TOKENS, do_cpu_sync=False, num_sms=NUM_SMS)
+    _, _, _, handle, _ = buf.dispatch(static["x"], static["idx"], static["w"], **fresh)
+
+    def body() -> dict:
+        if cached:
+            recv_x, _, recv_w, h, _ = buf.dispatch(static["x"], handle=handle, topk_weights=static["w"],
+                                                   num_sms=NUM_SMS)
+        else:
+            recv_x, _, recv_w, h, _ = buf.dispatch(static["x"], static["idx"], static["w"], **fresh)
+        combined, combined_w, _ = buf.combine(recv_x * 2, h, recv_w)
+        return dict(recv_x=recv_x, recv_w=recv_w, combined=combined, combined_w=combined_w,
+                    real=h.psum_num_recv_tokens_per_scaleup_rank[-1:])
+
+    ck.run("[graph warm-up] eager", lambda: (body(), torch.cuda.synchronize()))
+    graph, outs = capture_graph(ck, body, "[graph] capture")
+    for step in range(3):
+        inp = same_routing(pg, gen, device, first) if cached else Inputs(pg, gen, device, num_tokens=MAX_TOKENS - 6)
+        if outs is None:
+            break
+        static["x"].copy_(inp.x)
+        static["idx"].copy_(inp.idx)
+        static["w"].copy_(inp.weights)
+        ck.run(f"[graph replay {step}]", lambda: (graph.replay(), torch.cuda.synchronize()))
+        real, tag = inp.num_recv, f"replay {step}"
+        ck.true(int(outs["real"]) == real, f"{tag}: {int(outs['real'])} real rows, want {real}")
+        ck.bits(outs["recv_x"][:real], inp.expected.recv_x, f"{tag}: recv_x")
+        ck.bits(outs["recv_w"][:real], inp.expected.recv_topk_weights, f"{tag}: recv_topk_weights")
+        want_x, _ = expected_combine(inp, pg, (outs["recv_x"][:real] * 2), outs["recv_w"][:real], None)
+        ck.bits(outs["combined"], want_x, f"{tag}: combined_x")
+        ck.bits(outs["combined_w"], combine_weights_expected(inp), f"{tag}: combined_topk_weights")
+        eager = ck.run(f"[eager {step}]", body)
+        if eager is not None:
+            for name in ("recv_x", "combined", "combined_w"):
+                rows = real if name == "recv_x" else None
+                ck.bits(outs[name][:rows], eager[name][:rows], f"{tag}: {name} replayed vs eager")
+    ck.done()
