@@ -307,12 +307,26 @@ class ElasticBuffer:
                                 sm_read_gbs: float = 200, sm_write_gbs: float = 50) -> int:
         """SMs that keep the links busy for a balanced gate (uniformly random, distinct top-k experts).
 
-        The model: a token goes to D distinct ranks on average, D = R * (1 - C(E - E/R, k) / C(E, k)). The
-        kernel reads it once and writes D copies, so per byte on the links an SM reads 1/D and writes 1
-        byte. The links move T bytes/s: NVLink (nvlink_gbs, 450 when 0) to the ranks of this node, RDMA
-        (rdma_gbs, 50 when 0) to other nodes, whichever is the bottleneck for the share of destinations
-        each serves. SMs = 1.25 * T * max((1/D) / sm_read_gbs, 1 / sm_write_gbs), even, at least 4 (at
-        least 64 with prefer_overlap_with_compute=False), at most the device's. Cached per arguments."""
+        The model: a token goes to D distinct ranks on average, D = R * (1 - C(E - E/R, k) / C(E, k)), so an
+        op moves D rows per token over the links (the dispatch's payload, the combine's back). The links move
+        T bytes/s: NVLink (nvlink_gbs, 450 when 0) to the ranks of this node, RDMA (rdma_gbs, 50 when 0) to
+        other nodes, whichever is the bottleneck for the share of destinations each serves. Per byte on the
+        links the SMs read 1/D byte of a token (read once, sent D times) at sm_read_gbs and write 1 byte at
+        sm_write_gbs per SM. SMs = 1.25 * T * max((1/D) / sm_read_gbs, 1 / sm_write_gbs), even, at least 4 (at
+        least 64 with prefer_overlap_with_compute=False), at most the device's. Cached per arguments.
+
+        Our kernels against it (docs/INTRANODE.md): the dispatch stages each token once (1/D of the link bytes,
+        read and written), then the receivers' SMs pull every row over the links into the output (1 byte read,
+        1 written per link byte); the combine stages the received rows and each source pulls them back. So an
+        SM's work per link byte is about (1 + 1/D) bytes each way, which the rates a caller passes should fold
+        in: a per-SM rate measured as the op's payload bytes (its logical bytes, DeepEP's convention) per
+        second per SM does, and is what `bench --num-sms` sweeps feed in as sm_write_gbs (the time one more
+        block saves, so the fixed part of an op drops out), with the sweep's ceiling as nvlink_gbs (at EP 8,
+        top-8 of 256, the read term is a twentieth of the write term at 50 GB/s per SM). The defaults are
+        V2's nominal rates, not measurements of ours. With the rates measured between two H200s over NVLink
+        (docs/PERFORMANCE.md: 390 GB/s a direction, 21.2 GB/s per block for the dispatch, 23.6 for the
+        combine, an older form of the kernels) the model gives 24 and 22 SMs at EP 8, top-8 of 256; with the
+        defaults, 12."""
         key = (num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs)
         if key in self._num_sms_estimates:
             return self._num_sms_estimates[key]
