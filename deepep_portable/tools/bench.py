@@ -9,10 +9,11 @@ included, over the op's time; the time reported is the slowest rank's median.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,8 +25,8 @@ from . import compare
 from .ceilings import ceiling, copy_ceiling, nccl_all_to_all
 from .internode_ceiling import internode_ceiling
 from .spawn import run_local
-from .timing import (LL_LOOP, graph_seconds, layout_parts, print_graph_trace, print_host_profile, print_profile,
-                     slowest, start_line, timer)
+from .timing import (LL_LOOP, PICK_TOLERANCE, best_budget, graph_seconds, layout_parts, measured_model_inputs,
+                     pick_budget, print_graph_trace, print_host_profile, print_profile, slowest, start_line, timer)
 
 
 @dataclass
@@ -42,6 +43,8 @@ class Row:
     ceiling_gbps: float
     transport: str
     sms: Optional[int]   # blocks of the op's kernels and of its ceiling's copy; None: no SMs (the CPU), or not ours
+    budget: Optional[int] = None   # --num-sms sweep: the SM budget asked for (the engine may cap the blocks)
+    api: str = ""                  # --num-sms sweep: "v1" or "v2" (a --compare peer: "v1")
 
     def cells(self) -> List[str]:
         ratio = self.ceiling_us / self.time_us if self.time_us > 0 else 0.0
@@ -333,6 +336,231 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
                                 ("a2a_combine", False, hidden * 2, combine_bytes, c_combine, "bf16")), loop)
 
 
+def _token_in_rank(topk_idx: torch.Tensor, num_experts: int, world: int) -> torch.Tensor:
+    """[tokens, ranks] bool: whether a token has one of its top-k experts on each rank (from top-k alone,
+    as the oracle routes; -1 entries route nowhere)."""
+    valid = topk_idx >= 0
+    dest = torch.where(valid, topk_idx // (num_experts // world), torch.zeros_like(topk_idx))
+    ranks = torch.arange(world, device=topk_idx.device)
+    return ((dest.unsqueeze(-1) == ranks) & valid.unsqueeze(-1)).any(1)
+
+
+def _our_ops(cfg: argparse.Namespace, group, world: int, tokens: int):
+    """(ElasticBuffer or None, V1 Buffer (underneath), dispatch(sms) -> fn, combine(sms, x, handle) -> fn,
+    unpack(dispatch output) -> (recv_x, handle), inputs (x, x_in, topk_idx)) of the sweep's API, made to be
+    destroyed: V2's ElasticBuffer (FP8 as its (data, scales) tuple, the layout folded into its dispatch) or V1's
+    Buffer (the layout computed once, as bench_normal times it). A budget of None (the CPU): the API's default."""
+    hidden, topk, experts = cfg.hidden, cfg.topk, cfg.experts
+    if cfg.api == "v2":
+        from ..buffers.elastic import ElasticBuffer
+
+        elastic = ElasticBuffer(group, num_max_tokens_per_rank=tokens, hidden=hidden, num_topk=topk,
+                                use_fp8_dispatch=cfg.fp8, transport=cfg.transport, explicitly_destroy=True)
+        buf = elastic.runtime
+    else:
+        elastic, buf = None, Buffer(group, Config().get_nvl_buffer_size_hint(hidden * 2, world, tokens), 0,
+                                    transport=cfg.transport, explicitly_destroy=True)
+    rank = buf.rank
+    gen = torch.Generator().manual_seed(1000 * rank + tokens)   # bench_normal's draws: a peer gets the same
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(buf.device)
+    topk_idx = _random_topk(tokens, experts, topk, buf.device, gen)
+    topk_weights = torch.rand(tokens, topk, generator=gen).to(buf.device)
+    x_in = _reference_fp8_cast(x, False) if cfg.fp8 else x
+    if elastic is not None:
+        def dispatch(sms):
+            return lambda: elastic.dispatch(x_in, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=experts,
+                                            num_sms=sms or 0)
+
+        def combine(sms, y, handle):
+            return lambda: elastic.combine(y, handle, num_sms=sms or 0)
+
+        def unpack(out):
+            return out[0], out[3]
+    else:
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, experts)
+
+        def config(sms, make):
+            return None if sms is None else dataclasses.replace(make(world), num_sms=sms)
+
+        def dispatch(sms):
+            c = config(sms, Buffer.get_dispatch_config)
+            return lambda: buf.dispatch(x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                                        config=c)
+
+        def combine(sms, y, handle):
+            c = config(sms, Buffer.get_combine_config)
+            return lambda: buf.combine(y, handle, config=c)
+
+        def unpack(out):
+            return out[0], out[4]
+    return elastic, buf, dispatch, combine, unpack, (x, x_in, topk_idx)
+
+
+def bench_sweep(rank: int, world: int, group, cfg: argparse.Namespace, tokens: int, rows: List[Row],
+                models: Dict[Tuple[str, int], List[str]]) -> None:
+    """Normal-mode dispatch and combine at every SM budget of --num-sms, in one Buffer (V2's ElasticBuffer with
+    --api v2, else V1's), the budget given per call; each budget's round trip is checked against the oracle
+    before it is timed, and printed beside the ceiling with the same blocks. Then, with --compare and our Buffer
+    gone (as bench_normal's is before its peer runs), the peer's own sweep (--compare-num-sms) on the same
+    inputs, beside the ceilings with its blocks. With --api v2, `models` gets get_theoretical_num_sms's picks
+    per op, with their inputs. On the CPU there are no SMs: the sweep runs as one row per op."""
+    gpu = torch.cuda.is_available()
+    peer_budgets: List[Optional[int]] = (list(cfg.compare_sms) if gpu else [None]) if cfg.compare else []
+    ceilings, nbytes = _sweep_ours(rank, world, group, cfg, tokens, rows, models, peer_budgets)
+    if cfg.compare:
+        prec = "fp8" if cfg.fp8 else "bf16"
+        for op, sms, t in compare.bench_peer_sweep(cfg.compare, rank, world, group, cfg, tokens, peer_budgets,
+                                                   _random_topk):
+            c = ceilings[sms][op == "combine"]
+            n = nbytes[op == "combine"]
+            rows.append(Row(op, tokens, cfg.hidden, cfg.topk, cfg.experts, "bf16" if op == "combine" else prec,
+                            t * 1e6, n / t / 1e9, c * 1e6, n / c / 1e9, cfg.compare, sms, sms, "v1"))
+
+
+def _sweep_ours(rank: int, world: int, group, cfg: argparse.Namespace, tokens: int, rows: List[Row],
+                models: Dict[Tuple[str, int], List[str]], peer_budgets: List[Optional[int]]):
+    """bench_sweep's rows of ours; returns the ceilings ({blocks (None off SMs): (dispatch, combine) seconds},
+    ours and the peer's budgets' blocks) and the ops' payload bytes (dispatch, combine)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    gpu = device.type == "cuda"
+    budgets: List[Optional[int]] = list(cfg.sms_sweep) if gpu else [None]
+    hidden, prec = cfg.hidden, "fp8" if cfg.fp8 else "bf16"
+    elastic, buf, dispatch, combine, unpack, (x, x_in, topk_idx) = _our_ops(cfg, group, world, tokens)
+    with start_line(buf, cfg):
+        in_rank = _token_in_rank(topk_idx, cfg.experts, world)
+        per_rank = in_rank.sum(0).to(torch.int64)
+        everyone = [torch.zeros_like(per_rank) for _ in range(world)]
+        dist.all_gather(everyone, per_rank, group=group)
+        matrix = [[int(v) for v in t.tolist()] for t in everyone]
+        expected_rows = sum(matrix[s][rank] for s in range(world))
+        ref_src = (x_in[0].float() * x_in[1].repeat_interleave(128, dim=1)).to(torch.bfloat16) if cfg.fp8 else x
+        expected = _identity_round_trip(ref_src, in_rank, 0)
+        sent_rows = int(in_rank.sum())
+        row_bytes = _dispatch_row_bytes(hidden, cfg.fp8)
+        dispatch_bytes, combine_bytes = sent_rows * row_bytes, sent_rows * hidden * 2
+        timed = []
+        for sms in budgets:
+            recv_x, handle = unpack(dispatch(sms)())
+            got_rows = (recv_x[0] if cfg.fp8 else recv_x).size(0)
+            if got_rows != expected_rows:
+                raise AssertionError(f"rank {rank}, {sms} SMs: received {got_rows} rows, expected {expected_rows}")
+            combine_in = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=1)).to(torch.bfloat16) \
+                if cfg.fp8 else recv_x
+            combined = combine(sms, combine_in, handle)()[0]
+            if not torch.equal(combined, expected):
+                bad = (combined != expected).any(1).nonzero().flatten()[:5].tolist()
+                raise AssertionError(f"rank {rank}, {sms} SMs: combine differs from the oracle at tokens {bad}")
+            timed.append((sms, slowest(timer(device, dispatch(sms), cfg.warmup, cfg.iters, group), group),
+                          slowest(timer(device, combine(sms, combine_in, handle), cfg.warmup, cfg.iters, group),
+                                  group)))
+        engine = buf.backend.engine("normal")
+        blocks = {sms: (engine.grid(sms) if engine is not None else sms) if gpu else None for sms in budgets}
+        ceilings = {}   # blocks -> (dispatch, combine) ceiling seconds, each measured once
+        for b in sorted({b for b in blocks.values() if b is not None} | {b for b in peer_budgets if b is not None}) \
+                or [None]:
+            n = b if b is not None else _blocks(buf)
+            ceilings[b] = (ceiling(buf, matrix, True, row_bytes, dispatch_bytes, n, device, cfg, group),
+                           ceiling(buf, matrix, False, hidden * 2, combine_bytes, n, device, cfg, group))
+    api = cfg.api
+    for sms, t_dispatch, t_combine in timed:
+        c_dispatch, c_combine = ceilings[blocks[sms]]
+        for op, t, c, nbytes, p in (("dispatch", t_dispatch, c_dispatch, dispatch_bytes, prec),
+                                    ("combine", t_combine, c_combine, combine_bytes, "bf16")):
+            rows.append(Row(op, tokens, hidden, cfg.topk, cfg.experts, p, t * 1e6, nbytes / t / 1e9, c * 1e6,
+                            nbytes / c / 1e9, buf.transport, blocks[sms], sms, api))
+    if elastic is not None:
+        for op in ("dispatch", "combine"):
+            models[(op, tokens)] = model_lines(elastic, cfg.experts, cfg.topk,
+                                               [r for r in rows if r.op == op and r.tokens == tokens and r.api == api])
+    # Gone before the next Buffer opens (the peer's, the next token count's): open Buffers share a rank's SMs
+    (elastic or buf).destroy()
+    return ceilings, (dispatch_bytes, combine_bytes)
+
+
+def model_lines(elastic, num_experts: int, num_topk: int, rows: List[Row]) -> List[str]:
+    """get_theoretical_num_sms's picks for one op, with the inputs each used: its nominal ones (what a V2 caller
+    gets with no rates given) and this run's (measured_model_inputs), where the rows ran on SMs."""
+    import inspect
+
+    from ..buffers import elastic as elastic_module
+    from .model import ranks_per_token
+
+    defaults = {k: v.default for k, v in inspect.signature(elastic.get_theoretical_num_sms).parameters.items()}
+    distinct = ranks_per_token(elastic.num_ranks, num_experts, num_topk)
+    nominal = elastic.get_theoretical_num_sms(num_experts, num_topk)
+    lines = [f"get_theoretical_num_sms({num_experts}, {num_topk}) = {nominal} with its nominal inputs: NVLink "
+             f"{elastic_module.NOMINAL_NVLINK_GBS:.0f} GB/s, SM read {defaults['sm_read_gbs']} GB/s, SM write "
+             f"{defaults['sm_write_gbs']} GB/s, {distinct:.2f} ranks per token, {elastic.num_nvlink_ranks} of "
+             f"{elastic.num_ranks} ranks over NVLink"]
+    measured = measured_model_inputs(rows)
+    if measured is not None:
+        link, rate, how = measured
+        pick = elastic.get_theoretical_num_sms(num_experts, num_topk, nvlink_gbs=link, sm_write_gbs=rate)
+        lines.append(f"get_theoretical_num_sms(..., nvlink_gbs={link:.1f}, sm_write_gbs={rate:.1f}) = {pick} with "
+                     f"this run's inputs: link = the sweep's fastest ceiling; per SM: {how}")
+    return lines
+
+
+SWEEP_HEADER = ["op", "tokens", "api", "transport", "SMs", "blocks", "time_us", "GB/s", "ceil_GB/s", "of_ceil"]
+
+
+def print_sweep(rows: List[Row], world: int, models: Dict[Tuple[str, int], List[str]], peer: Optional[str] = None,
+                budgets: Optional[List[int]] = None, peer_ceiling: bool = False,
+                tolerance: float = PICK_TOLERANCE) -> None:
+    """The --num-sms sweep's table (a row per op, API and SM budget; SMs: the budget asked for, blocks: what the
+    kernels and their ceiling ran) and, per op, the measured best budget, the pick (the fewest SMs within
+    `tolerance` of the best), get_theoretical_num_sms's picks (`models`) and the peer's best over its own
+    sweep with its time over ours. Rows without SMs (the CPU) have no SM columns and no best or pick."""
+    with_sms = any(r.sms is not None for r in rows)
+    print(f"\n{world} ranks on {_device_name()}; SM sweep; ceiling = {_ceiling_words(peer_ceiling)}same run"
+          + (", with the row's blocks" if with_sms else ""))
+    if not with_sms and budgets:
+        print(f"(the CPU has no SMs: --num-sms {' '.join(map(str, budgets))} ran as one row per op)")
+    peer_best: Dict[Tuple[str, int], Row] = {}   # the peer's best per op: its fastest budget, ties to fewer SMs
+    for r in sorted((r for r in rows if peer is not None and r.transport == peer),
+                    key=lambda r: (r.time_us, r.budget or 0)):
+        peer_best.setdefault((r.op, r.tokens), r)
+    header = [h for h in SWEEP_HEADER if with_sms or h not in ("SMs", "blocks")]
+    if peer_best:
+        header.append(f"{peer}_best/time")
+    cells = [header]
+    for r in rows:
+        line = [r.op, str(r.tokens), r.api, r.transport] + ([str(r.budget), str(r.sms)] if with_sms else []) + [
+            f"{r.time_us:.1f}", f"{r.gbps:.2f}", f"{r.ceiling_gbps:.2f}", f"{100 * r.ceiling_us / r.time_us:.1f}%"]
+        if peer_best:
+            best = peer_best.get((r.op, r.tokens))
+            line.append(f"{best.time_us / r.time_us:.3f}" if best is not None and r.transport != peer else "-")
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    for line in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    for tokens in dict.fromkeys(r.tokens for r in rows):
+        for op in dict.fromkeys(r.op for r in rows if r.tokens == tokens and r.transport != peer):
+            mine = [r for r in rows if r.op == op and r.tokens == tokens and r.transport != peer]
+            said = []
+            times = {r.budget: r.time_us for r in mine if r.budget is not None and r.sms is not None}
+            if times:
+                best, pick = best_budget(times), pick_budget(times, tolerance)
+                said.append(f"measured best: {best} SMs, {times[best]:.1f} us; pick (fewest SMs within "
+                            f"{100 * tolerance:.0f} % of the best): {pick} SMs, {times[pick]:.1f} us "
+                            f"(+{100 * (times[pick] / times[best] - 1):.1f} %)")
+            said += models.get((op, tokens), [])
+            for peer_op in (op, "layout+" + op):
+                p = peer_best.get((peer_op, tokens))
+                if p is None:
+                    continue
+                swept = sorted(r.budget for r in rows if r.transport == peer and r.op == peer_op
+                               and r.tokens == tokens and r.budget is not None)
+                where = f"best over {' '.join(map(str, swept))} SMs: {p.budget} SMs, " if swept else ""
+                ours = f"; its time / ours at the pick = {p.time_us / times[pick]:.3f}" if times else \
+                    f"; its time / ours = {p.time_us / mine[0].time_us:.3f}"
+                said.append(f"{peer} {peer_op}: {where}{p.time_us:.1f} us{ours}")
+            if said:
+                print(f"\n{op}, {tokens} tokens, {mine[0].api} ({mine[0].transport}):\n  " + "\n  ".join(said))
+    sys.stdout.flush()
+
+
 def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
     if not torch.cuda.is_available():   # ranks share the cores: no oversubscribed thread pools
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -352,13 +580,19 @@ def _worker(rank: int, world: int, group, cfg: argparse.Namespace) -> None:
             progress = tqdm(sweep, desc=f"bench {cfg.mode} x{world}", file=sys.stderr)
         except ImportError:
             pass
+    sweep_models: Dict[Tuple[str, int], List[str]] = {}
     for tokens in progress:
+        if cfg.sms_sweep is not None:
+            bench_sweep(rank, world, group, cfg, tokens, rows, sweep_models)
+            continue
         (bench_low_latency if cfg.mode == "low_latency" else bench_normal)(rank, world, group, cfg, tokens, rows)
         if cfg.compare and cfg.mode == "normal":
             compare.bench_peer_normal(cfg.compare, rank, world, group, cfg, tokens, rows, Row, _random_topk)
         elif cfg.compare and cfg.mode == "low_latency" and peer_ll:
             compare.bench_peer_low_latency(cfg.compare, rank, world, group, cfg, tokens, rows, Row, _random_topk)
-    if rank == 0:
+    if rank == 0 and cfg.sms_sweep is not None:
+        print_sweep(rows, world, sweep_models, cfg.compare, cfg.sms_sweep, cfg.peer_ceiling)
+    elif rank == 0:
         print_table(rows, world, cfg.peer_ceiling, getattr(cfg, "internode_ceiling", False))
         if cfg.compare:
             compare.print_comparison(rows, cfg.compare)
@@ -381,10 +615,18 @@ def _ranks_span_gpus(group) -> bool:
     return len({host for host, _ in where}) == 1 and len({uuid for _, uuid in where}) > 1
 
 
-def print_table(rows: List[Row], world: int, peer_ceiling: bool = False, internode: bool = False) -> None:
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    what = ("the op's traffic pattern copied straight into the peers' memory (over the GPU links), "
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+
+
+def _ceiling_words(peer_ceiling: bool) -> str:
+    return ("the op's traffic pattern copied straight into the peers' memory (over the GPU links), "
             if peer_ceiling else "one plain copy of the same bytes on the same device, ")
+
+
+def print_table(rows: List[Row], world: int, peer_ceiling: bool = False, internode: bool = False) -> None:
+    dev = _device_name()
+    what = _ceiling_words(peer_ceiling)
     if internode:
         what = ("for dispatch / combine and their :net / :nvl parts, the op's own traffic in one launch through "
                 "its paths (network rows by the transport's put, node rows by load/store; layout: "
@@ -463,7 +705,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
                    help="FP8 dispatch (default: on for normal mode and low-latency)")
     p.add_argument("--transport", default="auto")
-    p.add_argument("--num-sms", type=int, default=None)
+    p.add_argument("--num-sms", type=int, nargs="+", default=None,
+                   help="SM budget per rank; several values make a sweep (normal mode): dispatch and combine at "
+                        "each in one Buffer, the best, the fewest SMs within 10 %% of it and, with --api v2, "
+                        "get_theoretical_num_sms's pick")
+    p.add_argument("--api", choices=["v1", "v2"], default="v1",
+                   help="v2: time ElasticBuffer's dispatch (its layout folded in; FP8 as V2's (data, scales) "
+                        "tuple) and combine, as an SM sweep (normal mode)")
+    p.add_argument("--compare-num-sms", dest="compare_sms", type=int, nargs="+", default=[8, 16, 24],
+                   help="SM budgets of the --compare peer in an SM sweep (default: 8 16 24)")
     p.add_argument("--warmup", type=int, default=3 if gpu else 1)
     p.add_argument("--iters", type=int, default=20 if gpu else 3)
     p.add_argument("--baseline", action="store_true",
@@ -489,5 +739,33 @@ def main(cfg: argparse.Namespace) -> int:
             else ([32, 128] if cfg.mode == "low_latency" else [64, 256])
     if cfg.fp8 is None:
         cfg.fp8 = True
+    problem = sweep_settings(cfg)
+    if problem:
+        print(f"bench: {problem}", file=sys.stderr)
+        return 2
     run_local(_worker, cfg.ranks, cfg)
     return 0
+
+
+def sweep_settings(cfg: argparse.Namespace) -> Optional[str]:
+    """Settle --num-sms and --api: cfg.num_sms becomes the one budget of a plain run (None: the default) and
+    cfg.sms_sweep the budgets of an SM sweep (several values, or --api v2; None: no sweep). Returns what is
+    wrong with the arguments, or None."""
+    budgets = cfg.num_sms if isinstance(cfg.num_sms, list) else ([cfg.num_sms] if cfg.num_sms is not None else None)
+    api = getattr(cfg, "api", "v1")
+    cfg.api = api
+    cfg.compare_sms = getattr(cfg, "compare_sms", [8, 16, 24])
+    cfg.sms_sweep = None
+    cfg.num_sms = budgets[0] if budgets is not None and len(budgets) == 1 else None
+    if api == "v1" and (budgets is None or len(budgets) == 1):
+        return None
+    cfg.sms_sweep = list(dict.fromkeys(budgets)) if budgets is not None else [Buffer.num_sms]
+    if cfg.mode != "normal":
+        return f"an SM sweep (several --num-sms values, or --api v2) runs in normal mode only, not {cfg.mode}"
+    for flag, value in (("--plot", cfg.plot), ("--baseline", cfg.baseline)):
+        if value:
+            return f"{flag} is not part of an SM sweep (several --num-sms values, or --api v2)"
+    for sms in cfg.sms_sweep + (cfg.compare_sms if cfg.compare else []):
+        if sms <= 0 or sms % 2:
+            return f"SM budgets are even and positive (DeepEP's channels take two SMs each), got {sms}"
+    return None

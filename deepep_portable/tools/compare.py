@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -32,6 +32,34 @@ def _peer_buffer(mod, group, world: int, hidden: int, tokens: int):
     return mod.Buffer(group, max(ours, theirs), 0)
 
 
+def _peer_dispatch(buf, rank: int, cfg: argparse.Namespace, tokens: int, device: torch.device, random_topk):
+    """(topk_idx, dispatch): the peer's dispatch of bench_normal's inputs for `tokens` (same seed, same draws),
+    its layout computed once."""
+    gen = torch.Generator().manual_seed(1000 * rank + tokens)   # bench_normal's seed: the same inputs
+    x = torch.randn(tokens, cfg.hidden, generator=gen).to(torch.bfloat16).to(device)
+    topk_idx = random_topk(tokens, cfg.experts, cfg.topk, device, gen)
+    topk_weights = torch.rand(tokens, cfg.topk, generator=gen).to(device)
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, cfg.experts)
+    x_in = _reference_fp8_cast(x, False) if cfg.fp8 else x
+
+    def dispatch():
+        return buf.dispatch(x_in, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                            topk_weights=topk_weights)
+    return topk_idx, dispatch
+
+
+def _peer_round_trip(module: str, buf, dispatch, rank: int, cfg: argparse.Namespace, tokens: int):
+    """One dispatch and combine of the peer, its output's shape checked; returns (combine input, handle)."""
+    recv_x, _, _, _, handle, _ = dispatch()
+    combine_in = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=1)).to(torch.bfloat16) \
+        if cfg.fp8 else recv_x
+    combined, _, _ = buf.combine(combine_in, handle)
+    if combined.shape != (tokens, cfg.hidden):
+        raise AssertionError(f"rank {rank}: {module}'s combine returned {tuple(combined.shape)}")
+    return combine_in, handle
+
+
 def bench_peer_normal(module: str, rank: int, world: int, group, cfg: argparse.Namespace, tokens: int,
                       rows: List, row_cls, random_topk) -> None:
     """Time `module`'s get_dispatch_layout, dispatch and combine on bench_normal's inputs for `tokens`
@@ -40,26 +68,10 @@ def bench_peer_normal(module: str, rank: int, world: int, group, cfg: argparse.N
     if cfg.num_sms is not None:
         mod.Buffer.set_num_sms(cfg.num_sms)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    gen = torch.Generator().manual_seed(1000 * rank + tokens)   # bench_normal's seed: the same inputs
-    hidden, topk, experts = cfg.hidden, cfg.topk, cfg.experts
+    hidden, experts = cfg.hidden, cfg.experts
     buf = _peer_buffer(mod, group, world, hidden, tokens)
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
-    topk_idx = random_topk(tokens, experts, topk, device, gen)
-    topk_weights = torch.rand(tokens, topk, generator=gen).to(device)
-    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, experts)
-    x_in = _reference_fp8_cast(x, False) if cfg.fp8 else x
-
-    def dispatch():
-        return buf.dispatch(x_in, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
-                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-                            topk_weights=topk_weights)
-
-    recv_x, _, _, _, handle, _ = dispatch()
-    combine_in = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=1)).to(torch.bfloat16) \
-        if cfg.fp8 else recv_x
-    combined, _, _ = buf.combine(combine_in, handle)
-    if combined.shape != (tokens, hidden):
-        raise AssertionError(f"rank {rank}: {module}'s combine returned {tuple(combined.shape)}")
+    topk_idx, dispatch = _peer_dispatch(buf, rank, cfg, tokens, device, random_topk)
+    combine_in, handle = _peer_round_trip(module, buf, dispatch, rank, cfg, tokens)
     # The same timing as our rows: every sample starts at the GPU start line (hosted by a Buffer of ours
     # that moves nothing), after a barrier.
     with start_line(Buffer(group, 0, 0, transport="reference"), cfg):
@@ -76,6 +88,43 @@ def bench_peer_normal(module: str, rank: int, world: int, group, cfg: argparse.N
     _add_peer_rows(rows, row_cls, timed, module, cfg, tokens)
     if hasattr(buf, "destroy") and getattr(buf, "explicitly_destroy", False):
         buf.destroy()
+
+
+def bench_peer_sweep(module: str, rank: int, world: int, group, cfg: argparse.Namespace, tokens: int,
+                     budgets: List[Optional[int]], random_topk) -> List[Tuple[str, Optional[int], float]]:
+    """Time `module`'s dispatch, get_dispatch_layout + dispatch in one call (the work of one V2 dispatch) and
+    combine on bench_normal's inputs for `tokens` at each SM budget of `budgets` (None: the module's own, as on
+    the CPU), in one Buffer: sized at the largest budget (DeepEP sizes its buffer by channels, two SMs each),
+    then `set_num_sms` per budget, which its default configs read at every call. Each budget's combine takes
+    that budget's handle (DeepEP's handle holds per-channel prefixes). Returns (op, budget, seconds) rows."""
+    mod = importlib.import_module(module)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    before = mod.Buffer.num_sms
+    given = [sms for sms in budgets if sms is not None]
+    timed: List[Tuple[str, Optional[int], float]] = []
+    try:
+        if given:
+            mod.Buffer.set_num_sms(max(given))
+        buf = _peer_buffer(mod, group, world, cfg.hidden, tokens)
+        topk_idx, dispatch = _peer_dispatch(buf, rank, cfg, tokens, device, random_topk)
+
+        def layout_and_dispatch():
+            buf.get_dispatch_layout(topk_idx, cfg.experts)
+            return dispatch()
+
+        with start_line(Buffer(group, 0, 0, transport="reference"), cfg):   # as bench_peer_normal times
+            for sms in budgets:
+                if sms is not None:
+                    mod.Buffer.set_num_sms(sms)
+                combine_in, handle = _peer_round_trip(module, buf, dispatch, rank, cfg, tokens)
+                for op, fn in (("dispatch", dispatch), ("layout+dispatch", layout_and_dispatch),
+                               ("combine", lambda: buf.combine(combine_in, handle))):
+                    timed.append((op, sms, slowest(timer(device, fn, cfg.warmup, cfg.iters, group), group)))
+        if hasattr(buf, "destroy") and getattr(buf, "explicitly_destroy", False):
+            buf.destroy()
+    finally:
+        mod.Buffer.set_num_sms(before)
+    return timed
 
 
 def ll_inputs(rank: int, tokens: int, cfg: argparse.Namespace, device: torch.device, random_topk):

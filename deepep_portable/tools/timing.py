@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -231,3 +232,52 @@ def print_graph_trace(engine, fn: Callable[[], None], what: str, group, rank: in
               f"{'the start line opened' if released else 'the first start'}; event-timed replay; own release] "
               + ", ".join(f"{r}: {(b - t0) / 1e3:.1f} / {(f - t0) / 1e3:.1f} / {(e - t0) / 1e3:.1f}; {ev / 1e3:.1f}; "
                           f"{(rel - t0) / 1e3:.1f}" for r, b, f, e, ev, rel in spans), flush=True)
+
+
+PICK_TOLERANCE = 0.10   # an SM budget within 10 % of the best time is as good as the best (bench --num-sms sweep)
+
+
+def best_budget(times: Dict[int, float]) -> int:
+    """The SM budget of the smallest time (times: budget -> seconds); a tie goes to the fewer SMs."""
+    if not times:
+        raise ValueError("no timings to choose from")
+    return min(times, key=lambda sms: (times[sms], sms))
+
+
+def pick_budget(times: Dict[int, float], tolerance: float = PICK_TOLERANCE) -> int:
+    """The fewest SMs whose time is within `tolerance` of the best time (SMs left to compute cost more than
+    the last few percent of a communication op)."""
+    limit = times[best_budget(times)] * (1 + tolerance)
+    return min(sms for sms, t in times.items() if t <= limit)
+
+
+def measured_model_inputs(rows: list) -> Optional[Tuple[float, float, str]]:
+    """This run's inputs to get_theoretical_num_sms from one op's sweep rows (bench.Row; sms: its blocks, None
+    off SMs): (link GB/s, per-SM GB/s, how the per-SM rate was found); None without a row on SMs.
+
+    The link rate is the sweep's fastest ceiling: the op's own bytes moved ideally (the same-run ceiling) with the
+    most blocks, what the links (or, ranks sharing a GPU, its memory) give a rank while every rank moves its
+    bytes. The per-SM rate is the op's bytes B over the time one more block saves, between the two fewest
+    block counts a and b: t = fixed + B / (blocks x rate), so rate = B (1/a - 1/b) / (t_a - t_b), and the fixed
+    part (host path, count exchange, launches) cancels out, as tools/model.py fits it. A time that does not fall
+    from a to b blocks means the SMs are not the bound there: an unbounded rate. With one block count: the op's
+    rate over its blocks, a lower bound (its time holds the fixed part)."""
+    mine = sorted((r for r in rows if r.sms is not None), key=lambda r: (r.sms, r.time_us))
+    if not mine:
+        return None
+    by_blocks: dict = {}
+    for r in mine:
+        by_blocks.setdefault(r.sms, r)   # budgets capped to the same blocks: the fastest stands for them
+    link = max(r.ceiling_gbps for r in mine)
+    counts = sorted(by_blocks)
+    first = by_blocks[counts[0]]
+    if len(counts) == 1:
+        return link, first.gbps / first.sms, (f"{first.gbps:.1f} GB/s over {first.sms} blocks, a lower bound "
+                                              f"(one block count swept)")
+    second = by_blocks[counts[1]]
+    saved = (first.time_us - second.time_us) * 1e-6
+    if saved <= 0:
+        return link, math.inf, f"unbounded: not faster with {second.sms} blocks than with {first.sms}"
+    nbytes = first.gbps * first.time_us * 1e3
+    rate = nbytes * (1 / first.sms - 1 / second.sms) / saved / 1e9
+    return link, rate, f"fit between {first.sms} and {second.sms} blocks"
