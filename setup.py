@@ -1,8 +1,9 @@
 """Build of deepep_portable: the small host module `_C` plus the kernel sources.
 
 Metadata lives in pyproject.toml; this file adds what setuptools cannot express there:
-  * `deepep_portable._C` from csrc/common/runtime/*.cpp (pybind11, no libtorch, no -lcuda:
-    the driver is opened at run time, so only cuda.h is needed, for types);
+  * `deepep_portable._C` from csrc/common/runtime/*.cpp (pybind11, no libtorch, no -lcuda, no -ldl:
+    it calls the driver through entry points transports/system.py resolves at run time, so only
+    cuda.h is needed, for types);
   * for a backend whose set-up needs C, `deepep_portable._<name>` from csrc/backends/<name>/host.cpp
     (its own PYBIND11_MODULE; the libraries it talks to are opened at run time, never linked);
   * the kernel sources (csrc/common/kernels, csrc/backends/*) copied into the package as
@@ -104,7 +105,6 @@ ext = Pybind11Extension(
     "deepep_portable._C",
     sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(CSRC, "common", "runtime", "*.cpp"))),
     include_dirs=[os.path.join(CSRC, "common", "runtime"), cuda_include],
-    libraries=["dl"],
     cxx_std=17,
     extra_compile_args=["-O2"],
 )

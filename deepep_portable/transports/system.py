@@ -1,7 +1,10 @@
 """What this machine has, as the CUDA driver and nvidia-smi see it: the driver (opened with ctypes,
 independent of how torch was built), the GPUs and the links between them. Used by the transport probes
 (probe.py), `doctor` and the NVSHMEM runtime (which needs the primary context); nothing here raises for a
-missing driver or tool: the answers carry the reason."""
+missing driver or tool: the answers carry the reason.
+
+open_libcuda() is the library's one loader of the CUDA driver: deepep_portable._C (driver_entry_points)
+and the ibgda glue call through the entry points it resolves and never open the driver themselves."""
 from __future__ import annotations
 
 import ctypes
@@ -9,7 +12,7 @@ import functools
 import os
 import re
 import shutil
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .libraries import _run
 
@@ -41,24 +44,49 @@ LIBCUDA_ENV = "DEEPEP_PORTABLE_LIBCUDA"
 
 
 def libcuda_path() -> str:
-    """The CUDA driver library both loaders open: DEEPEP_PORTABLE_LIBCUDA, else libcuda.so.1 (the same rule
-    as deepep_portable._C's driver.cpp, so the two open one library)."""
+    """The CUDA driver library the library opens: DEEPEP_PORTABLE_LIBCUDA, else libcuda.so.1."""
     return os.environ.get(LIBCUDA_ENV) or "libcuda.so.1"
 
 
 @functools.lru_cache(maxsize=None)
 def _open_libcuda(path: str) -> Tuple[Optional[ctypes.CDLL], str]:
     try:
-        return ctypes.CDLL(path), ""
+        return ctypes.CDLL(path), ""   # dlopen(path, RTLD_NOW | RTLD_LOCAL); ctypes never closes it
     except OSError as e:
         return None, str(e)
 
 
 def open_libcuda() -> Tuple[Optional[ctypes.CDLL], str]:
     """(the CUDA driver library at libcuda_path(), opened, not initialised, "") or (None, the loader's error): the
-    Python side's one loader of the driver. The probes use it, and the ibgda glue takes its entry points from it
-    (devx_glue.py) instead of opening the driver itself."""
+    library's one loader of the driver; nothing else opens it. deepep_portable._C takes its entry points from here
+    when it is imported (driver_entry_points), the probes and NVSHMEM's context set-up call through it, and the
+    ibgda glue takes its entry points from it too (devx_glue.py)."""
     return _open_libcuda(libcuda_path())
+
+
+def _not_opened(path: str, why: str) -> str:
+    return f"{path} not found ({why})"
+
+
+def entry_address(lib: ctypes.CDLL, name: str) -> int:
+    """The address of the symbol `name` (exactly that name, e.g. "cuMemAlloc_v2": a dlsym) in `lib`, 0 if it has
+    none."""
+    try:
+        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+    except AttributeError:
+        return 0
+
+
+def driver_entry_points(names: Sequence[str]) -> Tuple[str, Optional[List[int]], str]:
+    """What deepep_portable._C, which never opens the driver itself, calls through: (libcuda_path(), the address of
+    each of `names` in open_libcuda()'s library, 0 where it has none, "") or (libcuda_path(), None, why it could not
+    be opened: the reason libcuda() gives too). _C asks once, as it is imported, and keeps the answer for the life
+    of the process; cuInit is left to its first use."""
+    path = libcuda_path()
+    lib, why = open_libcuda()
+    if lib is None:
+        return path, None, _not_opened(path, why)
+    return path, [entry_address(lib, str(n)) for n in names], ""
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,7 +95,7 @@ def libcuda() -> Tuple[Optional[ctypes.CDLL], str]:
     path = libcuda_path()
     lib, why = open_libcuda()
     if lib is None:
-        return None, f"{path} not found ({why})"
+        return None, _not_opened(path, why)
     rc = lib.cuInit(0)
     if rc != 0:
         return None, f"cuInit failed: {_cu_error_name(lib, rc)}"
@@ -85,8 +113,9 @@ def libcuda() -> Tuple[Optional[ctypes.CDLL], str]:
 def driver_status() -> Tuple[bool, str, str]:
     """(GPU usable, reason if not / summary if so, which check answered).
 
-    Asks deepep_portable._C.driver_status() when the host module imports, else the CUDA driver
-    directly through ctypes (independent of how torch was built), else torch."""
+    Asks deepep_portable._C.driver_status() when the host module imports (it calls through the driver
+    open_libcuda() opened), else the CUDA driver directly through ctypes (independent of how torch was
+    built), else torch."""
     try:
         from .. import _C  # type: ignore[attr-defined]
         fn = _C.driver_status

@@ -62,14 +62,51 @@ py::dict device_info(int device) {
     return info;
 }
 
+// _C never opens the CUDA driver: deepep_portable.transports.system, the library's one loader, opens it and
+// answers driver_entry_points(names) with (library, the address of each named symbol, "") or (library, None, why
+// not). Runs while _C is imported, before any function here can be called; a loader that fails or cannot be
+// imported leaves its reason as driver_status()'s.
+const std::string kLoaderFailed = "the CUDA driver loader (deepep_portable.transports.system) failed: ";
+
+void take_driver_from_python_loader() {
+    std::string library = "the CUDA driver";
+    try {
+        py::tuple got = py::module_::import("deepep_portable.transports.system")
+                            .attr("driver_entry_points")(driver_entry_names());
+        library = got[0].cast<std::string>();
+        if (got[1].is_none()) {
+            use_driver(library, {}, got[2].cast<std::string>());
+        } else {
+            use_driver(library, got[1].cast<std::vector<std::uintptr_t>>(), "");
+        }
+    } catch (py::error_already_set& e) {  // "Type: message", without what()'s traceback
+        std::string why;
+        try {
+            why = py::str(e.type().attr("__name__")).cast<std::string>() + ": " +
+                  py::str(e.value()).cast<std::string>();
+        } catch (const std::exception&) {
+            why = e.what();
+        }
+        use_driver(library, {}, kLoaderFailed + why);
+    } catch (const std::exception& e) {  // py::cast_error: an answer of the wrong shape
+        use_driver(library, {}, kLoaderFailed + e.what());
+    }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "deepep_portable host runtime: CUDA driver (dlopen), modules, launches, IPC";
+    m.doc() = "deepep_portable host runtime: CUDA driver (entry points from deepep_portable.transports.system), "
+              "modules, launches, IPC";
+    take_driver_from_python_loader();
 
     // ---- driver and devices ---------------------------------------------------------------
     m.def("driver_status", &driver_status,
-          "(ok, reason): whether libcuda.so.1 loads and cuInit succeeds; never raises.");
+          "(ok, reason): whether the CUDA driver deepep_portable.transports.system opened (DEEPEP_PORTABLE_LIBCUDA,\n"
+          "else libcuda.so.1) has every entry point _C needs and cuInit succeeds; else the loader's reason. Never\n"
+          "raises.");
+    m.def("driver_entry_names", &driver_entry_names,
+          "The driver symbols _C takes from the Python loader, in hand-over order (versioned: cuMemAlloc_v2, ...).");
     m.def("driver_version", []() {
         int v = 0;
         DEEPEP_CU_CHECK(cuDriverGetVersion, &v);

@@ -1,8 +1,5 @@
 #include "driver.hpp"
 
-#include <dlfcn.h>
-
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -15,6 +12,24 @@ namespace {
 #define DEEPEP_STR2(x) #x
 #define DEEPEP_STR(x) DEEPEP_STR2(x)  // expands the versioning macro first: "cuMemAlloc_v2"
 
+// What the first use_driver call gave (written once, while _C is imported).
+struct HandOver {
+    bool given = false;
+    std::string library;
+    std::vector<std::uintptr_t> entries;
+    std::string unavailable;
+};
+
+std::mutex& hand_over_mutex() {
+    static std::mutex mu;
+    return mu;
+}
+
+HandOver& hand_over() {
+    static HandOver h;
+    return h;
+}
+
 struct DriverState {
     DriverApi api;
     bool ok = false;
@@ -23,29 +38,40 @@ struct DriverState {
 
 DriverState load_driver() {
     DriverState s;
-    // DEEPEP_PORTABLE_LIBCUDA lets a user point at a specific driver library (rarely needed).
-    const char* env = std::getenv("DEEPEP_PORTABLE_LIBCUDA");
-    const char* path = (env != nullptr && env[0] != '\0') ? env : "libcuda.so.1";
-    void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (lib == nullptr) {
-        const char* err = dlerror();
-        s.reason = std::string(path) + " not found: " + (err ? err : "unknown dlopen error");
+    HandOver h;
+    {
+        std::lock_guard<std::mutex> lock(hand_over_mutex());
+        h = hand_over();
+    }
+    if (!h.given) {
+        s.reason = "no CUDA driver was handed to deepep_portable._C (deepep_portable.transports.system opens it "
+                   "when _C is imported)";
         return s;
     }
-    // The library stays open for the life of the process (objects may outlive any owner).
-#define DEEPEP_RESOLVE_REQUIRED(name)                                                          \
-    s.api.name = reinterpret_cast<decltype(s.api.name)>(dlsym(lib, DEEPEP_STR(name)));         \
+    if (h.entries.empty()) {
+        s.reason = h.unavailable.empty() ? h.library + " unavailable" : h.unavailable;
+        return s;
+    }
+    const std::size_t expected = driver_entry_names().size();
+    if (h.entries.size() != expected) {
+        s.reason = "the driver hand-over has " + std::to_string(h.entries.size()) + " entry points, " +
+                   std::to_string(expected) + " expected";
+        return s;
+    }
+    // The addresses stay valid for the life of the process: the loader never closes the library.
+    std::size_t i = 0;
+#define DEEPEP_TAKE_REQUIRED(name)                                                             \
+    s.api.name = reinterpret_cast<decltype(s.api.name)>(h.entries[i++]);                       \
     if (s.api.name == nullptr) {                                                               \
-        s.reason = std::string("symbol ") + DEEPEP_STR(name) + " missing in " + path +         \
+        s.reason = std::string("symbol ") + DEEPEP_STR(name) + " missing in " + h.library +    \
                    " (driver too old?)";                                                       \
         return s;                                                                              \
     }
-#define DEEPEP_RESOLVE_OPTIONAL(name) \
-    s.api.name = reinterpret_cast<decltype(s.api.name)>(dlsym(lib, DEEPEP_STR(name)));
-    DEEPEP_DRIVER_REQUIRED(DEEPEP_RESOLVE_REQUIRED)
-    DEEPEP_DRIVER_OPTIONAL(DEEPEP_RESOLVE_OPTIONAL)
-#undef DEEPEP_RESOLVE_REQUIRED
-#undef DEEPEP_RESOLVE_OPTIONAL
+#define DEEPEP_TAKE_OPTIONAL(name) s.api.name = reinterpret_cast<decltype(s.api.name)>(h.entries[i++]);
+    DEEPEP_DRIVER_REQUIRED(DEEPEP_TAKE_REQUIRED)
+    DEEPEP_DRIVER_OPTIONAL(DEEPEP_TAKE_OPTIONAL)
+#undef DEEPEP_TAKE_REQUIRED
+#undef DEEPEP_TAKE_OPTIONAL
 
     CUresult r = s.api.cuInit(0);
     if (r != CUDA_SUCCESS) {
@@ -61,7 +87,7 @@ DriverState load_driver() {
     s.api.cuDriverGetVersion(&version);
     s.ok = true;
     s.reason = "CUDA driver " + std::to_string(version / 1000) + "." +
-               std::to_string(version % 1000 / 10) + " (" + path + ")";
+               std::to_string(version % 1000 / 10) + " (" + h.library + ")";
     return s;
 }
 
@@ -71,6 +97,25 @@ const DriverState& state() {
 }
 
 }  // namespace
+
+std::vector<std::string> driver_entry_names() {
+    std::vector<std::string> names;
+#define DEEPEP_NAME(name) names.emplace_back(DEEPEP_STR(name));
+    DEEPEP_DRIVER_REQUIRED(DEEPEP_NAME)
+    DEEPEP_DRIVER_OPTIONAL(DEEPEP_NAME)
+#undef DEEPEP_NAME
+    return names;
+}
+
+void use_driver(const std::string& library, const std::vector<std::uintptr_t>& entries,
+                const std::string& unavailable) noexcept {
+    try {
+        HandOver given{true, library, entries, unavailable};
+        std::lock_guard<std::mutex> lock(hand_over_mutex());
+        if (!hand_over().given) hand_over() = std::move(given);
+    } catch (...) {  // out of memory copying a few strings: driver_status() then says nothing was handed over
+    }
+}
 
 std::pair<bool, std::string> driver_status() {
     const DriverState& s = state();

@@ -1,10 +1,12 @@
-// The CUDA driver, opened at run time.
+// The CUDA driver, resolved at run time from the entry points the Python side hands over.
 //
-// deepep_portable._C never links against libcuda: it must import on machines without a GPU (CI)
-// and one build must serve every driver. `cuda.h` is included for types and prototypes only;
-// the entry points are resolved with dlsym from libcuda.so.1 the first time anything asks for
-// them. Symbol names come from the header's own versioning macros (cuMemAlloc -> cuMemAlloc_v2,
-// ...), so the prototype we call through always matches the symbol we resolved.
+// deepep_portable._C never links against libcuda and never opens it: it must import on machines without a GPU (CI),
+// one build must serve every driver, and the library has one driver loader, deepep_portable/transports/system.py
+// (ctypes). When _C is imported, bindings.cpp asks that loader for the address of every entry point named by
+// driver_entry_names() and passes them to use_driver(); cuInit runs at first use. `cuda.h` is included for types and
+// prototypes only. Symbol names come from the header's own versioning macros (cuMemAlloc -> cuMemAlloc_v2, ...) and
+// the loader looks each one up by that exact name (dlsym), so the prototype we call through always matches the
+// symbol resolved.
 #pragma once
 
 #include <cuda.h>
@@ -13,6 +15,7 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #if CUDA_VERSION < 12000
 #error "deepep_portable needs cuda.h from CUDA 12.0 or newer (cuLaunchKernelEx)"
@@ -80,8 +83,20 @@ struct DriverApi {
 #undef DEEPEP_DECLARE_FN
 };
 
-// (ok, reason). Loads the driver and calls cuInit(0) once; never throws.
-// The reason names what failed, e.g. "libcuda.so.1 not found: <dlerror>" or
+// The symbol names of the entry points above, required ones first, in the order use_driver takes their addresses
+// (the header's versioned names: "cuMemAlloc_v2", ...).
+std::vector<std::string> driver_entry_names();
+
+// Gives _C the driver the Python loader opened: `library` names it (for messages), `entries` holds the address of
+// each driver_entry_names() symbol in it (0 where it has none), or is empty and `unavailable` says why there is no
+// driver (the Python loader's reason). The first hand-over of the process is kept; later ones are ignored. Resolves
+// nothing and calls nothing until driver_status() or driver() is first asked. Never throws.
+void use_driver(const std::string& library, const std::vector<std::uintptr_t>& entries,
+                const std::string& unavailable) noexcept;
+
+// (ok, reason). Takes the handed-over entry points and calls cuInit(0) once; never throws.
+// The reason names what failed: the Python loader's reason when it could not open the driver (e.g.
+// "libcuda.so.1 not found (libcuda.so.1: cannot open shared object file: ...)"), a missing symbol, or
 // "cuInit failed: CUDA_ERROR_NO_DEVICE (no CUDA-capable device is detected)".
 std::pair<bool, std::string> driver_status();
 
