@@ -1,4 +1,4 @@
-"""Command line: `python -m deepep_portable {bench,soak,model,doctor,precompile}`."""
+"""Command line: `python -m deepep_portable {bench,soak,model,doctor,precompile,verify}`."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import sys
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deepep_portable")
     sub = parser.add_subparsers(dest="command", required=True)
-    from .tools import bench, model, soak
+    from .tools import bench, model, soak, verify
 
     bench.add_arguments(sub.add_parser("bench", help="dispatch/combine round trip across local ranks: check, time, ceiling"))
     soak.add_arguments(sub.add_parser("soak", help="many rounds on one Buffer: results, memory, descriptors, time"))
@@ -26,6 +26,9 @@ def main(argv=None) -> int:
     doc.add_argument("--hidden", type=int, default=2048, help="with --cluster: hidden size of the round trips' tokens "
                                                               "(a multiple of 128)")
     doc.add_argument("--root", default="/", help=argparse.SUPPRESS)   # where sysfs and procfs are read (tests)
+    verify.add_arguments(sub.add_parser("verify", help="a first run on a cluster (or logical nodes on one machine): the "
+                                                       "GPU suites and the bench over every usable transport, beside "
+                                                       "NCCL all_to_all_single and DeepEP, in one report"))
     pre = sub.add_parser("precompile", help="compile every kernel family into the JIT cache")
     pre.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
     pre.add_argument("--nvshmem", action="store_true",
@@ -38,6 +41,8 @@ def main(argv=None) -> int:
         return soak.main(args)
     if args.command == "model":
         return model.main(args)
+    if args.command == "verify":
+        return verify.main(args)
     if args.command == "doctor" and args.cluster:
         from .tools import doctor_cluster
 
