@@ -262,8 +262,7 @@ def test_cpu_doorbell_forwards_each_mailbox_to_its_register(glue):
 
 
 def test_the_glue_opens_the_driver_library_the_host_module_opens(glue, tmp_path):
-    # One rule for both CUDA driver loaders (driver.cpp, transports/system.py): DEEPEP_PORTABLE_LIBCUDA; the glue
-    # reports the Python loader's failure.
+    # The one CUDA driver loader (transports/system.py) opens DEEPEP_PORTABLE_LIBCUDA; the glue reports its failure.
     missing = str(tmp_path / "libcuda-missing.so.1")
     code = ("from deepep_portable.transports.ibgda import devx_glue\n"
             "glue = devx_glue.load()\n"

@@ -491,7 +491,8 @@ def test_real_nccl_wheel_headers_match(fresh_probe):
 
 
 def test_system_opens_the_driver_library_the_host_module_opens(monkeypatch, tmp_path):
-    # transports/system.py follows driver.cpp's rule (DEEPEP_PORTABLE_LIBCUDA, else libcuda.so.1).
+    # transports/system.py, the one driver loader (_C takes its entry points from it), opens DEEPEP_PORTABLE_LIBCUDA,
+    # else libcuda.so.1.
     missing = str(tmp_path / "libcuda-missing.so.1")
     monkeypatch.setenv(system.LIBCUDA_ENV, missing)
     system.libcuda.cache_clear()
