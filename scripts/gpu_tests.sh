@@ -21,7 +21,8 @@
 #   at once, 1000 Buffers, the failure fuzz), buffers (two Buffers at once and many Buffers at N ranks, with -s, the
 #   combine's eager path on then off, DEEPEP_PORTABLE_TIMEOUT_S=15 by default: a deadlock of two Buffers' kernels shows
 #   as a named timeout within seconds), benchll (bench --mode low_latency), hostcosts (dev/host_costs.py: host cost of the steps before
-#   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT, in parts jit_cache.tgz.NN).
+#   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT, in parts jit_cache.tgz.NN),
+#   verify (python -m deepep_portable verify --launcher local at N ranks, report $OUT/verify.md; VERIFY_ARGS for more).
 #   NUM_SMS=16 (normal mode), LL_NUM_SMS (low-latency mode; default: Buffer's); BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420);
 #   BENCH_ARGS: extra arguments for every bench step (e.g. "--start-line host").
 #   backends: every backend's GPU steps as the registry lists them (its rows' gpu_steps: python -W ignore::RuntimeWarning
@@ -167,6 +168,10 @@ for s in $STEPS; do
             step bench_normal_bf16 $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --num-sms "${NUM_SMS:-16}" --mode normal --no-fp8 --tokens 4096 ${BENCH_ARGS:-}
             [ "${BENCH_REFERENCE:-1}" = 1 ] && step bench_reference $PY -m deepep_portable bench --no-progress --ranks "$RANKS" --transport reference --mode normal --tokens 4096 --warmup 1 --iters 3
             stop_mps ;;
+    verify) # python -m deepep_portable verify on this machine at N ranks (it starts MPS around its own steps);
+            # VERIFY_ARGS adds options ("--ranks-per-node 4 --suite quick --stand-ins --time-limit 380")
+            step verify $PY -m deepep_portable verify --launcher local --ranks "$RANKS" --report "$OUT/verify.md" \
+                --json "$OUT/verify.json" ${VERIFY_ARGS:-} ;;
     *) echo "unknown step $s" ;;
     esac
 done

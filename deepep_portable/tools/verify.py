@@ -432,18 +432,27 @@ def run_step(step: Step, env: Dict[str, str], log: str, timeout_s: float) -> Tup
         try:
             return proc.wait(timeout=max(1.0, timeout_s)), time.monotonic() - t0, False
         except subprocess.TimeoutExpired:
-            for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=grace)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            _end(proc)
             out.write(f"\n[verify] killed after {timeout_s:.0f} s (--step-timeout / --time-limit)\n")
             return None, time.monotonic() - t0, True
+        except BaseException:   # verify itself interrupted (Ctrl-C, SIGTERM): the step's processes go with it
+            _end(proc)
+            out.write("\n[verify] interrupted\n")
+            raise
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """End a step's whole process group (the launcher and every rank it started here): TERM, then KILL."""
+    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def step_env(step: Step, base: Dict[str, str]) -> Dict[str, str]:
@@ -475,6 +484,12 @@ def execute(plan: Plan, args, base_env: Dict[str, str]) -> List[verify_report.Ou
             try:
                 timeout = args.step_timeout if left is None else min(args.step_timeout, left)
                 rc, seconds, timed_out = run_step(step, env, log, timeout)
+            except KeyboardInterrupt:
+                outcomes.append(verify_report.Outcome(step.name, "failed", log=log, why="interrupted"))
+                outcomes += [verify_report.Outcome(s.name, "skipped", why="verify was interrupted")
+                             for s in plan.steps[i:]]
+                print(f"[verify] interrupted at {step.name}", flush=True)
+                return outcomes
             finally:
                 if mps is not None:
                     mps.stop()
@@ -482,6 +497,10 @@ def execute(plan: Plan, args, base_env: Dict[str, str]) -> List[verify_report.Ou
         print(f"[verify {i}/{len(plan.steps)}] {step.name}: {verify_report.one_line(outcome)}", flush=True)
         outcomes.append(outcome)
     return outcomes
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -541,6 +560,7 @@ def main(args) -> int:
         return 0
     os.makedirs(args.logs, exist_ok=True)
     context = verify_report.context(facts, args.logs)
+    signal.signal(signal.SIGTERM, _interrupted)   # a launcher's or scheduler's stop ends the step, then reports
     outcomes = execute(plan, args, base_env)
     result = verify_report.Result(command=shlex.join([os.path.basename(sys.executable), "-m", "deepep_portable",
                                                       "verify", *sys.argv[2:]]) if sys.argv[1:2] == ["verify"]

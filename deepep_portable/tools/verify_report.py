@@ -20,6 +20,7 @@ NCCL_ROW = "nccl a2a"       # bench's transport column for the all_to_all_single
 SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|error|errors|deselected|xfailed|xpassed)\b")
 SEED = re.compile(r"base seed (\d+)")
 DOCTOR_SECTIONS = ("CUDA driver and GPUs", "RDMA devices", "Transports")
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # where the steps run
 
 
 @dataclass
@@ -248,7 +249,8 @@ def _todo(step, o: Outcome, plan) -> str:
     if o.status == "timed out":
         where += ("; the step was stopped at its time limit: its log ends where it stood (raise --step-timeout if it "
                   "was still making progress; NVSHMEM_DEBUG=INFO / NCCL_DEBUG=INFO show a start-up that waits)")
-    return f"{where}; rerun it alone: `{(env + ' ') if env else ''}{rerun}`; check the machine: `{doctor}`"
+    return (f"{where}; rerun it alone: `cd {shlex.quote(CHECKOUT)} && {(env + ' ') if env else ''}{rerun}`; check the "
+            f"machine: `{doctor}`")
 
 
 def verdict(result: Result) -> Verdict:
