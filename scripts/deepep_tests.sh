@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Run DeepEP V1's own test files against deepep_portable (the drop-in promise), on one GPU machine with
 # every rank sharing the GPU under MPS. Nothing is fetched: give it a DeepEP V1 checkout (tested with
-# commit 567632d; only tests/test_intranode.py, tests/test_low_latency.py and tests/utils.py are used).
+# commit 567632d; tests/test_intranode.py, test_low_latency.py, test_internode.py and utils.py are used).
 #   usage: bash scripts/deepep_tests.sh DEEPEP_DIR [ranks=8] [runs="intranode ll ll-shrink ll-logfmt"]
+#   run "internode": test_internode.py over INTERNODE_NODES (2) logical nodes of 8 ranks (the file asserts 8 per
+#   node), launched once per node as on separate hosts, at its own sizes (num_rdma_bytes 1e9, num_nvl_bytes 2e9:
+#   16 ranks need about 50 GB of GPU memory).
 # The only change is the launch (tests/utils.py): a gloo group instead of NCCL (NCCL refuses two ranks on
 # one GPU), every rank on device 0, and dist.all_gather_into_tensor handed gloo's output shape. `import deep_ep` finds a one-line package that re-exports
 # deepep_portable. The shrink run sets DEEPEP_PORTABLE_TIMEOUT_S (default here 10 s; DeepEP's own
@@ -16,7 +19,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 WORK=$(mktemp -d)
-for f in test_intranode.py test_low_latency.py utils.py; do
+for f in test_intranode.py test_low_latency.py test_internode.py utils.py; do
     [ -f "$DEEPEP/tests/$f" ] || { echo "no $DEEPEP/tests/$f"; exit 2; }
     cp "$DEEPEP/tests/$f" "$WORK/"
 done
@@ -74,12 +77,28 @@ run() {   # run NAME ARGS...: one DeepEP test file
     tail -4 "$log"
     SUMMARY+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -a -c -E 'Error|Traceback' "$log") error lines")")
 }
+run_nodes() {   # run_nodes NAME NODES FILE ARGS...: one DeepEP test file launched once per logical node of 8 ranks
+    local name=$1 nodes=$2; shift 2
+    local t0=$SECONDS log="$OUT/deepep_${DEEPEP_REAL:+real_}$name.log" rc=0 pids=()
+    echo "=== $name: $nodes nodes x 8: $*"
+    for ((n = 0; n < nodes; n++)); do
+        (cd "$WORK" && WORLD_SIZE=$nodes RANK=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-8361} \
+            DEEPEP_PORTABLE_RANKS_PER_NODE=8 PYTHONPATH="$WORK:$MODULE_PATH" timeout -k 10 "${STEP_TIMEOUT:-500}" $PY "$@") \
+            >"${log%.log}.node$n" 2>&1 &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+    cat "${log%.log}".node* >"$log" && rm -f "${log%.log}".node*
+    tail -4 "$log"
+    SUMMARY+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -a -c -E 'Error|Traceback' "$log") error lines")")
+}
 for r in $RUNS; do
     case $r in
     intranode) run intranode test_intranode.py --num-processes "$RANKS" ;;
     ll)        run ll test_low_latency.py --num-processes "$RANKS" ;;
     ll-shrink) DEEPEP_PORTABLE_TIMEOUT_S=${SHRINK_TIMEOUT_S:-10} run ll-shrink test_low_latency.py --num-processes "$RANKS" --shrink-test ;;
     ll-logfmt) run ll-logfmt test_low_latency.py --num-processes "$RANKS" --use-logfmt ;;
+    internode) run_nodes internode "${INTERNODE_NODES:-2}" test_internode.py --num-processes 8 ;;
     *) echo "unknown run $r" ;;
     esac
 done

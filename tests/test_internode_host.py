@@ -89,6 +89,8 @@ def test_kernel_names_and_defines():
     names = [k.split("internode")[1] for k in internode.DISPATCH_KERNELS + internode.COMBINE_KERNELS]
     assert sum("dispatch" in n.split("E")[0] for n in names[:4]) == 1
     assert sum("combine" in n.split("E")[0] for n in names[4:]) == 1
+    # DeepEP's test_internode profiles an op and wants 'notify' in exactly one kernel name of each
+    assert [sum("notify" in n.split("E")[0] for n in part) for part in (names[:4], names[4:])] == [1, 1]
     assert internode.kernel_defines(16, 8, HIDDEN=7168, NUM_TOPK=8) == dict(NUM_RANKS=16, RANKS_PER_NODE=8,
                                                                             HIDDEN=7168, NUM_TOPK=8)
 
@@ -139,7 +141,7 @@ class _Kernel:
 
 class _FakeWindow(Window):
     """What InternodeEngine asks of a window, on the CPU: bases of every rank, a node-limited transport struct,
-    kernels that record their launches (exchange_counts also 'publishes' a receive count, as the GPU would)."""
+    kernels that record their launches (notify_counts also 'publishes' a receive count, as the GPU would)."""
 
     def __init__(self, ctx, nbytes, recv_rows):
         import torch
@@ -164,7 +166,7 @@ class _FakeWindow(Window):
             for e in range(2, 10):
                 self.engine.notify.words[e] = e
             self.engine.notify.words[0] = 1
-        return _Kernel(name, self.log, publish if "exchange_counts" in name else None)
+        return _Kernel(name, self.log, publish if "notify_counts" in name else None)
 
     def close(self):
         self.closed = True
@@ -209,7 +211,7 @@ def test_engine_dispatch_and_combine_host_flow(monkeypatch):
                         num_worst_tokens=0, num_sms=16, config=None)
     res = engine.dispatch(args)
     names = [n.split("internode")[1].split("E")[0] for n, *_ in w.log]
-    assert names == ["15exchange_counts", "11send_tokens", "16forward_arrivals", "8dispatch"]
+    assert names == ["13notify_counts", "11send_tokens", "16forward_arrivals", "8dispatch"]
     assert w.defines == dict(NUM_RANKS=R, RANKS_PER_NODE=P, HIDDEN_BYTES=2 * H, NUM_SCALES=0, NUM_TOPK=4)
     first = engine.dispatch_t.from_buffer_copy(w.log[0][3])
     last = engine.dispatch_t.from_buffer_copy(w.log[3][3])
@@ -244,7 +246,7 @@ def test_engine_dispatch_and_combine_host_flow(monkeypatch):
     out, out_w = engine.combine(CombineArgs(x=y, handle=h, topk_weights=torch.zeros(37, 4), bias_0=None, bias_1=None,
                                             num_sms=8))
     names = [n.split("internode")[1].split("E")[0] for n, *_ in w.log]
-    assert names == ["17stage_expert_rows", "16reduce_node_rows", "7combine"]
+    assert names == ["18notify_staged_rows", "16reduce_node_rows", "7combine"]
     p = engine.combine_t.from_buffer_copy(w.log[0][3])
     assert p.meta_tokens == N and p.landed_meta == st.landed_meta.data_ptr() and p.num_tokens == T
     assert p.num_recv == st.num_recv.data_ptr() and out.shape == (T, H) and out_w.shape == (T, 4)

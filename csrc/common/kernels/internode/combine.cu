@@ -1,7 +1,7 @@
 // Internode combine (docs/INTERNODE.md; protocol.cuh for words, the handshake and deadlock freedom):
 // the dispatch reversed. Three kernels on the Buffer's stream, op n:
 //
-//   stage_expert_rows  handshake (HS[me] = n to every rank, wait for every rank's), then copy my combine
+//   notify_staged_rows  handshake (HS[me] = n to every rank, wait for every rank's), then copy my combine
 //                      input rows (and top-k weights) into my window, row i at staging row i: my node
 //                      peers read them there.
 //   reduce_node_rows   publish STAGED = n (my rows are complete: the previous kernel ended), wait for
@@ -90,7 +90,7 @@ DEEPEP_DEVICE int64_t grid_warps() { return static_cast<int64_t>(gridDim.x) * kW
 
 namespace deepep_portable::internode {
 
-__global__ void __launch_bounds__(kThreads) stage_expert_rows(const __grid_constant__ InternodeCombineParams p) {
+__global__ void __launch_bounds__(kThreads) notify_staged_rows(const __grid_constant__ InternodeCombineParams p) {
     const Common& c = p.common;
     const uint64_t n = begin_op(c);
     const ErrorSink sink = sink_of(c, kOpCombine);

@@ -1,7 +1,7 @@
 // Internode dispatch (docs/INTERNODE.md; protocol.cuh for words, the handshake and deadlock freedom).
 // Four kernels on the Buffer's stream, op n:
 //
-//   exchange_counts   block 0: my counts (per rank, per node, token count, per expert of the receiver)
+//   notify_counts   block 0: my counts (per rank, per node, token count, per expert of the receiver)
 //                     go to every rank as a put-with-signal on HS[me] = n: the handshake; it waits for
 //                     every rank's, then writes the rank prefix matrix and, with host_out, hands the
 //                     host my receive count. Other blocks scan is_token_in_rank into send positions
@@ -39,7 +39,7 @@ namespace {
 DEEPEP_DEVICE int64_t global_warp() { return static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; }
 DEEPEP_DEVICE int64_t grid_warps() { return static_cast<int64_t>(gridDim.x) * kWarps; }
 
-// Block 0 of exchange_counts: my counts by rank and node, from is_token_in_rank (the bits the scan turns
+// Block 0 of notify_counts: my counts by rank and node, from is_token_in_rank (the bits the scan turns
 // into positions, so counts and positions cannot disagree), into s_count[R + M].
 DEEPEP_DEVICE void count_my_tokens(const InternodeDispatchParams& p, int* s_count) {
     const int lane = threadIdx.x % 32;
@@ -67,7 +67,7 @@ DEEPEP_DEVICE void count_my_tokens(const InternodeDispatchParams& p, int* s_coun
     __syncthreads();
 }
 
-// Block 0 of exchange_counts, after the handshake: what every rank sent me.
+// Block 0 of notify_counts, after the handshake: what every rank sent me.
 DEEPEP_DEVICE void publish_counts(const InternodeDispatchParams& p, uint64_t n) {
     const Common& c = p.common;
     const int me = static_cast<int>(c.rank);
@@ -162,7 +162,7 @@ DEEPEP_DEVICE void scan_column(const InternodeDispatchParams& p, int col) {
 
 namespace deepep_portable::internode {
 
-__global__ void __launch_bounds__(kThreads) exchange_counts(const __grid_constant__ InternodeDispatchParams p) {
+__global__ void __launch_bounds__(kThreads) notify_counts(const __grid_constant__ InternodeDispatchParams p) {
     const Common& c = p.common;
     const uint64_t n = begin_op(c);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
