@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(deepep_portable.__file__)
 # first level; `transports` holds the registry, the probes and every backend.)
 FLOORS = [
     {"comm", "layout", "internode_layout", "handles", "errors", "device", "jit", "jit_key", "profiling", "event",
-     "topology", "logfmt", "_C", "agreement", "launch_env", "utils", "elastic_handle"},
+     "topology", "logfmt", "_C", "agreement", "launch_env", "utils", "elastic_handle", "fp8"},
     {"contract", "config", "_validate", "failures"},
     {"windows"},
     {"engines"},

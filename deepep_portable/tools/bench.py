@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..buffer import Buffer, topk_idx_t
 from ..config import Config
-from ..transports.reference import _fp8_cast as _reference_fp8_cast
+from ..fp8 import cast as fp8_cast
 from . import compare
 from .ceilings import ceiling, copy_ceiling, nccl_all_to_all
 from .internode_ceiling import internode_ceiling
@@ -171,7 +171,7 @@ def bench_normal(rank: int, world: int, group, cfg: argparse.Namespace, tokens: 
         topk_idx = _random_topk(tokens, experts, topk, device, gen)
         topk_weights = torch.rand(tokens, topk, generator=gen).to(device)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, experts)
-        x_in = _reference_fp8_cast(x, False) if cfg.fp8 else x
+        x_in = fp8_cast(x, False) if cfg.fp8 else x
 
         def dispatch(tokens=x_in):
             return buf.dispatch(tokens, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
@@ -274,7 +274,7 @@ def bench_low_latency(rank: int, world: int, group, cfg: argparse.Namespace, tok
         # Identity experts in BF16: combine returns sum_k w_k * x exactly as the oracle computes it.
         recv_bf16 = compare.ll_expert_outputs(recv_x)
         if cfg.fp8:
-            src = _reference_fp8_cast(x, False)   # correctly rounded on any device, as the kernels
+            src = fp8_cast(x, False)   # correctly rounded on any device, as the kernels
             ref_x = (src[0].float() * src[1].repeat_interleave(128, dim=1)).to(torch.bfloat16)
         else:
             ref_x = x
@@ -365,7 +365,7 @@ def _our_ops(cfg: argparse.Namespace, group, world: int, tokens: int):
     x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(buf.device)
     topk_idx = _random_topk(tokens, experts, topk, buf.device, gen)
     topk_weights = torch.rand(tokens, topk, generator=gen).to(buf.device)
-    x_in = _reference_fp8_cast(x, False) if cfg.fp8 else x
+    x_in = fp8_cast(x, False) if cfg.fp8 else x
     if elastic is not None:
         def dispatch(sms):
             return lambda: elastic.dispatch(x_in, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=experts,
