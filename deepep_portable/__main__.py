@@ -9,6 +9,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deepep_portable")
     sub = parser.add_subparsers(dest="command", required=True)
     from .tools import bench, model, soak, verify
+    from .transports import registry
 
     bench.add_arguments(sub.add_parser("bench", help="dispatch/combine round trip across local ranks: check, time, ceiling"))
     soak.add_arguments(sub.add_parser("soak", help="many rounds on one Buffer: results, memory, descriptors, time"))
@@ -31,8 +32,11 @@ def main(argv=None) -> int:
                                                        "NCCL all_to_all_single and DeepEP, in one report"))
     pre = sub.add_parser("precompile", help="compile every kernel family into the JIT cache")
     pre.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
-    pre.add_argument("--nvshmem", action="store_true",
-                     help="also device-link the low-latency kernels for the nvshmem transport (needs NVSHMEM)")
+    for name in registry.filled("precompile"):   # one flag per backend with kernels jit.precompile cannot build
+        flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+        pre.add_argument(*flags, dest="linked", action="append_const", const=name,
+                         help=f"also build the {name} transport's kernels that the families cannot, e.g. those "
+                              f"device-linked against its library (its registry row's precompile hook)")
     args = parser.parse_args(argv)
 
     if args.command == "bench":
@@ -53,7 +57,7 @@ def main(argv=None) -> int:
         return run_doctor()
     from .tools import precompile
 
-    return precompile.main(args.arch, args.nvshmem)
+    return precompile.main(args.arch, args.linked or ())
 
 
 if __name__ == "__main__":

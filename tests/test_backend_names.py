@@ -1,6 +1,7 @@
 """A backend is its folders plus one registry row: no module outside a backend's own folder
 (deepep_portable/transports/<name>/, or transports/reference.py for the reference transport) names a backend,
-by its name as a string or by its module path, apart from the allow-list below, each entry with its reason.
+by its name as a string (or a command-line flag made of it, "--<name>"), or by its module path, apart from the
+allow-list below, each entry with its reason.
 
 Prose is not naming: a docstring or comment may speak of a backend. What counts is code that would have to
 change when a backend is added or removed: a string equal to a backend's name, a module path into a backend's
@@ -28,9 +29,6 @@ ALLOWED = {
                                               "as the last resort for normal mode over several nodes",
     "deepep_portable/transports/kernel.py": "KernelTransport falls back to the reference transport (the oracle) "
                                             "for what a backend's kernels do not run",
-    # Not moved yet (docs/ARCHITECTURE.md "Known rough edges"): the bench tools' uses of the oracle.
-    "deepep_portable/tools/bench.py": "the reference transport's FP8 cast (the oracle's)",
-    "deepep_portable/tools/compare.py": "the reference transport's FP8 cast and results (the oracle's)",
 }
 
 
@@ -58,7 +56,7 @@ def names_in(source: str) -> List[str]:
     hits = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
-            if node.value in NAMES or MODULE_PATH.search(node.value):
+            if node.value in NAMES or node.value.lstrip("-") in NAMES or MODULE_PATH.search(node.value):
                 hits.append(f"{node.lineno}: {node.value[:60]!r}")
         elif isinstance(node, ast.ImportFrom):
             module = "." * node.level + (node.module or "")
@@ -99,6 +97,7 @@ def test_the_checker_sees_a_name():
     assert names_in(f'x = "{NAMES[0]}"\n') and names_in(f"from .transports.{NAMES[0]}.window import W\n")
     assert names_in(f'ref = ".{NAMES[0]}.errors:describe"\n')
     assert not names_in(f'"""Prose about {NAMES[0]}."""\nx = 1  # and {NAMES[0]} here\n')
+    assert names_in(f'p.add_argument("--{NAMES[0]}", action="store_true")\n')
 
 
 def test_every_row_points_at_its_own_folder():
@@ -169,6 +168,35 @@ def test_hooks_lists_the_rows_that_fill_a_field(monkeypatch):
     _fake_row(monkeypatch, cluster_findings=lambda part, facts, context: [])
     hooked = [n for n, _ in registry.hooks("cluster_findings")]
     assert hooked == [b.name for b in registry.BACKENDS if b.cluster_findings] and hooked[-1] == "fake"
+
+
+def test_the_command_line_makes_a_precompile_flag_per_row(monkeypatch):
+    """`precompile --<name>` for each row with a precompile hook (made from the table, never written in
+    __main__.py), and the scripts' precompile commands still parse."""
+    from deepep_portable import __main__ as cli
+    from deepep_portable.tools import precompile
+
+    asked = []
+    monkeypatch.setattr(precompile, "main", lambda archs, linked=False: asked.append((list(archs), list(linked))) or 0)
+    names = registry.filled("precompile")
+    assert names == [n for n, _ in registry.hooks("precompile")]
+    for name in names:
+        assert cli.main(["precompile", "--arch", "sm_90", f"--{name}"]) == 0 and asked[-1] == (["sm_90"], [name])
+    assert cli.main(["precompile", "--arch", "sm_80", "sm_90"]) == 0 and asked[-1] == (["sm_80", "sm_90"], [])
+    for script in ("gpu_tests.sh", "multi_gpu.sh"):
+        lines = [ln for ln in open(os.path.join(ROOT, "scripts", script)) if "deepep_portable precompile" in ln]
+        assert lines, script
+        for ln in lines:
+            argv = ln.split("-m deepep_portable ", 1)[1].split(";;")[0].split()
+            assert cli.main(argv) == 0 and asked[-1][1], (script, argv)
+
+
+def test_one_row_is_the_oracle():
+    """The tools ask the registry for the oracle (e.g. a Buffer that only hosts a timing start line) rather than
+    naming it: exactly one row, with no kernels of its own to build and every node spanned."""
+    rows = [b for b in registry.BACKENDS if b.oracle]
+    assert len(rows) == 1 and registry.oracle() == rows[0].name
+    assert rows[0].spans_nodes and not rows[0].precompile and not rows[0].gpu_steps
 
 
 def test_precompile_of_nvshmem_leaves_sm_80_out(monkeypatch):

@@ -17,8 +17,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..config import Config
-from ..transports.reference import _fp8_cast as _reference_fp8_cast
+from ..fp8 import cast as fp8_cast
 from ..buffer import Buffer
+from ..transports import registry
 from .timing import LL_LOOP, graph_seconds, layout_parts, slowest, start_line, timer
 
 
@@ -40,7 +41,7 @@ def _peer_dispatch(buf, rank: int, cfg: argparse.Namespace, tokens: int, device:
     topk_idx = random_topk(tokens, cfg.experts, cfg.topk, device, gen)
     topk_weights = torch.rand(tokens, cfg.topk, generator=gen).to(device)
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, cfg.experts)
-    x_in = _reference_fp8_cast(x, False) if cfg.fp8 else x
+    x_in = fp8_cast(x, False) if cfg.fp8 else x
 
     def dispatch():
         return buf.dispatch(x_in, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
@@ -74,7 +75,7 @@ def bench_peer_normal(module: str, rank: int, world: int, group, cfg: argparse.N
     combine_in, handle = _peer_round_trip(module, buf, dispatch, rank, cfg, tokens)
     # The same timing as our rows: every sample starts at the GPU start line (hosted by a Buffer of ours
     # that moves nothing), after a barrier.
-    with start_line(Buffer(group, 0, 0, transport="reference"), cfg):
+    with start_line(Buffer(group, 0, 0, transport=registry.oracle()), cfg):
         layout = lambda: buf.get_dispatch_layout(topk_idx, experts)  # noqa: E731
         layout_host_times: list = []
         t_layout = slowest(timer(device, layout, cfg.warmup, cfg.iters, group, host_times=layout_host_times), group)
@@ -112,7 +113,7 @@ def bench_peer_sweep(module: str, rank: int, world: int, group, cfg: argparse.Na
             buf.get_dispatch_layout(topk_idx, cfg.experts)
             return dispatch()
 
-        with start_line(Buffer(group, 0, 0, transport="reference"), cfg):   # as bench_peer_normal times
+        with start_line(Buffer(group, 0, 0, transport=registry.oracle()), cfg):   # as bench_peer_normal times
             for sms in budgets:
                 if sms is not None:
                     mod.Buffer.set_num_sms(sms)
@@ -169,7 +170,7 @@ def bench_peer_low_latency(module: str, rank: int, world: int, group, cfg: argpa
     combined, _, _ = combine()
     if combined.shape != (tokens, hidden):
         raise AssertionError(f"rank {rank}: {module}'s low_latency_combine returned {tuple(combined.shape)}")
-    with start_line(Buffer(group, 0, 0, transport="reference"), cfg):
+    with start_line(Buffer(group, 0, 0, transport=registry.oracle()), cfg):
         loop = LL_LOOP if device.type == "cuda" else 1
         timed = [("ll_dispatch", slowest(timer(device, dispatch, cfg.warmup, cfg.iters, group, loop), group)),
                  ("ll_combine", slowest(timer(device, combine, cfg.warmup, cfg.iters, group, loop), group))]

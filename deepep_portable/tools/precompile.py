@@ -4,7 +4,7 @@ A family is declared (jit.register_family) next to the code that launches its ke
 declares the kernels built for it in its transport module (e.g. low_latency.register_families(build));
 importing those modules is what makes jit.families() complete. A backend with kernels jit.precompile cannot
 build (device-linked against a library) points its registry row's `precompile` at what builds them; they are built
-on request (`--nvshmem`)."""
+on request (`--<name>`, one flag per such row, e.g. `--nvshmem`)."""
 from __future__ import annotations
 
 import importlib
@@ -30,8 +30,7 @@ def load_families() -> Dict[str, jit.KernelFamily]:
 
 def main(archs: Sequence[str], linked: Union[bool, Collection[str]] = False) -> int:
     """Every kernel family for `archs`, then the kernels of the backends in `linked` that jit.precompile cannot build
-    (their rows' `precompile`): True for every such backend (`--nvshmem`: NVSHMEM's are the only ones), or their
-    names."""
+    (their rows' `precompile`): True for every such backend, or their names (the command line's `--<name>` flags)."""
     from ..transports import registry
 
     load_families()

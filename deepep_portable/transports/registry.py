@@ -20,7 +20,7 @@ package (imported when first asked, so a backend's libraries are never loaded by
               (its network settings under facts["settings"][name]) and what the report derived there; a backend
               cannot import the tools' Finding, which sit a floor above it;
   precompile  (archs) -> [(label, arch, seconds, cache_hit)]: its kernels that `jit.precompile` cannot build (e.g.
-              device-linked against a library), which `python -m deepep_portable precompile` builds on request;
+              device-linked against a library), which `python -m deepep_portable precompile --<name>` builds;
 and lists its GPU test steps (scripts/gpu_tests.sh step names) and its compute-sanitizer suites
 (scripts/sanitize.sh entries). `python -m deepep_portable.transports.registry --steps gpu|sanitize` prints them.
 """
@@ -44,6 +44,8 @@ class Backend:
     verified_hardware: str = ""        # where it has run for real, in words (Buffer.transport_info, doctor)
     ran_on_hardware: bool = False      # it has run on real hardware at all ("auto" warns when it picks one that has not)
     ran_across_machines: bool = False  # its path between machines has run over a real network (same warning)
+    oracle: bool = False      # the specification the kernels are tested against: plain torch.distributed, no
+                              # kernels, runs in any process (exactly one row; `oracle()` names it)
     options: Optional[str] = None      # its transport_options schema ("module:function"; None: it takes none)
     legacy_option: Optional[str] = None   # the deprecated Buffer keyword that is an alias of transport_options
     error_text: Optional[str] = None   # decoder of its own kernel error codes ("module:function")
@@ -92,7 +94,7 @@ BACKENDS: Tuple[Backend, ...] = (
             verified_hardware="one GPU shared by ranks (H200)", ran_on_hardware=True),
     Backend("reference", ".reference", "ReferenceTransport", ".reference:probe_reference", spans_nodes=True,
             verified_hardware="CPU (gloo; torch.distributed carries it between machines)", ran_on_hardware=True,
-            ran_across_machines=True),
+            ran_across_machines=True, oracle=True),
 )
 
 BY_NAME: Dict[str, Backend] = {b.name: b for b in BACKENDS}
@@ -104,6 +106,12 @@ def row(name: str) -> Backend:
     if name not in BY_NAME:
         raise ValueError(f"unknown transport {name!r}; choose one of {['auto'] + TRANSPORT_NAMES}")
     return BY_NAME[name]
+
+
+def oracle() -> str:
+    """The name of the oracle's row: the backend that runs in any process with a torch group (no GPU, no library),
+    e.g. for a Buffer that only hosts a timing start line beside another library."""
+    return next(b.name for b in BACKENDS if b.oracle)
 
 
 def entry(ref: str) -> Callable:
@@ -154,6 +162,12 @@ def hooks(field: str) -> list:
     """[(backend name, function)] of every row that fills `field` (a "module:function" field such as
     cluster_findings or precompile), in table order."""
     return [(b.name, entry(getattr(b, field))) for b in BACKENDS if getattr(b, field)]
+
+
+def filled(field: str) -> list:
+    """The names of the rows that fill `field`, in table order, importing nothing (e.g. the command line's
+    `precompile --<name>` flags)."""
+    return [b.name for b in BACKENDS if getattr(b, field)]
 
 
 def steps(kind: str) -> list:
