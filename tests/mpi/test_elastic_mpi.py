@@ -326,23 +326,35 @@ def test_buffer_usable_after_rejected_calls(buf, pg, device, request, base_seed)
 
 
 # ---- logical nodes (hierarchical route) -------------------------------------------------------------
-def test_logical_nodes(pg, device, request, base_seed):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_logical_nodes(pg, device, request, base_seed, fp8):
+    """Nodes of two ranks: the reference transport on the CPU; on a GPU the job's transport when it spans nodes
+    (the internode kernels: NVLink inside a node, the backend's network path between nodes)."""
+    from deepep_portable.transports import registry
+
     rank, num_ranks = world(pg)
     if num_ranks < 4 or num_ranks % 2:
         pytest.skip("needs an even number of ranks, at least 4 (nodes of two ranks)")
-    buffer = ElasticBuffer(pg, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, transport="reference",
+    if not registry.row(TRANSPORT).spans_nodes:
+        pytest.skip(f"{TRANSPORT} does not span nodes: run this job with a network transport")
+    buffer = ElasticBuffer(pg, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK, transport=TRANSPORT,
                            ranks_per_node=2, explicitly_destroy=True)
     try:
         assert buffer.get_logical_domain_size() == (num_ranks // 2, 2) == buffer.get_physical_domain_size()
         assert (buffer.scaleout_rank_idx, buffer.scaleup_rank_idx) == (rank // 2, rank % 2)
         gen = generator(request, base_seed, rank)
-        inp = Inputs(pg, gen, device, num_tokens=MAX_TOKENS - 1)
+        inp = Inputs(pg, gen, device, num_tokens=MAX_TOKENS - 1, fp8=fp8)
         ck = Checker(pg)
-        recv_x, _, recv_w, h, _ = buffer.dispatch(inp.x, inp.idx, inp.weights, num_experts=inp.experts)
+        recv_x, _, recv_w, h, _ = buffer.dispatch(inp.x_arg, inp.idx, inp.weights, num_experts=inp.experts,
+                                                  num_sms=NUM_SMS)
+        if fp8:
+            recv_x, recv_sf = recv_x
+            ck.bits(recv_sf, inp.expected.recv_x_scales, "recv_sf over logical nodes")
         ck.bits(recv_x, inp.expected.recv_x, "recv_x over logical nodes")
         check_handle(ck, inp, h, 2, expanded=False)
-        combined, combined_w, _ = buffer.combine(recv_x, h, recv_w)
-        want, _ = expected_combine(inp, pg, recv_x, recv_w, None, ranks_per_node=2)
+        y = torch.randn(recv_x.shape, generator=gen).to(torch.bfloat16).to(device)
+        combined, combined_w, _ = buffer.combine(y, h, recv_w, num_sms=NUM_SMS)
+        want, _ = expected_combine(inp, pg, y, recv_w, None, ranks_per_node=2)
         ck.bits(combined, want, "combined_x over logical nodes")
         ck.bits(combined_w, combine_weights_expected(inp), "combined_topk_weights over logical nodes")
         ck.done()
