@@ -161,7 +161,7 @@ def test_cuda_calls_without_a_gpu_are_errors(glue):
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:   # no driver: the message says the library is missing
-        assert "dlopen(libcuda.so.1) failed" in str(info.value), str(info.value)
+        assert "libcuda.so.1 not found" in str(info.value), str(info.value)
 
 
 def test_null_handles_are_rejected(glue):
@@ -262,14 +262,18 @@ def test_cpu_doorbell_forwards_each_mailbox_to_its_register(glue):
 
 
 def test_the_glue_opens_the_driver_library_the_host_module_opens(glue, tmp_path):
-    # The one CUDA driver loader (transports/system.py) opens DEEPEP_PORTABLE_LIBCUDA; the glue reports its failure.
+    # The one CUDA driver loader (transports/system.py) opens DEEPEP_PORTABLE_LIBCUDA; the glue reports its failure
+    # in the words _C's driver_status() uses for it.
     missing = str(tmp_path / "libcuda-missing.so.1")
     code = ("from deepep_portable.transports.ibgda import devx_glue\n"
             "glue = devx_glue.load()\n"
             "try:\n    glue.cuda_map_io(0x1000, 4096)\nexcept devx_glue.DevxError as e:\n    print(e)\n")
     env = dict(os.environ, DEEPEP_PORTABLE_LIBCUDA=missing)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
-    assert f"dlopen({missing}) failed" in out, out
+    assert f"{missing} not found" in out, out
+    status = subprocess.run([sys.executable, "-c", "from deepep_portable import _C; print(_C.driver_status()[1])"],
+                            capture_output=True, text=True, env=env, check=True).stdout.strip()
+    assert status and status in out, (status, out)
 
 
 FAKE_DRIVER = r"""

@@ -200,25 +200,17 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _hand_over_cuda(lib: ctypes.CDLL) -> None:
-    """Gives the glue the CUDA driver's entry points from the Python side's one loader (system.open_libcuda), or why
-    there is none (its CUDA calls then fail with that). The glue keeps the first hand-over of the process."""
-    cuda, why = system.open_libcuda()
-    if cuda is None:
-        rc = lib.dx_use_cuda(f"dlopen({system.libcuda_path()}) failed (no NVIDIA driver?): {why}".encode(), None, 0)
+    """Gives the glue the CUDA driver's entry points from the library's one loader (system.driver_entry_points, as
+    _C takes them), or why there is none (its CUDA calls then fail with that). The glue keeps the first hand-over
+    of the process; an entry point the driver lacks is 0 and the glue reports the driver too old for that call."""
+    names = (lib.dx_cuda_entry_names() or b"").decode().split(",")
+    _, addresses, why = system.driver_entry_points(names)
+    if addresses is None:
+        rc = lib.dx_use_cuda(why.encode(), None, 0)
     else:
-        names = (lib.dx_cuda_entry_names() or b"").decode().split(",")
-        addresses = (ctypes.c_uint64 * len(names))(*(_address(cuda, n) for n in names))
-        rc = lib.dx_use_cuda(None, addresses, len(names))
+        rc = lib.dx_use_cuda(None, (ctypes.c_uint64 * len(names))(*addresses), len(names))
     if rc != 0:
         raise GlueError(f"dx_use_cuda: {(lib.dx_last_error() or b'').decode(errors='replace')}")
-
-
-def _address(lib: ctypes.CDLL, name: str) -> int:
-    """The address of `name` in `lib`, 0 if it has none (the glue then reports the driver too old for that call)."""
-    try:
-        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
-    except AttributeError:
-        return 0
 
 
 class DevxGlue:
