@@ -88,6 +88,16 @@ class Inputs:
         return slots
 
 
+def same_routing(pg, gen, device, like: Inputs, fp8: bool = False) -> Inputs:
+    """New payload and weights on `like`'s routing (what a cached handle replays), with the oracle's answer."""
+    new = Inputs(pg, gen, device, num_tokens=like.x.size(0), fp8=fp8)
+    new.idx, new.in_rank, new.in_rank_all, new.idx_all = like.idx, like.in_rank, like.in_rank_all, like.idx_all
+    new.expected = oracle.dispatch(new.rank, new.experts, new.x_all, new.in_rank_all, new.scales_all, new.idx_all,
+                                   new.weights_all)
+    new.num_recv = new.expected.num_recv_tokens
+    return new
+
+
 def check_handle(ck: Checker, inp: Inputs, h, num_scaleup: int, expanded: bool) -> None:
     rows = inp.num_recv
     meta = h.recv_src_metadata
@@ -199,10 +209,8 @@ def test_cached_dispatch(buf, pg, device, request, base_seed, fp8, do_handle_cop
                                         do_handle_copy=do_handle_copy, num_sms=NUM_SMS)
     ck.true((h.topk_idx is inp.idx) != do_handle_copy, "do_handle_copy not honoured")
     # Same routing, new payload and new weights.
-    again = Inputs(pg, gen, device, num_tokens=inp.x.size(0), fp8=fp8)
-    again.idx, again.in_rank, again.in_rank_all, again.idx_all = inp.idx, inp.in_rank, inp.in_rank_all, inp.idx_all
-    exp = oracle.dispatch(again.rank, again.experts, again.x_all, again.in_rank_all, again.scales_all,
-                          again.idx_all, again.weights_all)
+    again = same_routing(pg, gen, device, inp, fp8=fp8)
+    exp = again.expected
     recv_x, cached_idx, cached_w, cached_h, _ = buf.dispatch(again.x_arg, handle=h, topk_weights=again.weights)
     ck.true(cached_h is h, "a cached dispatch returns its handle")
     if fp8:
@@ -382,16 +390,6 @@ def test_async_events_order_the_callers_stream(buf, pg, device, request, base_se
 
 
 # ---- CUDA graphs: the decode pattern --------------------------------------------------------------------
-def same_routing(pg, gen, device, like: Inputs) -> Inputs:
-    """New payload and weights on `like`'s routing (what a cached handle replays), with the oracle's answer."""
-    new = Inputs(pg, gen, device, num_tokens=like.x.size(0))
-    new.idx, new.in_rank, new.in_rank_all, new.idx_all = like.idx, like.in_rank, like.in_rank_all, like.idx_all
-    new.expected = oracle.dispatch(new.rank, new.experts, new.x_all, new.in_rank_all, new.scales_all, new.idx_all,
-                                   new.weights_all)
-    new.num_recv = new.expected.num_recv_tokens
-    return new
-
-
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need CUDA")
 @pytest.mark.parametrize("cached", [False, True])
 def test_decode_cuda_graph(buf, pg, device, request, base_seed, cached):
