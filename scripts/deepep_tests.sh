@@ -66,6 +66,10 @@ fi
 export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
 nvidia-cuda-mps-control -d && echo "MPS started"
 declare -a SUMMARY
+summarize() {   # summarize NAME RC T0 LOG: the log's last lines, and the run's line in the summary
+    tail -4 "$4"
+    SUMMARY+=("$(printf '%-12s rc=%-3s %4ss  %s' "$1" "$2" "$((SECONDS - $3))" "$(grep -a -c -E 'Error|Traceback' "$4") error lines")")
+}
 run() {   # run NAME ARGS...: one DeepEP test file
     local name=$1; shift
     local t0=$SECONDS
@@ -74,8 +78,7 @@ run() {   # run NAME ARGS...: one DeepEP test file
         >"$OUT/deepep_${DEEPEP_REAL:+real_}$name.log" 2>&1
     local rc=$?
     local log="$OUT/deepep_${DEEPEP_REAL:+real_}$name.log"
-    tail -4 "$log"
-    SUMMARY+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -a -c -E 'Error|Traceback' "$log") error lines")")
+    summarize "$name" "$rc" "$t0" "$log"
 }
 run_nodes() {   # run_nodes NAME NODES FILE ARGS...: one DeepEP test file launched once per logical node of 8 ranks
     local name=$1 nodes=$2; shift 2
@@ -89,8 +92,7 @@ run_nodes() {   # run_nodes NAME NODES FILE ARGS...: one DeepEP test file launch
     done
     for p in "${pids[@]}"; do wait "$p" || rc=$?; done
     cat "${log%.log}".node* >"$log" && rm -f "${log%.log}".node*
-    tail -4 "$log"
-    SUMMARY+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -a -c -E 'Error|Traceback' "$log") error lines")")
+    summarize "$name" "$rc" "$t0" "$log"
 }
 for r in $RUNS; do
     case $r in
