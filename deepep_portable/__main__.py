@@ -32,11 +32,11 @@ def main(argv=None) -> int:
                                                        "NCCL all_to_all_single and DeepEP, in one report"))
     pre = sub.add_parser("precompile", help="compile every kernel family into the JIT cache")
     pre.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"])
-    for name in registry.filled("precompile"):   # one flag per backend with kernels jit.precompile cannot build
+    for name in registry.filled("precompile"):   # one flag per backend whose kernels the families leave out
         flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         pre.add_argument(*flags, dest="linked", action="append_const", const=name,
-                         help=f"also build the {name} transport's kernels that the families cannot, e.g. those "
-                              f"device-linked against its library (its registry row's precompile hook)")
+                         help=f"also build the {name} transport's low-latency and internode kernels, which the "
+                              f"kernel families leave out (its registry row's precompile hook)")
     args = parser.parse_args(argv)
 
     if args.command == "bench":

@@ -2,9 +2,10 @@
 
 A family is declared (jit.register_family) next to the code that launches its kernels, and a backend
 declares the kernels built for it in its transport module (e.g. low_latency.register_families(build));
-importing those modules is what makes jit.families() complete. A backend with kernels jit.precompile cannot
-build (device-linked against a library) points its registry row's `precompile` at what builds them; they are built
-on request (`--<name>`, one flag per such row, e.g. `--nvshmem`)."""
+importing those modules is what makes jit.families() complete. A network backend's kernels are left out of the
+families (device-linked against a library, or only run on a cluster: CI compiles every family); its registry row
+points its `precompile` at what builds them (transports/precompile.py), on request (`--<name>`, one flag per
+such row, e.g. `--nvshmem`, `--ibgda`)."""
 from __future__ import annotations
 
 import importlib

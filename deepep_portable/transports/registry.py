@@ -19,8 +19,9 @@ package (imported when first asked, so a backend's libraries are never loaded by
               asked at each part of one rank's findings (CLUSTER_PARTS below) with that rank's collected facts
               (its network settings under facts["settings"][name]) and what the report derived there; a backend
               cannot import the tools' Finding, which sit a floor above it;
-  precompile  (archs) -> [(label, arch, seconds, cache_hit)]: its kernels that `jit.precompile` cannot build (e.g.
-              device-linked against a library), which `python -m deepep_portable precompile --<name>` builds;
+  precompile  (archs) -> [(label, arch, seconds, cache_hit)]: its kernels that `jit.precompile` leaves out (device-
+              linked against a library, or run only on a cluster), which `python -m deepep_portable precompile
+              --<name>` builds;
 and lists its GPU test steps (scripts/gpu_tests.sh step names) and its compute-sanitizer suites
 (scripts/sanitize.sh entries). `python -m deepep_portable.transports.registry --steps gpu|sanitize` prints them.
 """
@@ -83,7 +84,7 @@ BACKENDS: Tuple[Backend, ...] = (
             verified_hardware="never on a real NIC (NIC model only)",
             options=".ibgda.roce:validate_options", legacy_option="ibgda_options", error_text=".ibgda.errors:describe",
             doctor=".ibgda.doctor:doctor", network_settings=".ibgda.doctor:network_settings",
-            cluster_findings=".ibgda.cluster:findings",
+            cluster_findings=".ibgda.cluster:findings", precompile=".ibgda.transport:precompile_kernels",
             gpu_steps=("llibgda", "internodeibgda"),
             sanitize_steps=(
                 "ll_ibgda|2|tests/mpi/test_low_latency_gpu_mpi.py|small or logfmt or shrink|DEEPEP_TEST_IBGDA_MODEL=1 "

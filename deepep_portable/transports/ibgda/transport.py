@@ -11,9 +11,13 @@ allow_nvlink_for_low_latency_mode=False (window.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Sequence
 
+from ... import jit
 from ...contract import BufferContext, Capabilities
 from ..kernel import KernelTransport
+from ..precompile import build_variants
+from .abi import IBGDA_BUILD
 from .window import IbgdaWindow
 
 
@@ -47,3 +51,12 @@ class IbgdaTransport(KernelTransport):
             if provider is not None and hasattr(provider, "describe"):
                 return {"nic_provider": provider.name, "nic": provider.describe()}
         return {}
+
+
+def precompile_kernels(archs: Sequence[str]):
+    """`python -m deepep_portable precompile --ibgda` (this backend's registry row's `precompile`): the
+    low-latency and internode kernels of transports.precompile.suite_variants() built for this backend, as its
+    windows build them at run time (the same device code on a NIC or on the tests' NIC model). Needs only nvcc."""
+    def compile_one(source: str, defines: dict, arch: str):
+        return jit.compile_cached(source, IBGDA_BUILD.kernel_defines(defines), arch, extra_flags=IBGDA_BUILD.flags)
+    return build_variants("ibgda", compile_one, archs)

@@ -14,15 +14,12 @@ on one node). What was run where: docs/PERFORMANCE.md and the closing notes; the
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Optional, Sequence, Tuple
 
-from ... import jit
 from ...contract import BufferContext, Capabilities
-from ...engines import internode, low_latency
 from ..kernel import KernelTransport
+from ..precompile import build_variants
 from . import link
 from .window import NVSHMEM_BUILD, NvshmemWindow
 
@@ -47,26 +44,12 @@ class NvshmemTransport(KernelTransport):
 
 def precompile(archs=("sm_90",), jobs: Optional[int] = None, variants: Optional[Sequence[Tuple[str, dict]]] = None):
     """Device-link kernels for this backend (in parallel, `jobs` nvcc processes): `variants` ((source, defines)
-    pairs, e.g. from the engines' round_variants), by default the low-latency kernel families' variants and the
-    internode suites'. Returns [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc is missing."""
-    if variants is None:
-        ll = low_latency
-        variants = [v for h in ll.HIDDENS for v in ll.round_variants(h, 8)] + \
-            [(ll.COMBINE_SOURCE, ll.kernel_defines(7168, 8, True, ph)) for ph in (ll.PHASE_SEND, ll.PHASE_RECV)] + \
-            [(ll.CLEAN_SOURCE, {})]
-        variants += internode.precompile_variants()
-    tasks = [(source, defines, arch) for source, defines in variants for arch in archs]
-
-    def run(task):
-        source, defines, arch = task
-        res = link.compile_linked_cached(source, NVSHMEM_BUILD.kernel_defines(defines), arch,
-                                         extra_flags=NVSHMEM_BUILD.flags)
-        label = f"{os.path.basename(source)}[nvshmem" + "".join(f",{k}={v}" for k, v in defines.items()) + "]"
-        return label, arch, res.seconds, res.cache_hit
-
-    jit.find_nvcc()   # raises naming where it looked
-    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
-        return list(pool.map(run, tasks))
+    pairs, e.g. from the engines' round_variants), by default transports.precompile.suite_variants(). Returns
+    [(label, arch, seconds, cache_hit)]; raises when NVSHMEM or nvcc is missing."""
+    def compile_one(source: str, defines: dict, arch: str):
+        return link.compile_linked_cached(source, NVSHMEM_BUILD.kernel_defines(defines), arch,
+                                          extra_flags=NVSHMEM_BUILD.flags)
+    return build_variants("nvshmem", compile_one, archs, jobs, variants)
 
 
 def precompile_linked(archs: Sequence[str]):
