@@ -44,7 +44,7 @@ __all__ = [
     "JitCompileError", "CompileResult", "KernelFamily", "find_nvcc", "nvcc_version", "kernel_root",
     "cache_dir", "device_arch", "compile", "compile_cached", "load", "KernelCache", "forced_arch",
     "register_family", "families",
-    "precompile", "clear_memory_cache", "BASE_FLAGS",
+    "precompile", "run_all", "clear_memory_cache", "BASE_FLAGS",
 ]
 
 Defines = Mapping[str, Union[int, bool, str]]
@@ -459,15 +459,20 @@ def precompile(archs: Sequence[str] = ("sm_80", "sm_90"), jobs: Optional[int] = 
         res = compile_cached(fam.source, defs, arch, extra_flags=fam.extra_flags, cache=cache)
         return label, arch, time.perf_counter() - t0, res.cache_hit
 
-    workers = max(1, jobs or os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(run, t) for t in tasks]
-        results, first_error = [], None
-        for fut in futures:
-            try:
-                results.append(fut.result())
-            except Exception as e:  # noqa: BLE001 - report the first, after all finished
-                first_error = first_error or e
+    return run_all(run, tasks, jobs)
+
+
+def run_all(fn, tasks: Sequence, jobs: Optional[int] = None) -> list:
+    """[fn(task) for task in tasks], `jobs` at once (default: every core), in order. A failure does not stop the
+    others: the first one is raised after all finished (a build reports every kernel it could make)."""
+    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
+        futures = [pool.submit(fn, t) for t in tasks]
+    results, first_error = [], None
+    for fut in futures:
+        try:
+            results.append(fut.result())
+        except Exception as e:  # noqa: BLE001 - report the first, after all finished
+            first_error = first_error or e
     if first_error is not None:
         raise first_error
     return results

@@ -10,7 +10,6 @@ run time.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from .. import jit
@@ -33,7 +32,7 @@ def build_variants(name: str, compile_one: Callable[[str, dict, str], jit.Compil
                    jobs: Optional[int] = None, variants: Optional[Sequence[Variant]] = None) -> List[Compiled]:
     """compile_one(source, defines, arch) for every variant (default suite_variants()) and arch, `jobs` nvcc
     processes at once (default: every core). Labels read "<file>[<name>,K=V,...]". Raises the first failure
-    after the others finished."""
+    after the others finished (jit.run_all)."""
     tasks = [(source, defines, arch) for source, defines in (variants or suite_variants()) for arch in archs]
 
     def run(task) -> Compiled:
@@ -43,14 +42,4 @@ def build_variants(name: str, compile_one: Callable[[str, dict, str], jit.Compil
         return label, arch, res.seconds, res.cache_hit
 
     jit.find_nvcc()   # raises naming where it looked
-    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
-        futures = [pool.submit(run, t) for t in tasks]
-    results, first_error = [], None
-    for fut in futures:
-        try:
-            results.append(fut.result())
-        except Exception as e:  # noqa: BLE001 - report the first, after all finished
-            first_error = first_error or e
-    if first_error is not None:
-        raise first_error
-    return results
+    return jit.run_all(run, tasks, jobs)
