@@ -33,7 +33,8 @@ def build_variants(name: str, compile_one: Callable[[str, dict, str], jit.Compil
     """compile_one(source, defines, arch) for every variant (default suite_variants()) and arch, `jobs` nvcc
     processes at once (default: every core). Labels read "<file>[<name>,K=V,...]". Raises the first failure
     after the others finished (jit.run_all)."""
-    tasks = [(source, defines, arch) for source, defines in (variants or suite_variants()) for arch in archs]
+    tasks = [(source, defines, arch) for source, defines in (suite_variants() if variants is None else variants)
+             for arch in archs]
 
     def run(task) -> Compiled:
         source, defines, arch = task
