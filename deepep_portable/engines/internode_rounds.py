@@ -167,6 +167,8 @@ def cached_dispatch(engine, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Opt
 def _read_on(stream, tensors) -> None:
     """The rounds' outputs were made on the caller's stream and are read on the comm stream: keep their memory
     from the caller's next allocations until the comm stream is past them (the caller may not wait for it)."""
+    if stream is None or torch.cuda.is_current_stream_capturing():   # a graph's memory stays its own until it goes
+        return
     for t in tensors:
         if t is not None and t.is_cuda:
             t.record_stream(stream)
