@@ -87,15 +87,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:   # FP8 rows move as bytes (index_c
 
 # ---- the engine's calls in rounds (engines/internode.py: dispatch_op / combine_op are one op each) ----------------
 
-def round_args(args: DispatchArgs, k: int, tokens_per_round: int) -> DispatchArgs:
-    """Round k's part of a dispatch call. The call's expert counts travel in round 0 and zeros in the others, so the
-    counts each rank learns add up to the call's (aligned once)."""
+def round_args(args: DispatchArgs, k: int, tokens_per_round: int, no_counts: torch.Tensor) -> DispatchArgs:
+    """Round k's part of a dispatch call. The call's expert counts travel in round 0 and `no_counts` (zeros) in the
+    others, so the counts each rank learns add up to the call's (aligned once)."""
     span = round_span(k, args.x.size(0), tokens_per_round)
     cut = lambda t: None if t is None else t[span]   # noqa: E731
     return replace(args, x=args.x[span], x_scales=cut(args.x_scales), topk_idx=cut(args.topk_idx),
                    topk_weights=cut(args.topk_weights), is_token_in_rank=args.is_token_in_rank[span],
-                   num_tokens_per_expert=args.num_tokens_per_expert if k == 0 else
-                   torch.zeros_like(args.num_tokens_per_expert),
+                   num_tokens_per_expert=args.num_tokens_per_expert if k == 0 else no_counts,
                    expert_alignment=args.expert_alignment if k == 0 else 1)
 
 
@@ -103,17 +102,19 @@ def dispatch(engine, args: DispatchArgs, tokens_per_round: int) -> DispatchResul
     """A fresh dispatch (its receive count learned by the host): one op when every rank's tokens fit a round, else
     as many rounds as the largest rank needs (the first round's count messages say how many)."""
     call_tokens = args.x.size(0)
-    first = args if call_tokens <= tokens_per_round else round_args(args, 0, tokens_per_round)
+    first = args if call_tokens <= tokens_per_round else round_args(args, 0, tokens_per_round, None)
     result = engine.dispatch_op(first.x, first.x_scales, args.num_sms, fresh=first, call_tokens=call_tokens)
     num_rounds = rounds_for(engine.most_call_tokens, tokens_per_round)
     if num_rounds == 1:
         return result
+    rank, comm = engine.rank, engine.ctx.comm_stream
+    with torch.cuda.stream(comm):   # read by the comm stream's kernels alone
+        no_counts = torch.zeros_like(args.num_tokens_per_expert)
     results = [result]
     for k in range(1, num_rounds):
-        part = round_args(args, k, tokens_per_round)
+        part = round_args(args, k, tokens_per_round, no_counts)
         results.append(engine.dispatch_op(part.x, part.x_scales, args.num_sms, fresh=part, call_tokens=call_tokens))
     handles = [r.handle for r in results]
-    rank, comm = engine.rank, engine.ctx.comm_stream
     num_rows = sum(h.num_recv_rows for h in handles)
     dev = args.x.device
 
