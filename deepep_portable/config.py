@@ -47,8 +47,9 @@ class Config:
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_max_tokens_per_rank: int = 4096,
                                   ranks_per_node: Optional[int] = None) -> int:
         """Bytes of network buffer for normal mode over several nodes (docs/INTERNODE.md: one landing slot
-        per (source node, token)); 0 when every rank is on one node. `ranks_per_node` (ours): default
-        DEEPEP_PORTABLE_RANKS_PER_NODE, else DeepEP's assumption of 8 (min with num_ranks)."""
+        per (source node, token)) that run every call of up to `num_max_tokens_per_rank` tokens as one op; a
+        smaller buffer runs larger calls in rounds. 0 when every rank is on one node. `ranks_per_node` (ours):
+        default DEEPEP_PORTABLE_RANKS_PER_NODE, else DeepEP's assumption of 8 (min with num_ranks)."""
         from .internode_layout import internode_rdma_bytes
         from .topology import RANKS_PER_NODE_ENV
 

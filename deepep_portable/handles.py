@@ -31,6 +31,16 @@ class InternodeState(NamedTuple):
     landed_chunks: torch.Tensor         # [M] int32: chunks of each source node's tokens that land here
 
 
+class InternodeRounds(NamedTuple):
+    """An internode dispatch that ran in rounds because its window holds fewer tokens per rank than the call has
+    (engines/internode_rounds.py): round k moved every rank's tokens [k * tokens_per_round, (k + 1) *
+    tokens_per_round). The combine and a cached dispatch repeat the rounds with each round's own handle."""
+
+    tokens_per_round: int
+    rounds: tuple                       # one DispatchHandle per round (InternodeState), round-local rows and tokens
+    rows: tuple                         # per round: int64 [round rows], where its rows are in the call's recv_x
+
+
 class DispatchHandle(NamedTuple):
     """Layout of one normal-mode dispatch, enough to repeat it (cached dispatch) or reverse it (combine).
 
@@ -46,7 +56,7 @@ class DispatchHandle(NamedTuple):
     num_tokens: int
     hidden: int
     buffer_uid: int
-    transport_state: Optional[NamedTuple] = None   # the engine's extras (Intranode/InternodeState; None: reference)
+    transport_state: Optional[NamedTuple] = None   # the engine's extras (Intranode/InternodeState/Rounds; None: reference)
 
 
 class LowLatencyHandle(NamedTuple):

@@ -75,9 +75,9 @@ class InternodeRegions:
 
     @property
     def count_words(self) -> int:
-        """int32 words of a count message: per rank, per node, token count, the sender's receive capacity, per
-        expert of the receiver."""
-        return align_up(self.num_ranks + self.num_nodes + 2 + INTERNODE_MAX_LOCAL_EXPERTS, 4)
+        """int32 words of a count message: per rank, per node, token count, the sender's receive capacity, its
+        tokens in the whole call, per expert of the receiver."""
+        return align_up(self.num_ranks + self.num_nodes + 3 + INTERNODE_MAX_LOCAL_EXPERTS, 4)
 
     @property
     def counts_offset(self) -> int:
@@ -153,6 +153,12 @@ class InternodeCombineLayout:
         r = self.regions
         staged = min(r.num_ranks, 2 * r.num_nodes)
         return _tokens_that_fit(r, window_bytes, (2 * r.num_nodes + staged) * self.row_bytes, 2)
+
+    def tokens_for_any_gate(self, window_bytes: int) -> int:
+        """N whose landing and partial rows leave room for R * N staged rows: a combine of N tokens per rank fits
+        whatever the gate sent where (a call in rounds uses it as its round size and its combines' N)."""
+        r = self.regions
+        return _tokens_that_fit(r, window_bytes, (2 * r.num_nodes + r.num_ranks) * self.row_bytes, 2)
 
     def landing_offset(self, n: int) -> int:
         return self.regions.data_offset

@@ -136,7 +136,7 @@ class _Kernel:
     def launch(self, grid, block, shmem, stream, params, cluster, cooperative, programmatic=False):
         self.log.append((self.name, grid, block, bytes(params)))
         if self.on_launch is not None:
-            self.on_launch()
+            self.on_launch(bytes(params))
 
 
 class _FakeWindow(Window):
@@ -150,7 +150,7 @@ class _FakeWindow(Window):
         self.base, self.size, self.dev = self.mem.data_ptr(), nbytes, 0
         self.bases = [self.base + (r + 1) * (1 << 40) for r in range(ctx.num_ranks)]
         self.errors, self.max_blocks, self.log, self.closed = _Words(8), 24, [], False
-        self.recv_rows, self.engine = recv_rows, None
+        self.recv_rows, self.engine, self.most_call_tokens = recv_rows, None, 0
 
     def node_transport_params(self, node_ranks):
         from deepep_portable.transports.nvshmem.abi import NvshmemTransportParams
@@ -161,11 +161,26 @@ class _FakeWindow(Window):
     def kernel(self, source, name, defines):
         self.defines = dict(defines)
 
-        def publish():
-            self.engine.notify.words[1] = self.recv_rows
-            for e in range(2, 10):
-                self.engine.notify.words[e] = e
-            self.engine.notify.words[0] = 1
+        def publish(params):   # [1] receive count, [2] the most call tokens, [3..] expert counts; the rank prefix
+            import ctypes       # matrix and send rows as the kernels would write them (the host reads them in rounds)
+
+            import torch
+
+            p = self.engine.dispatch_t.from_buffer_copy(params)
+            words = self.engine.notify.words
+            words[1], words[2] = self.recv_rows, max(p.call_tokens, self.most_call_tokens)
+            for e in range(8):
+                words[3 + e] = 2 + e
+            R = self.engine.num_ranks
+            counts = torch.tensor([[self.recv_rows // R + (s < self.recv_rows % R) for _ in range(R)]
+                                   for s in range(R)], dtype=torch.int32)
+            matrix = counts.cumsum(0, dtype=torch.int32).contiguous()
+            ctypes.memmove(p.rank_prefix_matrix, matrix.data_ptr(), matrix.numel() * 4)
+            rows = torch.full((p.num_tokens, R), -1, dtype=torch.int32)
+            rows[: min(p.num_tokens, self.recv_rows // R), :] = torch.arange(min(p.num_tokens, self.recv_rows // R),
+                                                                            dtype=torch.int32).view(-1, 1)
+            ctypes.memmove(p.send_rows, rows.data_ptr(), rows.numel() * 4)
+            words[0] = 1
         return _Kernel(name, self.log, publish if "notify_counts" in name else None)
 
     def close(self):
@@ -274,8 +289,8 @@ def test_engine_num_worst_tokens_and_refusals(monkeypatch):
     assert first.max_recv_rows == 123 and first.host_out == 0 and res.handle.num_recv_tokens == -1
     assert res.recv_x.shape == (123, 512) and res.handle.num_recv_rows == 123
     w.log.clear()
-    with pytest.raises(ValueError, match="needs a larger buffer"):
-        engine.dispatch(args(tokens=100000))
+    with pytest.raises(ValueError, match="needs a larger buffer"):   # no rounds without a count to learn
+        engine.dispatch(args(tokens=100000, worst=100))
     with pytest.raises(ValueError, match="experts per rank"):
         engine.dispatch(args(experts=8 * (internode.IL.INTERNODE_MAX_LOCAL_EXPERTS + 1)))
     assert w.log == []   # refused before anything was launched
@@ -413,3 +428,83 @@ def test_kernel_transport_over_several_nodes_builds_its_engine(monkeypatch):
                         num_rdma_bytes=0, low_latency_mode=False, uid=1, timeout_s=1.0, ranks_per_node=2)
     t = NvshmemTransport(ctx)
     assert made["ch"] == NvshmemTransport.capabilities.max_channels and t.ll_engine is None
+
+
+def _round_args(T, R, H, experts=16, topk=4):
+    import torch
+
+    from deepep_portable.contract import DispatchArgs
+
+    in_rank = torch.ones(T, R, dtype=torch.bool)
+    return DispatchArgs(x=torch.zeros(T, H, dtype=torch.bfloat16), x_scales=None,
+                        topk_idx=torch.zeros(T, topk, dtype=torch.int64), topk_weights=torch.zeros(T, topk),
+                        num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32), is_token_in_rank=in_rank,
+                        num_tokens_per_expert=torch.zeros(experts, dtype=torch.int32), num_experts=experts,
+                        expert_alignment=1, num_worst_tokens=0, num_sms=4, config=None)
+
+
+def test_engine_runs_a_call_larger_than_its_window_in_rounds(monkeypatch):
+    """More tokens than a round holds: every rank runs the rounds the largest rank needs (the count says), each a
+    whole op on its span of tokens with the call's token count in its message; the call's outputs, handle, cached
+    dispatch and combine put the rounds together (launches recorded, no GPU)."""
+    import torch
+
+    from deepep_portable.contract import CachedDispatchArgs, CombineArgs
+    from deepep_portable.handles import InternodeRounds
+
+    engine, w = _engine(monkeypatch, recv_rows=40)
+    R, H = 8, 1024
+    n = engine.tokens_per_round(torch.zeros(1, H, dtype=torch.bfloat16), None, 4)
+    T = 2 * n + 5
+    args = _round_args(T, R, H)
+    res = engine.dispatch(args)
+    assert len(w.log) == 4 * 3
+    ps = [engine.dispatch_t.from_buffer_copy(w.log[4 * k][3]) for k in range(3)]
+    assert [p.num_tokens for p in ps] == [n, n, 5] and all(p.call_tokens == T for p in ps)
+    assert [p.x for p in ps] == [args.x.data_ptr() + k * n * H * 2 for k in range(3)]
+    assert [p.is_token_in_rank for p in ps] == [args.is_token_in_rank.data_ptr() + k * n * R for k in range(3)]
+    # the call's expert counts ride in the first round only, aligned there once
+    assert ps[0].num_tokens_per_expert == args.num_tokens_per_expert.data_ptr()
+    assert ps[1].num_tokens_per_expert != args.num_tokens_per_expert.data_ptr() and ps[1].expert_alignment == 1
+    h = res.handle
+    st = h.transport_state
+    assert isinstance(st, InternodeRounds) and st.tokens_per_round == n and len(st.rounds) == 3
+    assert res.recv_x.shape == (120, H) and h.num_recv_rows == h.num_recv_tokens == 120 and h.num_tokens == T
+    assert res.recv_topk_idx.shape == (120, 4) and h.send_rows.shape == (T, R) and h.recv_src_idx.shape == (120,)
+    assert res.num_recv_tokens_per_expert_list == [2, 3]
+    assert sorted(torch.cat(st.rows).tolist()) == list(range(120))   # every round's rows land once
+    assert int(h.recv_src_idx.max()) >= 2 * n   # the last round's source tokens are the call's, not the round's
+
+    w.log.clear()
+    recv, scales = engine.cached_dispatch(CachedDispatchArgs(x=args.x, x_scales=None, handle=h, num_sms=4))
+    assert len(w.log) == 4 * 3 and recv.shape == (120, H) and scales is None
+    ps = [engine.dispatch_t.from_buffer_copy(w.log[4 * k][3]) for k in range(3)]
+    assert [p.num_tokens for p in ps] == [n, n, 5] and [p.max_recv_rows for p in ps] == [40, 40, 40]
+
+    w.log.clear()
+    out, out_w = engine.combine(CombineArgs(x=torch.zeros(120, H, dtype=torch.bfloat16), handle=h,
+                                            topk_weights=torch.zeros(120, 4), bias_0=None, bias_1=None, num_sms=4))
+    assert len(w.log) == 3 * 3 and out.shape == (T, H) and out_w.shape == (T, 4)
+    cs = [engine.combine_t.from_buffer_copy(w.log[3 * k][3]) for k in range(3)]
+    assert [c.num_tokens for c in cs] == [n, n, 5] and all(c.common.max_tokens == n for c in cs)
+    assert [c.out for c in cs] == [out.data_ptr() + k * n * H * 2 for k in range(3)]
+    assert [c.out_topk_weights for c in cs] == [out_w.data_ptr() + k * n * 4 * 4 for k in range(3)]
+
+
+def test_a_rank_with_few_tokens_joins_every_round(monkeypatch):
+    """This rank's tokens fit one round, another rank's need three: the count says so, and this rank runs two more
+    rounds with no tokens. With every rank's tokens in one round, the call is one op as before (its own handle)."""
+    import torch
+
+    from deepep_portable.handles import InternodeRounds, InternodeState
+
+    engine, w = _engine(monkeypatch, recv_rows=40)
+    n = engine.tokens_per_round(torch.zeros(1, 1024, dtype=torch.bfloat16), None, 4)
+    res = engine.dispatch(_round_args(7, 8, 1024))
+    assert len(w.log) == 4 and isinstance(res.handle.transport_state, InternodeState)
+    w.log.clear()
+    w.most_call_tokens = 3 * n
+    res = engine.dispatch(_round_args(7, 8, 1024))
+    ps = [engine.dispatch_t.from_buffer_copy(w.log[4 * k][3]) for k in range(3)]
+    assert len(w.log) == 12 and [p.num_tokens for p in ps] == [7, 0, 0]
+    assert isinstance(res.handle.transport_state, InternodeRounds) and res.recv_x.shape[0] == 120

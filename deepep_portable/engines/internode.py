@@ -23,8 +23,9 @@ import torch
 from .. import internode_layout as IL
 from .. import jit
 from ..contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult
-from ..handles import DispatchHandle, InternodeState
+from ..handles import DispatchHandle, InternodeRounds, InternodeState
 from ..windows.base import MappedWords, Window
+from . import internode_rounds as rounds
 from .base import Engine
 from .launch import launch, params_struct, ptr, stream_handle
 
@@ -47,7 +48,7 @@ _COMMON = ["node_bases", "local_base", "rank", "ctrl_round", "ctrl_current", "hs
            "error_host", "timeout_ns"]
 _DISPATCH = ["landing_offset", "staging_offset", "meta_staging_offset", "num_experts", "expert_alignment", "x",
              "x_scales", "scale_token_stride", "scale_hidden_stride", "topk_idx", "topk_weights", "is_token_in_rank",
-             "num_tokens_per_expert", "num_tokens", "send_pos", "node_pos", "chunk_end", "rank_prefix_matrix",
+             "num_tokens_per_expert", "num_tokens", "call_tokens", "send_pos", "node_pos", "chunk_end", "rank_prefix_matrix",
              "num_recv_out", "landed_meta", "landed_range", "landed_chunks", "send_rows", "host_out", "recv_x",
              "recv_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "max_recv_rows"]
 _COMBINE = ["landing_offset", "partial_offset", "staging_offset", "max_rows", "x", "topk_weights", "num_recv",
@@ -99,8 +100,9 @@ class InternodeEngine(Engine):
             raise
         self.base, self.dev, self.errors = self.window.base, self.window.dev, self.window.errors
         self.common_t, self.dispatch_t, self.combine_t, self.ceiling_t = params_types(type(self.transport))
-        self.notify = MappedWords(self.dev, 2 + IL.INTERNODE_MAX_LOCAL_EXPERTS)
+        self.notify = MappedWords(self.dev, 3 + IL.INTERNODE_MAX_LOCAL_EXPERTS)
         self.channels = max(1, int(channels))
+        self.most_call_tokens = 0   # the last learned count's: the most tokens any rank has in the call
 
     # ---- shared ----------------------------------------------------------------------------------
     def _common(self, max_tokens: int):
@@ -130,17 +132,39 @@ class InternodeEngine(Engine):
                              f"{self.regions.num_nodes} nodes; {hint}")
 
     # ---- dispatch ---------------------------------------------------------------------------------
+    def tokens_per_round(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk: int) -> int:
+        """The most tokens per rank a round of a call of this shape moves: its dispatch fits the window, and so does
+        the combine of its rows (BF16 rows of the same hidden, weights of the same top-k) whatever the gate did.
+        A window of the size hint's holds the call in one round."""
+        hidden = x.size(1)
+        num_scales = 0 if x_scales is None else x_scales.size(1)
+        window = self.ctx.num_rdma_bytes
+        dispatch = IL.InternodeDispatchLayout(self.regions, hidden * x.element_size(), num_scales, topk)
+        return min(dispatch.max_tokens(window),
+                   IL.InternodeCombineLayout(self.regions, hidden, topk).tokens_for_any_gate(window))
+
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        return self._dispatch(args.x, args.x_scales, args.num_sms, fresh=args)
+        if args.num_worst_tokens > 0:   # the host learns no count, so no round count either: one op
+            return self.dispatch_op(args.x, args.x_scales, args.num_sms, fresh=args)
+        topk = 0 if args.topk_idx is None else args.topk_idx.size(1)
+        n = self.tokens_per_round(args.x, args.x_scales, topk)
+        self._need("dispatch", 1, n, "Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, tokens) says how much")
+        return rounds.dispatch(self, args, n)
 
     def cached_dispatch(self, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if not isinstance(args.handle.transport_state, InternodeState):
+        state = args.handle.transport_state
+        if isinstance(state, InternodeRounds):
+            return rounds.cached_dispatch(self, args)
+        if not isinstance(state, InternodeState):
             raise ValueError("handle was not produced by this Buffer's internode dispatch")
-        res = self._dispatch(args.x, args.x_scales, args.num_sms, handle=args.handle)
+        res = self.dispatch_op(args.x, args.x_scales, args.num_sms, handle=args.handle)
         return res.recv_x, res.recv_x_scales
 
-    def _dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_sms: int,
-                  fresh: Optional[DispatchArgs] = None, handle: Optional[DispatchHandle] = None) -> DispatchResult:
+    def dispatch_op(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_sms: int,
+                  fresh: Optional[DispatchArgs] = None, handle: Optional[DispatchHandle] = None,
+                  call_tokens: Optional[int] = None) -> DispatchResult:
+        """One op: `x` (a round's tokens when the call runs in rounds: `call_tokens` are the call's). With a count to
+        learn, self.most_call_tokens is then the most tokens any rank has in the call."""
         self.check()
         R, P, M = self.num_ranks, self.ranks_per_node, self.regions.num_nodes
         T, hidden = x.shape
@@ -182,7 +206,7 @@ class InternodeEngine(Engine):
         p.topk_weights = 0 if cached else ptr(fresh.topk_weights)
         p.is_token_in_rank = in_rank.data_ptr()
         p.num_tokens_per_expert = 0 if cached else fresh.num_tokens_per_expert.data_ptr()
-        p.num_tokens = T
+        p.num_tokens, p.call_tokens = T, T if call_tokens is None else call_tokens
         p.send_pos, p.node_pos, p.chunk_end = send_pos.data_ptr(), node_pos.data_ptr(), chunk_end.data_ptr()
         p.rank_prefix_matrix, p.num_recv_out = rank_prefix.data_ptr(), num_recv_dev.data_ptr()
         p.landed_meta, p.landed_range, p.landed_chunks = (landed_meta.data_ptr(), landed_range.data_ptr(),
@@ -206,7 +230,8 @@ class InternodeEngine(Engine):
             rows, num_recv = num_worst, -1
         else:
             num_recv = rows = self.wait_for_count("dispatch", self.notify)
-            counts = list(self.notify.words[2:2 + num_experts // R])
+            self.most_call_tokens = int(self.notify.words[2])
+            counts = list(self.notify.words[3:3 + num_experts // R])
         recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
         recv_scales = None if x_scales is None else torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
         recv_idx = recv_w = None
@@ -230,21 +255,39 @@ class InternodeEngine(Engine):
 
     # ---- combine ----------------------------------------------------------------------------------
     def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        x, handle, topk_weights = args.x, args.handle, args.topk_weights
-        state = handle.transport_state
+        state = args.handle.transport_state
+        if isinstance(state, InternodeRounds):
+            return rounds.combine(self, args)
         if not isinstance(state, InternodeState):
             raise ValueError("handle was not produced by this Buffer's internode dispatch")
-        self.check()
-        R, P = self.num_ranks, self.ranks_per_node
-        hidden = x.size(1)
-        topk = 0 if topk_weights is None else topk_weights.size(1)
+        return self.combine_op(args)
+
+    def check_combine(self, handle: DispatchHandle, hidden: int, topk: int,
+                      layout_tokens: Optional[int] = None) -> Tuple[int, int]:
+        """(N, staged rows) of the window for a combine of this one-op handle (N: `layout_tokens`, a call's round
+        size that every rank knows, else what the window holds); raises before any launch when the handle's tokens
+        or rows do not fit."""
         lay = IL.InternodeCombineLayout(self.regions, hidden, topk)
-        N = lay.max_tokens(self.ctx.num_rdma_bytes)
+        N = layout_tokens or lay.max_tokens(self.ctx.num_rdma_bytes)
         self._need("combine", handle.num_tokens, N, "Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, tokens)")
         max_rows = lay.max_rows(N, self.ctx.num_rdma_bytes)
         if handle.num_recv_rows > max_rows:
             raise ValueError(f"combine of {handle.num_recv_rows} rows needs a larger buffer: num_rdma_bytes="
                              f"{self.ctx.num_rdma_bytes} stages at most {max_rows} rows of this shape")
+        return N, max_rows
+
+    def combine_op(self, args: CombineArgs, out: Optional[torch.Tensor] = None, out_w: Optional[torch.Tensor] = None,
+                   layout_tokens: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One op, into `out` / `out_w` when given (a round's rows of the call's outputs, `layout_tokens` its
+        round size)."""
+        x, handle, topk_weights = args.x, args.handle, args.topk_weights
+        state = handle.transport_state
+        self.check()
+        R, P = self.num_ranks, self.ranks_per_node
+        hidden = x.size(1)
+        topk = 0 if topk_weights is None else topk_weights.size(1)
+        lay = IL.InternodeCombineLayout(self.regions, hidden, topk)
+        N, max_rows = self.check_combine(handle, hidden, topk, layout_tokens)
         kernels = self._kernels(COMBINE_SOURCE, COMBINE_KERNELS, kernel_defines(R, P, HIDDEN=hidden, NUM_TOPK=topk))
         p = self.combine_t()
         p.common = self._common(N)
@@ -258,8 +301,9 @@ class InternodeEngine(Engine):
         p.meta_tokens = state.landed_meta.size(1)
         p.is_token_in_rank, p.num_tokens = handle.is_token_in_rank.data_ptr(), handle.num_tokens
         p.bias_0, p.bias_1 = ptr(args.bias_0), ptr(args.bias_1)
-        out = torch.empty(handle.num_tokens, hidden, dtype=torch.bfloat16, device=x.device)
-        out_w = None if topk == 0 else torch.empty(handle.num_tokens, topk, dtype=torch.float32, device=x.device)
+        if out is None:
+            out = torch.empty(handle.num_tokens, hidden, dtype=torch.bfloat16, device=x.device)
+            out_w = None if topk == 0 else torch.empty(handle.num_tokens, topk, dtype=torch.float32, device=x.device)
         p.out, p.out_topk_weights = out.data_ptr(), ptr(out_w)
         s, grid = stream_handle(self.ctx.comm_stream), self.grid(args.num_sms)
         for k in kernels:

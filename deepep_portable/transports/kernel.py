@@ -25,7 +25,7 @@ from ..engines.internode import InternodeEngine
 from ..engines.intranode import IntranodeEngine
 from ..engines.low_latency import LowLatencyEngine
 from ..failures import KernelFailures
-from ..handles import DispatchHandle, InternodeState, IntranodeState, LowLatencyHandle
+from ..handles import DispatchHandle, InternodeRounds, InternodeState, IntranodeState, LowLatencyHandle
 from ..windows.base import Window
 from .reference import ReferenceTransport
 
@@ -78,7 +78,7 @@ class KernelTransport(Transport):
         return self.normal_engine.dispatch(args)
 
     def cached_dispatch(self, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if not isinstance(args.handle.transport_state, (IntranodeState, InternodeState)):
+        if not isinstance(args.handle.transport_state, (IntranodeState, InternodeState, InternodeRounds)):
             raise ValueError(f"handle was not produced by the {self.name} transport")
         return self.normal_engine.cached_dispatch(args)
 

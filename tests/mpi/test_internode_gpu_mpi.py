@@ -141,6 +141,44 @@ def test_odd_shapes(pg, device, request, base_seed, per_node, case):
         run_normal(buf, pg, gen, device, **kwargs, num_bias=1)
 
 
+ROUNDS_WINDOW_TOKENS = 48   # the rounds test's window: the size hint's for this many tokens per rank at BIG
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("fp8,overlap", [(None, None), ("float", None), ("float", "comm")])
+def test_call_larger_than_the_window_runs_in_rounds(pg, device, request, base_seed, per_node, fp8, overlap):
+    """A window for a few dozen tokens per rank and calls of about three rounds (rank 1 with three tokens, so it
+    joins rounds it has nothing for): dispatch, cached dispatch and combine bit-exact against the oracle, the
+    handle's rows in the call's order; the handle says the call ran in rounds."""
+    from deepep_portable.handles import InternodeRounds
+
+    _usable(pg)
+    rank, num_ranks = world(pg)
+    gen = generator(request, base_seed, rank)
+    key = ("rounds", per_node)
+    if key not in _BUFFERS:
+        rdma = deep_ep.Config().get_rdma_buffer_size_hint(7168 * 2, num_ranks, ROUNDS_WINDOW_TOKENS,
+                                                          ranks_per_node=per_node)
+        _BUFFERS[key] = deep_ep.Buffer(pg, 1 << 20, rdma, transport=TRANSPORT, ranks_per_node=per_node, timeout_s=30.0)
+    buf = _BUFFERS[key]
+    engine = buf.backend.engine("normal")
+    row = torch.empty(1, BIG["hidden"], dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    n = engine.tokens_per_round(row, torch.empty(1, BIG["hidden"] // 128) if fp8 else None, BIG["topk"])
+    tokens = 3 if rank == 1 else 2 * n + 7 * rank + 1
+    run_normal(buf, pg, gen, device, **BIG, num_tokens=tokens, fp8=fp8, num_bias=1, expert_alignment=4,
+               ranks_per_node=per_node, overlap=overlap)
+    idx = make_topk(tokens, BIG["topk"], num_experts_for(BIG["experts"], num_ranks), gen).to(device)
+    x = torch.zeros(tokens, BIG["hidden"], dtype=torch.bfloat16, device=device)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts_for(BIG["experts"], num_ranks))
+    handle = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                          topk_idx=idx, topk_weights=torch.ones(idx.shape, device=device))[4]
+    ck = Checker(pg)
+    ck.true(isinstance(handle.inner.transport_state, InternodeRounds)
+            and len(handle.inner.transport_state.rounds) == -(-(2 * n + 7 * (num_ranks - 1) + 1) // n),
+            f"the call of {tokens} tokens here (round size {n}) ran as {type(handle.inner.transport_state).__name__}")
+    ck.done()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_cuda_graph(pg, device, request, base_seed, per_node):
     """dispatch (num_worst_tokens: no host sync) + combine captured once, replayed with new contents."""

@@ -84,7 +84,7 @@ DEEPEP_DEVICE void publish_counts(const InternodeDispatchParams& p, uint64_t n) 
         int count = 0;
         for (int s = 0; s < kNumRanks; ++s)
             count += counts_of(c, n, s)[kCountExpertsAt + e];
-        p.host_out[2 + e] = align_up<int>(count, static_cast<int>(p.expert_alignment));
+        p.host_out[3 + e] = align_up<int>(count, static_cast<int>(p.expert_alignment));
     }
     // num_worst_tokens / a cached handle fixed a rank's receive rows up front, and its count message says
     // how many (ranks differ: a cached handle holds that rank's own count). Every rank checks every rank
@@ -99,14 +99,17 @@ DEEPEP_DEVICE void publish_counts(const InternodeDispatchParams& p, uint64_t n) 
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        int num_recv = 0;
-        for (int s = 0; s < kNumRanks; ++s)
+        int num_recv = 0, most_call_tokens = 0;
+        for (int s = 0; s < kNumRanks; ++s) {
             num_recv += counts_of(c, n, s)[me];
+            most_call_tokens = max(most_call_tokens, counts_of(c, n, s)[kCountCallTokensAt]);
+        }
         if (p.num_recv_out != nullptr)
             *p.num_recv_out = num_recv;
         if (p.host_out != nullptr) {
             volatile int* host = p.host_out;
             host[1] = num_recv;
+            host[2] = most_call_tokens;   // every rank reads the same: how many rounds the call takes
             __threadfence_system();
             host[0] = 1;   // the host reset it before the launch
             __threadfence_system();
@@ -182,6 +185,8 @@ __global__ void __launch_bounds__(kThreads) notify_counts(const __grid_constant_
                     v = static_cast<int>(p.num_tokens);
                 else if (i == kCountCapacityAt)
                     v = static_cast<int>(p.max_recv_rows);
+                else if (i == kCountCallTokensAt)
+                    v = static_cast<int>(p.call_tokens);
                 else if (i - kCountExpertsAt < experts_per_rank && p.num_tokens_per_expert != nullptr)
                     v = p.num_tokens_per_expert[r * experts_per_rank + i - kCountExpertsAt];
                 msg[i] = v;

@@ -58,6 +58,7 @@ struct InternodeDispatchParams {
     const bool* is_token_in_rank;   // [T, R]
     const int* num_tokens_per_expert;  // [num_experts], or null (cached dispatch)
     int64_t num_tokens;             // T
+    int64_t call_tokens;            // my tokens in the whole call: T, or more when the call runs in rounds of T
     // handle outputs
     int* send_pos;                  // [T, R]: index of token t among my tokens to rank r, -1 = not sent
     int* node_pos;                  // [T, M]: index of token t among my tokens to node m, -1 = none there
@@ -68,7 +69,8 @@ struct InternodeDispatchParams {
     int64_t* landed_range;          // [M, kMaxChunks]: (lo << 32) | hi of each chunk that landed here
     int* landed_chunks;             // [M]: chunks of the source of each node whose tokens land here
     int* send_rows;                 // [T, R]: row of my token t at rank r, -1 = not sent (or null)
-    int* host_out;                  // mapped: [0] ready, [1] receive count, [2..] expert counts (or null)
+    int* host_out;                  // mapped: [0] ready, [1] receive count, [2] the most call_tokens of any
+                                    // rank, [3..] expert counts (or null)
     // receive outputs
     int4* recv_x;                   // [max_recv_rows, HIDDEN_BYTES]
     int* recv_scales;               // [max_recv_rows, NUM_SCALES], or null

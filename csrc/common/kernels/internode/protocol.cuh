@@ -56,11 +56,13 @@ static_assert(kNumRanks % kRanksPerNode == 0 && kNumNodes >= 1, "every node has 
 // Count message (int32 words) that rank s sends to rank r at the start of a dispatch:
 //   [0, R) s's tokens per rank | [R, R+M) s's tokens per node | R+M: s's token count |
 //   R+M+1: the rows s can receive (0: learned by s's host; else num_worst_tokens or s's cached handle) |
-//   [R+M+2, R+M+2+E/R) s's tokens per expert of r's experts
+//   R+M+2: s's tokens in the whole call (more than its token count when the call runs in rounds) |
+//   [R+M+3, R+M+3+E/R) s's tokens per expert of r's experts
 constexpr int kCountNodesAt = kNumRanks;
 constexpr int kCountTokensAt = kNumRanks + kNumNodes;
 constexpr int kCountCapacityAt = kNumRanks + kNumNodes + 1;
-constexpr int kCountExpertsAt = kNumRanks + kNumNodes + 2;
+constexpr int kCountCallTokensAt = kNumRanks + kNumNodes + 2;
+constexpr int kCountExpertsAt = kNumRanks + kNumNodes + 3;
 
 // The window regions every op uses, fixed for the Buffer's life (layout.InternodeLayout; host mirror:
 // engines/internode.py). All byte offsets in every rank's window (symmetric).
