@@ -29,6 +29,9 @@ class InternodeState(NamedTuple):
     landed_meta: torch.Tensor           # [M, N, P + 1] int32: per landed slot, positions at my node's ranks and token
     landed_range: torch.Tensor          # [M, max chunks] int64: (lo << 32) | hi slots of each landed chunk
     landed_chunks: torch.Tensor         # [M] int32: chunks of each source node's tokens that land here
+    # the call's round size, the combine's tokens per rank (N) on every rank alike, so that the combine of any gate's
+    # rows fits the window; 0 (num_worst_tokens: no round size): what the window holds
+    tokens_per_round: int = 0
 
 
 class InternodeRounds(NamedTuple):

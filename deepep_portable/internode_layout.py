@@ -148,8 +148,9 @@ class InternodeCombineLayout:
         """N: the landing and partial rows of N tokens per node, leaving the staged rows (this rank's combine
         input, max_rows) room for S * N rows, S = min(R, 2M): at least as much as landing and partial rows
         take together. A rank receives at most R * N rows but on a balanced gate far fewer, so the staged
-        rows are checked per op against the rows the handle holds, not reserved for the worst case; the size
-        hint still reserves R * N (internode_rdma_bytes)."""
+        rows are checked per op against the rows the handle holds, not reserved for the worst case. Only the
+        combine of a num_worst_tokens dispatch (no round size) uses it; a fresh dispatch's combine takes its
+        round size (tokens_for_any_gate), and the size hint reserves R * N (internode_rdma_bytes)."""
         r = self.regions
         staged = min(r.num_ranks, 2 * r.num_nodes)
         return _tokens_that_fit(r, window_bytes, (2 * r.num_nodes + staged) * self.row_bytes, 2)

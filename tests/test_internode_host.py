@@ -31,9 +31,10 @@ def test_fixed_regions(ranks, per_node):
     _no_overlap(regions)
     assert all(off % 8 == 0 for _, off, _ in regions) and g.counts_offset % 16 == 0 and g.data_offset % 4096 == 0
     assert max(IL.CTRL_ROUND, IL.CTRL_CURRENT, IL.CTRL_ERROR) + 8 <= IL.INTERNODE_CONTROL_BYTES
-    # a count message: per rank, per node, the token count, the sender's capacity, the receiver's experts;
+    # a count message: per rank, per node, the token count, the sender's capacity, the call's tokens, the
+    # receiver's experts;
     # whole 16-byte words
-    assert g.count_words >= ranks + m + 2 + IL.INTERNODE_MAX_LOCAL_EXPERTS and (4 * g.count_words) % 16 == 0
+    assert g.count_words >= ranks + m + 3 + IL.INTERNODE_MAX_LOCAL_EXPERTS and (4 * g.count_words) % 16 == 0
 
 
 @pytest.mark.parametrize("ranks,per_node", SHAPES)
@@ -181,7 +182,20 @@ class _FakeWindow(Window):
                                                                             dtype=torch.int32).view(-1, 1)
             ctypes.memmove(p.send_rows, rows.data_ptr(), rows.numel() * 4)
             words[0] = 1
-        return _Kernel(name, self.log, publish if "notify_counts" in name else None)
+
+        def receive(params):   # a fresh dispatch's source tokens: a source's rows are its tokens 0, 1, ... of the op
+            import ctypes
+
+            import torch
+
+            p = self.engine.dispatch_t.from_buffer_copy(params)
+            if p.recv_src_idx:
+                R = self.engine.num_ranks
+                per_source = [self.recv_rows // R + (s < self.recv_rows % R) for s in range(R)]
+                src = torch.cat([torch.arange(c, dtype=torch.int32) for c in per_source])[:p.max_recv_rows]
+                ctypes.memmove(p.recv_src_idx, src.data_ptr(), src.numel() * 4)
+        op = name.split("internode")[1].split("E")[0]
+        return _Kernel(name, self.log, publish if op == "13notify_counts" else receive if op == "8dispatch" else None)
 
     def close(self):
         self.closed = True
@@ -265,7 +279,16 @@ def test_engine_dispatch_and_combine_host_flow(monkeypatch):
     p = engine.combine_t.from_buffer_copy(w.log[0][3])
     assert p.meta_tokens == N and p.landed_meta == st.landed_meta.data_ptr() and p.num_tokens == T
     assert p.num_recv == st.num_recv.data_ptr() and out.shape == (T, H) and out_w.shape == (T, 4)
-    assert p.max_rows >= min(R, 2 * M) * p.common.max_tokens and p.max_rows >= 37
+    # its N is the dispatch's round size, every rank's alike, and the staged rows hold any gate's (R x N)
+    assert p.common.max_tokens == engine.tokens_per_round(x, None, 4) == st.tokens_per_round
+    assert p.max_rows >= R * p.common.max_tokens
+
+    # rows wider than the dispatch's (more weights per row) are refused before any launch, on every rank alike
+    w.log.clear()
+    with pytest.raises(ValueError, match="hidden 1024 and top-k 64 needs a larger buffer"):
+        engine.combine(CombineArgs(x=y, handle=h, topk_weights=torch.zeros(37, 64), bias_0=None, bias_1=None,
+                                   num_sms=8))
+    assert w.log == []
 
 
 def test_engine_num_worst_tokens_and_refusals(monkeypatch):
@@ -288,6 +311,8 @@ def test_engine_num_worst_tokens_and_refusals(monkeypatch):
     first = engine.dispatch_t.from_buffer_copy(w.log[0][3])
     assert first.max_recv_rows == 123 and first.host_out == 0 and res.handle.num_recv_tokens == -1
     assert res.recv_x.shape == (123, 512) and res.handle.num_recv_rows == 123
+    # no round size: its combine's N is what the window holds
+    assert res.handle.transport_state.tokens_per_round == 0
     w.log.clear()
     with pytest.raises(ValueError, match="needs a larger buffer"):   # no rounds without a count to learn
         engine.dispatch(args(tokens=100000, worst=100))
@@ -473,7 +498,9 @@ def test_engine_runs_a_call_larger_than_its_window_in_rounds(monkeypatch):
     assert res.recv_topk_idx.shape == (120, 4) and h.send_rows.shape == (T, R) and h.recv_src_idx.shape == (120,)
     assert res.num_recv_tokens_per_expert_list == [2, 3]
     assert sorted(torch.cat(st.rows).tolist()) == list(range(120))   # every round's rows land once
-    assert int(h.recv_src_idx.max()) >= 2 * n   # the last round's source tokens are the call's, not the round's
+    # the call's source tokens: each source's rows of round k (tokens 0..4 of the round) are its tokens k n + 0..4
+    expected = torch.cat([torch.arange(5) + k * n for k in range(3)]).repeat(R)
+    assert h.recv_src_idx.tolist() == expected.tolist()
 
     w.log.clear()
     recv, scales = engine.cached_dispatch(CachedDispatchArgs(x=args.x, x_scales=None, handle=h, num_sms=4))

@@ -148,7 +148,11 @@ class InternodeEngine(Engine):
             return self.dispatch_op(args.x, args.x_scales, args.num_sms, fresh=args)
         topk = 0 if args.topk_idx is None else args.topk_idx.size(1)
         n = self.tokens_per_round(args.x, args.x_scales, topk)
-        self._need("dispatch", 1, n, "Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, tokens) says how much")
+        if n < 1:   # the same on every rank: it depends on the shape alone
+            raise ValueError(f"dispatch needs a larger buffer: num_rdma_bytes={self.ctx.num_rdma_bytes} holds no token "
+                             f"of this shape over {self.regions.num_nodes} nodes once the combine's worst case "
+                             f"({self.num_ranks} rows per token) is reserved; Config.get_rdma_buffer_size_hint("
+                             f"hidden_bytes, num_ranks, tokens) says how much")
         return rounds.dispatch(self, args, n)
 
     def cached_dispatch(self, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -162,9 +166,10 @@ class InternodeEngine(Engine):
 
     def dispatch_op(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], num_sms: int,
                   fresh: Optional[DispatchArgs] = None, handle: Optional[DispatchHandle] = None,
-                  call_tokens: Optional[int] = None) -> DispatchResult:
-        """One op: `x` (a round's tokens when the call runs in rounds: `call_tokens` are the call's). With a count to
-        learn, self.most_call_tokens is then the most tokens any rank has in the call."""
+                  call_tokens: Optional[int] = None, tokens_per_round: int = 0) -> DispatchResult:
+        """One op: `x` (a round's tokens when the call runs in rounds: `call_tokens` are the call's, `tokens_per_round`
+        the round size its handle keeps for the combine). With a count to learn, self.most_call_tokens is then the
+        most tokens any rank has in the call."""
         self.check()
         R, P, M = self.num_ranks, self.ranks_per_node, self.regions.num_nodes
         T, hidden = x.shape
@@ -246,7 +251,8 @@ class InternodeEngine(Engine):
         if cached:
             return DispatchResult(recv_x, recv_scales, None, None, [], handle)
         state = InternodeState(num_recv=num_recv_dev, landed_meta=landed_meta.view(M, N, P + 1),
-                               landed_range=landed_range, landed_chunks=landed_chunks)
+                               landed_range=landed_range, landed_chunks=landed_chunks,
+                               tokens_per_round=tokens_per_round)
         new_handle = DispatchHandle(
             rank_prefix_matrix=rank_prefix.view(R, R), recv_src_idx=recv_src, is_token_in_rank=in_rank,
             send_rows=send_rows.view(T, R), num_recv_tokens=num_recv, num_recv_rows=rows, num_tokens=T, hidden=hidden,
@@ -260,7 +266,7 @@ class InternodeEngine(Engine):
             return rounds.combine(self, args)
         if not isinstance(state, InternodeState):
             raise ValueError("handle was not produced by this Buffer's internode dispatch")
-        return self.combine_op(args)
+        return self.combine_op(args, layout_tokens=state.tokens_per_round or None)
 
     def check_combine(self, handle: DispatchHandle, hidden: int, topk: int,
                       layout_tokens: Optional[int] = None) -> Tuple[int, int]:
@@ -268,7 +274,14 @@ class InternodeEngine(Engine):
         size that every rank knows, else what the window holds); raises before any launch when the handle's tokens
         or rows do not fit."""
         lay = IL.InternodeCombineLayout(self.regions, hidden, topk)
-        N = layout_tokens or lay.max_tokens(self.ctx.num_rdma_bytes)
+        window = self.ctx.num_rdma_bytes
+        if layout_tokens and layout_tokens > lay.tokens_for_any_gate(window):
+            # rows wider than the dispatch's (its round size reserved the worst case for BF16 rows of its hidden and
+            # top-k): refused on every rank alike, since it depends on the shapes alone
+            raise ValueError(f"combine of rows of hidden {hidden} and top-k {topk} needs a larger buffer: "
+                             f"num_rdma_bytes={window} holds {lay.tokens_for_any_gate(window)} tokens per rank of "
+                             f"this shape for any gate, and the dispatch ran {layout_tokens} per round")
+        N = layout_tokens or lay.max_tokens(window)
         self._need("combine", handle.num_tokens, N, "Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, tokens)")
         max_rows = lay.max_rows(N, self.ctx.num_rdma_bytes)
         if handle.num_recv_rows > max_rows:

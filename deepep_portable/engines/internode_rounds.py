@@ -103,7 +103,8 @@ def dispatch(engine, args: DispatchArgs, tokens_per_round: int) -> DispatchResul
     as many rounds as the largest rank needs (the first round's count messages say how many)."""
     call_tokens = args.x.size(0)
     first = args if call_tokens <= tokens_per_round else round_args(args, 0, tokens_per_round, None)
-    result = engine.dispatch_op(first.x, first.x_scales, args.num_sms, fresh=first, call_tokens=call_tokens)
+    result = engine.dispatch_op(first.x, first.x_scales, args.num_sms, fresh=first, call_tokens=call_tokens,
+                                tokens_per_round=tokens_per_round)
     num_rounds = rounds_for(engine.most_call_tokens, tokens_per_round)
     if num_rounds == 1:
         return result
@@ -113,7 +114,8 @@ def dispatch(engine, args: DispatchArgs, tokens_per_round: int) -> DispatchResul
     results = [result]
     for k in range(1, num_rounds):
         part = round_args(args, k, tokens_per_round, no_counts)
-        results.append(engine.dispatch_op(part.x, part.x_scales, args.num_sms, fresh=part, call_tokens=call_tokens))
+        results.append(engine.dispatch_op(part.x, part.x_scales, args.num_sms, fresh=part, call_tokens=call_tokens,
+                                          tokens_per_round=tokens_per_round))
     handles = [r.handle for r in results]
     num_rows = sum(h.num_recv_rows for h in handles)
     dev = args.x.device
@@ -167,8 +169,10 @@ def cached_dispatch(engine, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Opt
 
 def _read_on(stream, tensors) -> None:
     """The rounds' outputs were made on the caller's stream and are read on the comm stream: keep their memory
-    from the caller's next allocations until the comm stream is past them (the caller may not wait for it)."""
-    if stream is None or torch.cuda.is_current_stream_capturing():   # a graph's memory stays its own until it goes
+    from the caller's next allocations until the comm stream is past them (the caller may not wait for it). While a
+    graph captures, the allocator holds such a block until the capture ends, so the replayed graph never reuses it
+    under the comm stream's copy either."""
+    if stream is None:
         return
     for t in tensors:
         if t is not None and t.is_cuda:

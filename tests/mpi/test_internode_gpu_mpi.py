@@ -145,7 +145,7 @@ ROUNDS_WINDOW_TOKENS = 48   # the rounds test's window: the size hint's for this
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("fp8,overlap", [(None, None), ("float", None), ("float", "comm")])
+@pytest.mark.parametrize("fp8,overlap", [(None, None), (None, "caller"), ("float", None), ("float", "comm")])
 def test_call_larger_than_the_window_runs_in_rounds(pg, device, request, base_seed, per_node, fp8, overlap):
     """A window for a few dozen tokens per rank and calls of about three rounds (rank 1 with three tokens, so it
     joins rounds it has nothing for): dispatch, cached dispatch and combine bit-exact against the oracle, the
@@ -164,7 +164,9 @@ def test_call_larger_than_the_window_runs_in_rounds(pg, device, request, base_se
     engine = buf.backend.engine("normal")
     row = torch.empty(1, BIG["hidden"], dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
     n = engine.tokens_per_round(row, torch.empty(1, BIG["hidden"] // 128) if fp8 else None, BIG["topk"])
-    tokens = 3 if rank == 1 else 2 * n + 7 * rank + 1
+    def tokens_of(r):
+        return 3 if r == 1 else 2 * n + 7 * r + 1
+    tokens = tokens_of(rank)
     run_normal(buf, pg, gen, device, **BIG, num_tokens=tokens, fp8=fp8, num_bias=1, expert_alignment=4,
                ranks_per_node=per_node, overlap=overlap)
     idx = make_topk(tokens, BIG["topk"], num_experts_for(BIG["experts"], num_ranks), gen).to(device)
@@ -174,7 +176,7 @@ def test_call_larger_than_the_window_runs_in_rounds(pg, device, request, base_se
                           topk_idx=idx, topk_weights=torch.ones(idx.shape, device=device))[4]
     ck = Checker(pg)
     ck.true(isinstance(handle.inner.transport_state, InternodeRounds)
-            and len(handle.inner.transport_state.rounds) == -(-(2 * n + 7 * (num_ranks - 1) + 1) // n),
+            and len(handle.inner.transport_state.rounds) == -(-max(map(tokens_of, range(num_ranks))) // n),
             f"the call of {tokens} tokens here (round size {n}) ran as {type(handle.inner.transport_state).__name__}")
     ck.done()
 
