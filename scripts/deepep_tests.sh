@@ -5,7 +5,7 @@
 #   usage: bash scripts/deepep_tests.sh DEEPEP_DIR [ranks=8] [runs="intranode ll ll-shrink ll-logfmt"]
 #   run "internode": test_internode.py over INTERNODE_NODES (2) logical nodes of 8 ranks (the file asserts 8 per
 #   node), launched once per node as on separate hosts, at its own sizes (num_rdma_bytes 1e9, num_nvl_bytes 2e9:
-#   16 ranks need about 50 GB of GPU memory).
+#   16 ranks on one GPU outgrow an H100's 80 GB, 4.3-6.2 GB per rank when it ran out: use an H200).
 # The only change is the launch (tests/utils.py): a gloo group instead of NCCL (NCCL refuses two ranks on
 # one GPU), every rank on device 0, and dist.all_gather_into_tensor handed gloo's output shape. `import deep_ep` finds a one-line package that re-exports
 # deepep_portable. The shrink run sets DEEPEP_PORTABLE_TIMEOUT_S (default here 10 s; DeepEP's own
