@@ -15,12 +15,7 @@ RUNS=${4:-2}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."   # gpu_env.sh takes PYTHONPATH, OUT and the JIT cache from here
 source scripts/gpu_env.sh
 
-if ! ls "$DEEPEP"/deep_ep_cpp*.so >/dev/null 2>&1; then
-    echo "=== building DeepEP in $DEEPEP"
-    (cd "$DEEPEP" && CPLUS_INCLUDE_PATH=$CUDA_HOME/include/cccl${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH} \
-        MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0 $PY setup.py build_ext --inplace) >"$OUT/deepep_build.log" 2>&1 \
-        || { tail -30 "$OUT/deepep_build.log"; echo "DeepEP build failed (log: $OUT/deepep_build.log)"; exit 1; }
-fi
+build_deepep "$DEEPEP" || exit 1
 
 export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
 nvidia-cuda-mps-control -d && echo "MPS started" || echo "WARNING: MPS did not start: the ranks time-slice the GPU"

@@ -13,6 +13,15 @@ if ls .jitc/jit_cache.tgz* >/dev/null 2>&1 && [ ! -d "$DEEPEP_PORTABLE_CACHE_DIR
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
+# build_deepep DIR: build a DeepEP V1 checkout in place unless it holds a built module (about 100 s with 16 jobs,
+# against the pip NVSHMEM; never commit the build); log in $OUT/deepep_build.log, its tail and status 1 on failure
+build_deepep() {
+    ls "$1"/deep_ep_cpp*.so >/dev/null 2>&1 && return 0
+    echo "=== building DeepEP in $1"
+    (cd "$1" && CPLUS_INCLUDE_PATH=$CUDA_HOME/include/cccl${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH} \
+        MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0 $PY setup.py build_ext --inplace) >"$OUT/deepep_build.log" 2>&1 \
+        || { tail -30 "$OUT/deepep_build.log"; echo "DeepEP build failed (log: $OUT/deepep_build.log)"; return 1; }
+}
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then      # wheels the machine lacks (pytest-mpi)
     $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=$PYTHONPATH:/tmp/site

@@ -23,7 +23,7 @@
 #   as a named timeout within seconds), benchll (bench --mode low_latency), hostcosts (dev/host_costs.py: host cost of the steps before
 #   an op's first kernel, N processes under MPS), cache (tar the JIT cache into $OUT, in parts jit_cache.tgz.NN),
 #   verify (python -m deepep_portable verify --launcher local at N ranks, report $OUT/verify.md; VERIFY_ARGS for more), sweepv2 (bench --api v2 over 4-32 SMs,
-#   beside DeepEP V1's best over 8, 16 and 24 SMs when DEEPEP_DIR names a built DeepEP checkout).
+#   beside DeepEP V1's best over 8, 16 and 24 SMs when DEEPEP_DIR names a DeepEP checkout, built first if it is not).
 #   NUM_SMS=16 (normal mode), LL_NUM_SMS (low-latency mode; default: Buffer's); BENCH_REFERENCE=0 skips the (slow) reference-transport benchmark; every step is killed after STEP_TIMEOUT seconds (default 420);
 #   BENCH_ARGS: extra arguments for every bench step (e.g. "--start-line host").
 #   backends: every backend's GPU steps as the registry lists them (its rows' gpu_steps: python -W ignore::RuntimeWarning
@@ -164,8 +164,10 @@ for s in $STEPS; do
     hostcosts) start_mps; step hostcosts $PY dev/host_costs.py --procs "$RANKS"; stop_mps ;;
     cache)  # in parts of 15 MiB (files back from the lent machine are at most 16 MiB each)
             tar czf - -C "$DEEPEP_PORTABLE_CACHE_DIR" . | split -b 15m -d - "$OUT/jit_cache.tgz." ;;
-    sweepv2) start_mps   # ElasticBuffer's SM sweep (FP8 dispatch / BF16 combine, 4096 tokens) with the model's picks, and
-            # DeepEP V1's best over 8, 16 and 24 SMs beside it when DEEPEP_DIR names a built DeepEP checkout
+    sweepv2) # ElasticBuffer's SM sweep (FP8 dispatch / BF16 combine, 4096 tokens) with the model's picks, and DeepEP V1's
+            # best over 8, 16 and 24 SMs beside it when DEEPEP_DIR names a DeepEP checkout (built here first if need be)
+            if [ -n "${DEEPEP_DIR:-}" ]; then DEEPEP_DIR=$(cd "$DEEPEP_DIR" && pwd); build_deepep "$DEEPEP_DIR" || DEEPEP_DIR=; fi
+            start_mps
             step sweep_v2 env PYTHONPATH="$PYTHONPATH${DEEPEP_DIR:+:$DEEPEP_DIR}" $PY -m deepep_portable bench --no-progress \
                 --api v2 --ranks "$RANKS" --tokens 4096 --num-sms 4 6 8 16 24 32 ${DEEPEP_DIR:+--compare deep_ep} ${BENCH_ARGS:-}
             stop_mps ;;

@@ -32,11 +32,7 @@ step() {   # step NAME CMD... : run with a timeout, log to $OUT/NAME.log, keep t
 step build $PY setup.py build_ext --inplace || { tail -20 "$OUT/build.log"; exit 1; }
 if [ -n "${DEEPEP:-}" ]; then
     DEEPEP=$(cd "$DEEPEP" && pwd)
-    if ! ls "$DEEPEP"/deep_ep_cpp*.so >/dev/null 2>&1; then
-        (cd "$DEEPEP" && CPLUS_INCLUDE_PATH=$CUDA_HOME/include/cccl${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH} \
-            MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0 $PY setup.py build_ext --inplace) >"$OUT/deepep_build.log" 2>&1 \
-            || { echo "DeepEP build failed (log: $OUT/deepep_build.log): no side by side"; DEEPEP=; }
-    fi
+    build_deepep "$DEEPEP" || { echo "no side by side"; DEEPEP=; }
 fi
 step precompile $PY -m deepep_portable precompile --arch sm_90 --nvshmem
 step p2p $PY scripts/p2p_bandwidth.py
