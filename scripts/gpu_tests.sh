@@ -166,7 +166,7 @@ for s in $STEPS; do
             tar czf - -C "$DEEPEP_PORTABLE_CACHE_DIR" . | split -b 15m -d - "$OUT/jit_cache.tgz." ;;
     sweepv2) # ElasticBuffer's SM sweep (FP8 dispatch / BF16 combine, 4096 tokens) with the model's picks, and DeepEP V1's
             # best over 8, 16 and 24 SMs beside it when DEEPEP_DIR names a DeepEP checkout (built here first if need be)
-            if [ -n "${DEEPEP_DIR:-}" ]; then DEEPEP_DIR=$(cd "$DEEPEP_DIR" && pwd); build_deepep "$DEEPEP_DIR" || DEEPEP_DIR=; fi
+            if [ -n "${DEEPEP_DIR:-}" ]; then DEEPEP_DIR=$(cd "$DEEPEP_DIR" && pwd) && build_deepep "$DEEPEP_DIR" || DEEPEP_DIR=; fi
             start_mps
             step sweep_v2 env PYTHONPATH="$PYTHONPATH${DEEPEP_DIR:+:$DEEPEP_DIR}" $PY -m deepep_portable bench --no-progress \
                 --api v2 --ranks "$RANKS" --tokens 4096 --num-sms 4 6 8 16 24 32 ${DEEPEP_DIR:+--compare deep_ep} ${BENCH_ARGS:-}

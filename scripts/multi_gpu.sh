@@ -31,8 +31,7 @@ step() {   # step NAME CMD... : run with a timeout, log to $OUT/NAME.log, keep t
 
 step build $PY setup.py build_ext --inplace || { tail -20 "$OUT/build.log"; exit 1; }
 if [ -n "${DEEPEP:-}" ]; then
-    DEEPEP=$(cd "$DEEPEP" && pwd)
-    build_deepep "$DEEPEP" || { echo "no side by side"; DEEPEP=; }
+    DEEPEP=$(cd "$DEEPEP" && pwd) && build_deepep "$DEEPEP" || { echo "no side by side"; DEEPEP=; }
 fi
 step precompile $PY -m deepep_portable precompile --arch sm_90 --nvshmem
 step p2p $PY scripts/p2p_bandwidth.py

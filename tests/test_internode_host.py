@@ -32,8 +32,7 @@ def test_fixed_regions(ranks, per_node):
     assert all(off % 8 == 0 for _, off, _ in regions) and g.counts_offset % 16 == 0 and g.data_offset % 4096 == 0
     assert max(IL.CTRL_ROUND, IL.CTRL_CURRENT, IL.CTRL_ERROR) + 8 <= IL.INTERNODE_CONTROL_BYTES
     # a count message: per rank, per node, the token count, the sender's capacity, the call's tokens, the
-    # receiver's experts;
-    # whole 16-byte words
+    # receiver's experts; whole 16-byte words
     assert g.count_words >= ranks + m + 3 + IL.INTERNODE_MAX_LOCAL_EXPERTS and (4 * g.count_words) % 16 == 0
 
 
@@ -159,6 +158,10 @@ class _FakeWindow(Window):
         self.node_ranks = list(node_ranks)
         return NvshmemTransportParams(self.base, 0, len(self.bases), 0)
 
+    def rows_per_source(self):   # every source sends each rank its share of recv_rows, the first ones one more
+        R = self.engine.num_ranks
+        return [self.recv_rows // R + (s < self.recv_rows % R) for s in range(R)]
+
     def kernel(self, source, name, defines):
         self.defines = dict(defines)
 
@@ -173,8 +176,7 @@ class _FakeWindow(Window):
             for e in range(8):
                 words[3 + e] = 2 + e
             R = self.engine.num_ranks
-            counts = torch.tensor([[self.recv_rows // R + (s < self.recv_rows % R) for _ in range(R)]
-                                   for s in range(R)], dtype=torch.int32)
+            counts = torch.tensor(self.rows_per_source(), dtype=torch.int32).view(R, 1).expand(R, R)
             matrix = counts.cumsum(0, dtype=torch.int32).contiguous()
             ctypes.memmove(p.rank_prefix_matrix, matrix.data_ptr(), matrix.numel() * 4)
             rows = torch.full((p.num_tokens, R), -1, dtype=torch.int32)
@@ -190,9 +192,7 @@ class _FakeWindow(Window):
 
             p = self.engine.dispatch_t.from_buffer_copy(params)
             if p.recv_src_idx:
-                R = self.engine.num_ranks
-                per_source = [self.recv_rows // R + (s < self.recv_rows % R) for s in range(R)]
-                src = torch.cat([torch.arange(c, dtype=torch.int32) for c in per_source])[:p.max_recv_rows]
+                src = torch.cat([torch.arange(c, dtype=torch.int32) for c in self.rows_per_source()])[:p.max_recv_rows]
                 ctypes.memmove(p.recv_src_idx, src.data_ptr(), src.numel() * 4)
         op = name.split("internode")[1].split("E")[0]
         return _Kernel(name, self.log, publish if op == "13notify_counts" else receive if op == "8dispatch" else None)
