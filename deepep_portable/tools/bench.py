@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -451,9 +452,21 @@ def _sweep_ours(rank: int, world: int, group, cfg: argparse.Namespace, tokens: i
             if not torch.equal(combined, expected):
                 bad = (combined != expected).any(1).nonzero().flatten()[:5].tolist()
                 raise AssertionError(f"rank {rank}, {sms} SMs: combine differs from the oracle at tokens {bad}")
-            timed.append((sms, slowest(timer(device, dispatch(sms), cfg.warmup, cfg.iters, group), group),
-                          slowest(timer(device, combine(sms, combine_in, handle), cfg.warmup, cfg.iters, group),
-                                  group)))
+            host_d: list = []   # each timed sample's host seconds per call (from entering the op to its return)
+            host_c: list = []
+            timed.append((sms, slowest(timer(device, dispatch(sms), cfg.warmup, cfg.iters, group, host_times=host_d),
+                                       group),
+                          slowest(timer(device, combine(sms, combine_in, handle), cfg.warmup, cfg.iters, group,
+                                        host_times=host_c), group)))
+            if gpu and host_d:   # an op whose host part is as long as its GPU time is host-bound at this budget
+                hd, hc = (slowest(statistics.median(h), group) * 1e6 for h in (host_d, host_c))
+                if rank == 0:
+                    print(f"[sweep {cfg.api}] {sms} SMs: host time per call (slowest rank) dispatch {hd:.1f} us, "
+                          f"combine {hc:.1f} us", flush=True)
+            if gpu and os.environ.get("DEEPEP_PORTABLE_PROFILE_HOST") == "1" and sms == budgets[0]:
+                print_host_profile(f"{cfg.api} dispatch, {sms} SMs, {tokens} tokens", dispatch(sms), device, rank == 0)
+                print_host_profile(f"{cfg.api} combine, {sms} SMs, {tokens} tokens", combine(sms, combine_in, handle),
+                                   device, rank == 0)
         engine = buf.backend.engine("normal")
         blocks = {sms: (engine.grid(sms) if engine is not None else sms) if gpu else None for sms in budgets}
         ceilings = {}   # blocks -> (dispatch, combine) ceiling seconds, each measured once
