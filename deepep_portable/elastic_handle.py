@@ -11,7 +11,7 @@ Each token's top-k experts are assumed distinct (V2's kernels assert it).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
@@ -92,24 +92,54 @@ def worst_case_expanded_rows(num_ranks: int, num_max_tokens_per_rank: int, num_t
     return (rows + expert_alignment - 1) // expert_alignment * expert_alignment
 
 
+class HandleFields(NamedTuple):
+    """The handle's tensors that a fresh dispatch derives (EPHandle's names in the docstring above)."""
+    metadata: torch.Tensor            # recv_src_metadata [rows, K + 2] int32
+    dst_slot: torch.Tensor            # dst_buffer_slot_idx [num_tokens, K] int32
+    counts: torch.Tensor              # num_unaligned_recv_tokens_per_expert [L] int32
+    psum_per_expert: torch.Tensor     # psum_num_recv_tokens_per_expert [L] int32
+    psum_per_scaleup: torch.Tensor    # psum_num_recv_tokens_per_scaleup_rank [S] int32
+
+
 def build_handle(buffer_handle, recv_topk_idx: torch.Tensor, topk_idx: torch.Tensor, *, rank: int,
                  num_scaleup_ranks: int, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
                  num_sms: int, do_expand: bool, num_expanded_tokens: int,
-                 num_recv_tokens_per_expert_list: List[int], keep_topk_idx: torch.Tensor) -> EPHandle:
+                 num_recv_tokens_per_expert_list: List[int], keep_topk_idx: torch.Tensor,
+                 kernel: Optional[Callable[..., tuple]] = None) -> EPHandle:
     """V2's handle of a V1 dispatch (`buffer_handle`, with its received top-k `recv_topk_idx`, local expert
-    ids or -1). Device work only: no host sync."""
+    ids or -1). Device work only: no host sync. `kernel`: engines.handle_kernel.handle_fields, which the caller
+    (above the engines) passes for CUDA tensors: the plain layout's fields then take one launch (the torch of
+    handle_fields_torch is some thirty, whose host time bound the dispatch)."""
     inner: DispatchHandle = buffer_handle.inner if isinstance(buffer_handle, InternodeHandle) else buffer_handle
-    device = recv_topk_idx.device
-    num_ranks = inner.rank_prefix_matrix.size(0)
-    num_local_experts = num_experts // num_ranks
-    rows, num_topk = recv_topk_idx.shape
+    num_local_experts = num_experts // inner.rank_prefix_matrix.size(0)
+    args = (inner.rank_prefix_matrix, inner.recv_src_idx, recv_topk_idx, inner.send_rows, topk_idx)
+    kwargs = dict(rank=rank, num_scaleup_ranks=num_scaleup_ranks, num_local_experts=num_local_experts,
+                  num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment)
+    if kernel is not None and recv_topk_idx.is_cuda and not do_expand:
+        f = HandleFields(*kernel(*args, **kwargs))
+    else:
+        f = handle_fields_torch(*args, **kwargs, do_expand=do_expand)
+    return EPHandle(do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, keep_topk_idx,
+                    recv_topk_idx.size(0), num_expanded_tokens, num_recv_tokens_per_expert_list, f.psum_per_scaleup,
+                    f.psum_per_expert, f.counts, f.metadata, f.dst_slot, None, None,
+                    buffer_handle=buffer_handle, recv_topk_idx=None if do_expand else recv_topk_idx)
 
+
+def handle_fields_torch(rank_prefix_matrix: torch.Tensor, recv_src_idx: torch.Tensor, recv_topk_idx: torch.Tensor,
+                        send_rows: torch.Tensor, topk_idx: torch.Tensor, *, rank: int, num_scaleup_ranks: int,
+                        num_local_experts: int, num_max_tokens_per_rank: int, expert_alignment: int,
+                        do_expand: bool) -> HandleFields:
+    """The handle's fields with torch (any device): V1's prefix matrix [R, R], source indices [rows], received
+    top-k [rows, K] (local ids or -1), send rows [num_tokens, R] and my top-k [num_tokens, K]."""
+    device = recv_topk_idx.device
+    num_ranks = rank_prefix_matrix.size(0)
+    rows, num_topk = recv_topk_idx.shape
     # Source of each row: rows come grouped by source rank (the prefix column says where each group ends).
-    column = inner.rank_prefix_matrix[:, rank].contiguous()
+    column = rank_prefix_matrix[:, rank].contiguous()
     row_ids = torch.arange(rows, device=device, dtype=torch.int32)
     src_rank = torch.searchsorted(column, row_ids, right=True).to(torch.int64)
-    real = inner.recv_src_idx >= 0
-    src_global = torch.where(real, src_rank * num_max_tokens_per_rank + inner.recv_src_idx.to(torch.int64),
+    real = recv_src_idx >= 0
+    src_global = torch.where(real, src_rank * num_max_tokens_per_rank + recv_src_idx.to(torch.int64),
                              torch.full_like(src_rank, -1))
     per_source = torch.diff(column, prepend=column.new_zeros(1))
     per_scaleup = per_source.view(num_ranks // num_scaleup_ranks, num_scaleup_ranks).sum(dim=0)
@@ -133,13 +163,10 @@ def build_handle(buffer_handle, recv_topk_idx: torch.Tensor, topk_idx: torch.Ten
     metadata = torch.cat([src_global.unsqueeze(1), master.unsqueeze(1), slots.to(torch.int64)], dim=1)
 
     dst_rank = torch.where(topk_idx >= 0, topk_idx // num_local_experts, torch.zeros_like(topk_idx))
-    dst_slot = inner.send_rows.to(torch.int32).gather(1, dst_rank)
+    dst_slot = send_rows.to(torch.int32).gather(1, dst_rank)
     dst_slot = torch.where(topk_idx >= 0, dst_slot, torch.full_like(dst_slot, -1))
-
-    return EPHandle(do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, keep_topk_idx,
-                    rows, num_expanded_tokens, num_recv_tokens_per_expert_list, psum_per_scaleup, psum_per_expert,
-                    counts, metadata.to(torch.int32).contiguous(), dst_slot.contiguous(), None, None,
-                    buffer_handle=buffer_handle, recv_topk_idx=None if do_expand else recv_topk_idx)
+    return HandleFields(metadata.to(torch.int32).contiguous(), dst_slot.contiguous(), counts, psum_per_expert,
+                        psum_per_scaleup)
 
 
 def expanded_slots(recv_topk_idx: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:

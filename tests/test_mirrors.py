@@ -22,7 +22,7 @@ import pytest
 from deepep_portable import errors, jit
 from deepep_portable import layout as L
 from deepep_portable.contract import Capabilities
-from deepep_portable.engines import dispatch_layout, intranode, transport_selftest
+from deepep_portable.engines import dispatch_layout, handle_kernel, intranode, transport_selftest
 from deepep_portable.transports import registry
 from deepep_portable.engines import low_latency as ll
 from deepep_portable.tools import kernels as copy_kernels
@@ -95,6 +95,7 @@ def test_layout_and_benchmark_params(tmp_path):
               + _asserts("CopySegmentsParams", copy_kernels.CopySegmentsParams)
               + _asserts("StartLineParams", copy_kernels.StartLineParams))
     _compile(tmp_path, copy_kernels.COPY_SOURCE, checks, {})
+    _compile(tmp_path, handle_kernel.SOURCE, _asserts("HandleParams", handle_kernel.HandleParams), {})
 
 
 # ---- kernels over the transport contract, per backend -----------------------------------------------
@@ -270,6 +271,7 @@ def test_kernel_constants_the_host_repeats():
     assert ll.THREADS == _constant("common/kernels/low_latency/protocol.cuh", "kThreads")
     assert ll.TRACE_CALLS == _constant("common/kernels/low_latency/protocol.cuh", "kTraceCalls")
     assert dispatch_layout.LAYOUT_THREADS == _constant(dispatch_layout.LAYOUT_SOURCE, "kThreads")
+    assert handle_kernel.THREADS == _constant(handle_kernel.SOURCE, "kThreads")
     st = transport_selftest
     assert st.THREADS == _constant(st.SOURCE, "kThreads")
     assert (st.OUT_MISMATCHES, st.OUT_GET_VALUE, st.OUT_WAITS, st.OUT_TIMED_OUT, st.OUT_PEER_PTR) == tuple(

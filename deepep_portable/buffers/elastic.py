@@ -41,6 +41,7 @@ import torch
 from .. import _validate as check
 from ..buffer import Buffer, topk_idx_t
 from ..comm import Comm
+from ..engines.handle_kernel import handle_fields
 from ..elastic_handle import (EPHandle, build_handle, column_major_scales, expand_rows, expand_weights,
                               gather_expanded_weights, reduce_expanded, worst_case_expanded_rows)
 from ..internode_layout import internode_rdma_bytes
@@ -475,7 +476,7 @@ class ElasticBuffer:
                     num_scaleup_ranks=self.num_scaleup_ranks, num_experts=num_experts,
                     expert_alignment=expert_alignment, num_max_tokens_per_rank=num_max_tokens_per_rank,
                     num_sms=num_sms or Buffer.num_sms, do_expand=bool(do_expand), num_expanded_tokens=num_expanded,
-                    num_recv_tokens_per_expert_list=list(per_expert_list), keep_topk_idx=keep)
+                    num_recv_tokens_per_expert_list=list(per_expert_list), keep_topk_idx=keep, kernel=handle_fields)
                 if cumulative_local_expert_recv_stats is not None:
                     cumulative_local_expert_recv_stats.add_(new_handle.num_unaligned_recv_tokens_per_expert)
             else:
