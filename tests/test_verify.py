@@ -283,6 +283,30 @@ def test_a_failed_step_says_what_to_do_and_a_hung_one_is_stopped(tmp_path):
     assert "## Verdict" in text and "timed out" in text and "| torch | x |" in text
 
 
+
+def test_the_time_limit_makes_a_run_incomplete_not_failed(tmp_path):
+    """A step running when the run's --time-limit comes is cut (its output kept), later ones are not started,
+    and the verdict says INCOMPLETE, naming them, with a non-zero exit; a step's own --step-timeout still fails."""
+    quick = verify.Step("suites_reference", "suites", "reference",
+                        [sys.executable, "-c", "print('1 passed in 0.1s')"])
+    slow = verify.Step("bench_reference_normal", "bench", "reference", ["bash", "-c", "sleep 60 & sleep 60; wait"],
+                       mode="normal")
+    late = verify.Step("suites_reference_again", "suites", "reference", [sys.executable, "-c", "pass"])
+    plan = verify.Plan([quick, slow, late], [("reference", "real")], [], True, False, 2, None, "local", "quick")
+    args = _args("--time-limit", "8")
+    args.logs = str(tmp_path)
+    outcomes = verify.execute(plan, args, dict(os.environ))
+    assert [o.status for o in outcomes] == ["passed", "cut", "skipped"]
+    assert outcomes[1].seconds < 30 and "--time-limit" in outcomes[1].why
+    assert outcomes[2].why.startswith(verify_report.LIMIT_SKIP)
+    result = verify_report.Result("verify", "now", 9.0, plan, outcomes, {"versions": {}}, str(tmp_path))
+    v = verify_report.verdict(result)
+    assert not v.passed and v.line.startswith("INCOMPLETE: 1 steps passed, 1 cut and 1 not started")
+    assert "bench_reference_normal" in v.todo[-1] and "suites_reference_again" in v.todo[-1]
+    # the same step stopped by its own --step-timeout is a failure
+    own = verify_report.judge(slow, None, 3.0, True, str(tmp_path / "bench_reference_normal.log"))
+    assert own.status == "timed out"
+
 # ---- end to end ------------------------------------------------------------------------------------------------------
 def _mpi_ready() -> str:
     if shutil.which("mpirun") is None:

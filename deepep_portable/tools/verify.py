@@ -472,7 +472,7 @@ def execute(plan: Plan, args, base_env: Dict[str, str]) -> List[verify_report.Ou
         log = os.path.join(args.logs, f"{step.name}.log")
         left = None if deadline is None else deadline - time.monotonic()
         if not step.skip and left is not None and left < 5:
-            step.skip = f"--time-limit {args.time_limit:.0f} s reached before this step"
+            step.skip = f"{verify_report.LIMIT_SKIP} {args.time_limit:.0f} s reached before this step"
         if step.skip:
             outcome = verify_report.Outcome(step.name, "skipped", why=step.skip)
         else:
@@ -482,7 +482,8 @@ def execute(plan: Plan, args, base_env: Dict[str, str]) -> List[verify_report.Ou
             if mps is not None:
                 env.update(mps.start())
             try:
-                timeout = args.step_timeout if left is None else min(args.step_timeout, left)
+                limited = left is not None and left < args.step_timeout   # the run's limit comes first
+                timeout = min(args.step_timeout, left) if limited else args.step_timeout
                 rc, seconds, timed_out = run_step(step, env, log, timeout)
             except KeyboardInterrupt:
                 outcomes.append(verify_report.Outcome(step.name, "failed", log=log, why="interrupted"))
@@ -493,7 +494,7 @@ def execute(plan: Plan, args, base_env: Dict[str, str]) -> List[verify_report.Ou
             finally:
                 if mps is not None:
                     mps.stop()
-            outcome = verify_report.judge(step, rc, seconds, timed_out, log)
+            outcome = verify_report.judge(step, rc, seconds, timed_out, log, cut=timed_out and limited)
         print(f"[verify {i}/{len(plan.steps)}] {step.name}: {verify_report.one_line(outcome)}", flush=True)
         outcomes.append(outcome)
     return outcomes

@@ -20,13 +20,14 @@ NCCL_ROW = "nccl a2a"       # bench's transport column for the all_to_all_single
 SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|error|errors|deselected|xfailed|xpassed)\b")
 SEED = re.compile(r"base seed (\d+)")
 DOCTOR_SECTIONS = ("CUDA driver and GPUs", "RDMA devices", "Transports")
+LIMIT_SKIP = "--time-limit"   # how the reason of a step skipped for want of time begins (verify.execute)
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # where the steps run
 
 
 @dataclass
 class Outcome:
     step: str
-    status: str                       # passed, failed, timed out, skipped
+    status: str                       # passed, failed, timed out, cut (by the run's --time-limit), skipped
     rc: Optional[int] = None
     seconds: float = 0.0
     log: str = ""
@@ -137,14 +138,17 @@ def _tail(path: str, n: int = 2) -> str:
     return " | ".join(lines[-n:])[:300]
 
 
-def judge(step, rc: Optional[int], seconds: float, timed_out: bool, log: str) -> Outcome:
-    """The outcome of a step that ran: passed when it exited 0 (a suite whose every test skipped says so)."""
+def judge(step, rc: Optional[int], seconds: float, timed_out: bool, log: str, cut: bool = False) -> Outcome:
+    """The outcome of a step that ran: passed when it exited 0 (a suite whose every test skipped says so).
+    `cut`: it was stopped because the whole run's --time-limit came, not its own --step-timeout; that says
+    nothing against the step (what it printed until then is kept), so the run is incomplete, not failed."""
     try:
         with open(log, errors="replace") as f:
             text = f.read()
     except OSError:
         text = ""
-    out = Outcome(step.name, "timed out" if timed_out else "passed" if rc == 0 else "failed", rc, seconds, log)
+    status = ("cut" if cut else "timed out") if timed_out else "passed" if rc == 0 else "failed"
+    out = Outcome(step.name, status, rc, seconds, log)
     if step.kind == "suites":
         prefix = os.path.splitext(log)[0]
         counts, failed, reasons = junit_counts(prefix)
@@ -162,7 +166,9 @@ def judge(step, rc: Optional[int], seconds: float, timed_out: bool, log: str) ->
     elif step.kind == "preflight":
         verdicts = [ln.strip() for ln in text.splitlines() if re.search(r"\bReady\b|Not ready", ln)]
         out.verdict = verdicts[-1] if verdicts else ""
-    if out.status != "passed" and not out.why:
+    if out.status == "cut":
+        out.why = f"stopped when the run's --time-limit came, after {seconds:.0f} s; its output until then is kept"
+    elif out.status != "passed" and not out.why:
         out.why = f"stopped at its time limit, after {seconds:.0f} s" if timed_out else (_tail(log) or f"exit code {rc}")
     return out
 
@@ -263,13 +269,23 @@ def verdict(result: Result) -> Verdict:
         todo.append(f"preflight (doctor --cluster): {pre[0].verdict or pre[0].status}; its findings say what to do: "
                     f"{pre[0].log}")
     skipped = len(result.outcomes) - len(ran)
+    # Steps the run's --time-limit stopped or never started: not failures, but not verified either.
+    left = [o for o in result.outcomes if o.status == "cut" or (o.status == "skipped" and o.why.startswith(LIMIT_SKIP))]
+    if left:
+        todo.append(f"the run reached its --time-limit after {result.seconds:.0f} s with {len(left)} step(s) cut or not "
+                    f"started ({', '.join(o.step for o in left)}): raise --time-limit, or rerun with --transports "
+                    f"naming what is left")
     if bad:
         line = f"FAIL: {len(bad)} of {len(ran)} steps failed ({skipped} skipped)"
     elif not ran:
         line = f"NOTHING RAN: all {skipped} steps skipped"
+    elif left:
+        cut = sum(o.status == "cut" for o in left)
+        line = (f"INCOMPLETE: {len(ran) - cut} steps passed, {cut} cut and {len(left) - cut} not started at the "
+                f"--time-limit ({skipped} skipped in all)")
     else:
         line = f"PASS: {len(ran)} steps passed ({skipped} skipped)"
-    return Verdict(bool(ran) and not bad, line, todo)
+    return Verdict(bool(ran) and not bad and not left, line, todo)
 
 
 def _cell(text: str) -> str:
