@@ -204,7 +204,16 @@ def test_rdma_device_files_and_options(machine):
 
 def test_no_rdma_nic(tmp_path):
     f = find(dc.local_findings(facts(str(tmp_path))), "RDMA", "no RDMA NIC")
+    assert f.level == dc.FAIL
     assert "does not exist" in f.text and "rdma-core" in f.todo and "reference transport" in f.todo
+    # every rank on one machine (logical nodes): nothing needs the NIC, so its absence is a note
+    f = find(dc.local_findings(facts(str(tmp_path)), one_machine=True), "RDMA", "no RDMA NIC")
+    assert f.level == dc.NOTE and "separate hosts need one" in f.text
+    everyone = [_rank(facts(str(tmp_path)), "one")] * 4
+    text = dc.format_report(everyone, [[0, 1], [2, 3]], False, [], [])
+    assert "NOTE  RDMA: no RDMA NIC" in text and "FAIL  RDMA" not in text
+    text = dc.format_report([_rank(facts(str(tmp_path)), h) for h in "aabb"], [[0, 1], [2, 3]], True, [], [])
+    assert "FAIL  RDMA: no RDMA NIC" in text
 
 
 def test_rdma_mtu():

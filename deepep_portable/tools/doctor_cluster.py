@@ -350,14 +350,19 @@ def affinity(facts: Mapping) -> Tuple[List[Dict], List[Finding]]:
     return ranked, out
 
 
-def local_findings(facts: Mapping) -> List[Finding]:
-    """What is wrong (or worth knowing) on one rank, each FAIL and WARN with what to do."""
+def local_findings(facts: Mapping, one_machine: bool = False) -> List[Finding]:
+    """What is wrong (or worth knowing) on one rank, each FAIL and WARN with what to do. `one_machine`: every rank
+    of the job is on this machine (logical nodes), where no traffic needs a NIC, so its absence is only noted."""
     machine, settings = facts.get("machine") or {}, facts.get("settings") or {}
     out = [Finding(FAIL, "doctor", f"could not look at {e}", "report it with this output")
            for e in facts.get("errors", [])]
     out += backend_findings("rank", facts, {})
     nics = machine.get("nics") or []
-    if not nics:
+    if not nics and one_machine:
+        out.append(Finding(NOTE, "RDMA", f"no RDMA NIC ({machine.get('infiniband', '/sys/class/infiniband')} "
+                           + ("is empty)" if machine.get("infiniband_exists") else "does not exist)")
+                           + ": every rank is on this machine, so none is needed; ranks on separate hosts need one"))
+    elif not nics:
         out.append(Finding(FAIL, "RDMA", f"no RDMA NIC ({machine.get('infiniband', '/sys/class/infiniband')} "
                            + ("is empty)" if machine.get("infiniband_exists") else "does not exist)"),
                            "install the NIC driver and rdma-core (mlx5_core, ib_uverbs); in a container mount "
@@ -612,7 +617,7 @@ def format_report(everyone: Sequence[Mapping], nodes: List[List[int]], separate_
     section("Findings")
     grouped: Dict[Finding, List[int]] = {}
     for r, e in enumerate(everyone):
-        for f in local_findings(e):
+        for f in local_findings(e, one_machine=len(hosts) == 1):
             grouped.setdefault(f, []).append(r)
     counts = {FAIL: 0, WARN: 0, NOTE: 0, OK: 0}
     for f in cross_rank_findings(everyone):
