@@ -376,6 +376,10 @@ def test_precompile_covers_the_gpu_suites_shapes():
         bench_combine = internode.kernel_defines(ranks, per_node, HIDDEN=7168, NUM_TOPK=0)
         assert (internode.DISPATCH_SOURCE, tuple(sorted(bench_fp8.items()))) in variants
         assert (internode.COMBINE_SOURCE, tuple(sorted(bench_combine.items()))) in variants
+    for ranks, per_node in ((8, 4), (8, 2)):   # the elastic suite's logical nodes: hidden 256, top-4, BF16 and FP8
+        for element_bytes, scales in ((2, 0), (1, 2)):
+            for src, d in internode.round_variants(ranks, per_node, 256, element_bytes, scales, 4):
+                assert (src, tuple(sorted(d.items()))) in variants, (src, d)
 
 
 # ---- the bench's ceiling plan (tools/internode_ceiling.py) ----------------------------------------------------

@@ -334,22 +334,25 @@ def test_buffer_usable_after_rejected_calls(buf, pg, device, request, base_seed)
 
 
 # ---- logical nodes (hierarchical route) -------------------------------------------------------------
+@pytest.mark.parametrize("per_node", [2, 4])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_logical_nodes(pg, device, request, base_seed, fp8):
-    """Nodes of two ranks: the reference transport on the CPU; on a GPU the job's transport when it spans nodes
-    (the internode kernels: NVLink inside a node, the backend's network path between nodes)."""
+def test_logical_nodes(pg, device, request, base_seed, fp8, per_node):
+    """Nodes of `per_node` ranks (8 ranks: 4 x 2 and 2 x 4): the reference transport on the CPU; on a GPU the job's
+    transport when it spans nodes (the internode kernels: NVLink inside a node, the backend's network path between
+    nodes)."""
     from deepep_portable.transports import registry
 
     rank, num_ranks = world(pg)
-    if num_ranks < 4 or num_ranks % 2:
-        pytest.skip("needs an even number of ranks, at least 4 (nodes of two ranks)")
+    if num_ranks < 2 * per_node or num_ranks % per_node:
+        pytest.skip(f"needs at least two nodes of {per_node} ranks")
     if not registry.row(TRANSPORT).spans_nodes:
         pytest.skip(f"{TRANSPORT} does not span nodes: run this job with a network transport")
     buffer = ElasticBuffer(pg, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_topk=TOPK, transport=TRANSPORT,
-                           ranks_per_node=2, explicitly_destroy=True)
+                           ranks_per_node=per_node, explicitly_destroy=True)
     try:
-        assert buffer.get_logical_domain_size() == (num_ranks // 2, 2) == buffer.get_physical_domain_size()
-        assert (buffer.scaleout_rank_idx, buffer.scaleup_rank_idx) == (rank // 2, rank % 2)
+        nodes = num_ranks // per_node
+        assert buffer.get_logical_domain_size() == (nodes, per_node) == buffer.get_physical_domain_size()
+        assert (buffer.scaleout_rank_idx, buffer.scaleup_rank_idx) == (rank // per_node, rank % per_node)
         gen = generator(request, base_seed, rank)
         inp = Inputs(pg, gen, device, num_tokens=MAX_TOKENS - 1, fp8=fp8)
         ck = Checker(pg)
@@ -359,10 +362,10 @@ def test_logical_nodes(pg, device, request, base_seed, fp8):
             recv_x, recv_sf = recv_x
             ck.bits(recv_sf, inp.expected.recv_x_scales, "recv_sf over logical nodes")
         ck.bits(recv_x, inp.expected.recv_x, "recv_x over logical nodes")
-        check_handle(ck, inp, h, 2, expanded=False)
+        check_handle(ck, inp, h, per_node, expanded=False)
         y = torch.randn(recv_x.shape, generator=gen).to(torch.bfloat16).to(device)
         combined, combined_w, _ = buffer.combine(y, h, recv_w, num_sms=NUM_SMS)
-        want, _ = expected_combine(inp, pg, y, recv_w, None, ranks_per_node=2)
+        want, _ = expected_combine(inp, pg, y, recv_w, None, ranks_per_node=per_node)
         ck.bits(combined, want, "combined_x over logical nodes")
         ck.bits(combined_w, combine_weights_expected(inp), "combined_topk_weights over logical nodes")
         ck.done()
