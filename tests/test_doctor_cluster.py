@@ -214,6 +214,9 @@ def test_no_rdma_nic(tmp_path):
     assert "NOTE  RDMA: no RDMA NIC" in text and "FAIL  RDMA" not in text
     text = dc.format_report([_rank(facts(str(tmp_path)), h) for h in "aabb"], [[0, 1], [2, 3]], True, [], [])
     assert "FAIL  RDMA: no RDMA NIC" in text
+    # containers on two machines may share a hostname: machines are told apart by node identity
+    twins = [dict(_rank(facts(str(tmp_path)), "same"), node=n) for n in ("same/boot-1", "same/boot-2")]
+    assert "FAIL  RDMA: no RDMA NIC" in dc.format_report(twins, [[0], [1]], True, [], [])
 
 
 def test_rdma_mtu():

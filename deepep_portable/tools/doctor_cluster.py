@@ -617,7 +617,7 @@ def format_report(everyone: Sequence[Mapping], nodes: List[List[int]], separate_
     section("Findings")
     grouped: Dict[Finding, List[int]] = {}
     for r, e in enumerate(everyone):
-        for f in local_findings(e, one_machine=len(hosts) == 1):
+        for f in local_findings(e, one_machine=len({r['node'] for r in everyone}) == 1):   # hostnames can repeat
             grouped.setdefault(f, []).append(r)
     counts = {FAIL: 0, WARN: 0, NOTE: 0, OK: 0}
     for f in cross_rank_findings(everyone):
