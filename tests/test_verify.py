@@ -276,7 +276,7 @@ def test_a_failed_step_says_what_to_do_and_a_hung_one_is_stopped(tmp_path):
     assert a.status == "failed" and a.counts["failed"] == 1 and a.seed == "77"
     assert b.status == "timed out" and b.seconds < 30
     v = verify_report.verdict(result)
-    assert not v.passed and v.line.startswith("FAIL: 2 of 2")
+    assert not v.passed and not v.incomplete and v.line.startswith("FAIL: 2 of 2")
     assert "DEEPEP_TEST_SEED=77" in v.todo[0] and "DEEPEP_TEST_TRANSPORT=reference" in v.todo[0]
     assert "doctor" in v.todo[0] and str(tmp_path) in v.todo[0] and "--step-timeout" in v.todo[1]
     text = verify_report.markdown(result)
@@ -301,7 +301,7 @@ def test_the_time_limit_makes_a_run_incomplete_not_failed(tmp_path):
     assert outcomes[2].why.startswith(verify_report.LIMIT_SKIP)
     result = verify_report.Result("verify", "now", 9.0, plan, outcomes, {"versions": {}}, str(tmp_path))
     v = verify_report.verdict(result)
-    assert not v.passed and v.line.startswith("INCOMPLETE: 1 steps passed, 1 cut and 1 not started")
+    assert not v.passed and v.incomplete and v.line.startswith("INCOMPLETE: 1 steps passed, 1 cut and 1 not started")
     assert "bench_reference_normal" in v.todo[-1] and "suites_reference_again" in v.todo[-1]
     # the same step stopped by its own --step-timeout is a failure
     own = verify_report.judge(slow, None, 3.0, True, str(tmp_path / "bench_reference_normal.log"))

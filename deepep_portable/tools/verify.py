@@ -576,6 +576,6 @@ def main(args) -> int:
             json.dump(verify_report.as_json(result), f, indent=1, default=str)
     verdict = verify_report.verdict(result)
     print(f"\n{verdict.line}\nreport: {args.report}" + (f"\njson: {args.json}" if args.json else ""))
-    return 0 if verdict.passed else 1
+    return 0 if verdict.passed else 2 if verdict.incomplete else 1   # 2: nothing failed, the time limit cut the run
 
 

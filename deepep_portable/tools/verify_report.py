@@ -46,6 +46,7 @@ class Verdict:
     passed: bool
     line: str
     todo: List[str]
+    incomplete: bool = False          # nothing failed, but the time limit cut or dropped steps
 
 
 @dataclass
@@ -275,17 +276,18 @@ def verdict(result: Result) -> Verdict:
         todo.append(f"the run reached its --time-limit after {result.seconds:.0f} s with {len(left)} step(s) cut or not "
                     f"started ({', '.join(o.step for o in left)}): raise --time-limit, or rerun with --transports "
                     f"naming what is left")
+    passed = sum(o.status == "passed" for o in ran)
     if bad:
         line = f"FAIL: {len(bad)} of {len(ran)} steps failed ({skipped} skipped)"
     elif not ran:
         line = f"NOTHING RAN: all {skipped} steps skipped"
     elif left:
         cut = sum(o.status == "cut" for o in left)
-        line = (f"INCOMPLETE: {len(ran) - cut} steps passed, {cut} cut and {len(left) - cut} not started at the "
+        line = (f"INCOMPLETE: {passed} steps passed, {cut} cut and {len(left) - cut} not started at the "
                 f"--time-limit ({skipped} skipped in all)")
     else:
-        line = f"PASS: {len(ran)} steps passed ({skipped} skipped)"
-    return Verdict(bool(ran) and not bad and not left, line, todo)
+        line = f"PASS: {passed} steps passed ({skipped} skipped)"
+    return Verdict(bool(ran) and not bad and not left, line, todo, incomplete=bool(ran) and not bad and bool(left))
 
 
 def _cell(text: str) -> str:
