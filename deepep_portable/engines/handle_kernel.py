@@ -51,7 +51,39 @@ class HandleParams(ctypes.Structure):
 
 # Packed without a ctypes object (the hot path); tests/test_mirrors.py checks the mirror against the C struct.
 _PACK_STRUCT = struct.Struct("<11Qqqq6i")
+_FIELD_NAMES = tuple(name for name, _ in HandleParams._fields_)
 assert _PACK_STRUCT.size == ctypes.sizeof(HandleParams)
+MAX_SHARED_BYTES = 48 * 1024   # the dynamic shared memory a launch gets without opting in
+
+
+def pack_params(fields: dict) -> bytes:
+    """HandleParams' bytes from its fields by name (the C struct's order comes from the mirror)."""
+    return _PACK_STRUCT.pack(*(fields[name] for name in _FIELD_NAMES))
+
+
+def _check(rank_prefix_matrix, recv_src_idx, recv_topk_idx, send_rows, topk_idx, num_scaleup_ranks: int,
+           num_local_experts: int) -> None:
+    """The shapes and types the kernel reads (its callers pass a V1 handle's tensors: a mismatch is a bug here,
+    but one that would read out of bounds, so it raises instead)."""
+    num_ranks = rank_prefix_matrix.size(0)
+    rows, num_topk = recv_topk_idx.shape
+    problems = []
+    if rank_prefix_matrix.shape != (num_ranks, num_ranks):
+        problems.append(f"rank_prefix_matrix {tuple(rank_prefix_matrix.shape)} is not square")
+    if recv_topk_idx.dtype != torch.int64 or topk_idx.dtype != torch.int64:
+        problems.append(f"top-k indices must be int64 (got {recv_topk_idx.dtype}, {topk_idx.dtype})")
+    if recv_src_idx.shape != (rows,):
+        problems.append(f"recv_src_idx {tuple(recv_src_idx.shape)} is not [{rows}]")
+    if topk_idx.dim() != 2 or topk_idx.size(1) != num_topk:
+        problems.append(f"topk_idx {tuple(topk_idx.shape)} is not [tokens, {num_topk}]")
+    elif send_rows.shape != (topk_idx.size(0), num_ranks):
+        problems.append(f"send_rows {tuple(send_rows.shape)} is not [{topk_idx.size(0)}, {num_ranks}]")
+    if num_scaleup_ranks < 1 or num_ranks % num_scaleup_ranks:
+        problems.append(f"{num_scaleup_ranks} scale-up ranks do not divide {num_ranks} ranks")
+    if 4 * (num_ranks + num_local_experts) > MAX_SHARED_BYTES:
+        problems.append(f"{num_ranks} ranks and {num_local_experts} local experts outgrow the kernel's shared memory")
+    if problems:
+        raise ValueError("handle kernel: " + "; ".join(problems))
 
 _functions: dict = {}   # (device, forced arch) -> kernel (every shape is a run-time value)
 
@@ -74,6 +106,7 @@ def handle_fields(rank_prefix_matrix: torch.Tensor, recv_src_idx: torch.Tensor, 
     num_ranks = rank_prefix_matrix.size(0)
     rows, num_topk = recv_topk_idx.shape
     num_tokens = topk_idx.size(0)
+    _check(rank_prefix_matrix, recv_src_idx, recv_topk_idx, send_rows, topk_idx, num_scaleup_ranks, num_local_experts)
     prefix = rank_prefix_matrix.to(torch.int32).contiguous()
     src_idx = recv_src_idx.to(torch.int32).contiguous()
     recv_idx = recv_topk_idx.contiguous()
@@ -86,12 +119,15 @@ def handle_fields(rank_prefix_matrix: torch.Tensor, recv_src_idx: torch.Tensor, 
     base = small.data_ptr()
     blocks = max(1, min(MAX_BLOCKS, -(-max(rows, num_tokens) // THREADS)))
     shared = 4 * (num_ranks + num_local_experts)
-    params = _PACK_STRUCT.pack(
-        prefix.data_ptr(), src_idx.data_ptr(), recv_idx.data_ptr(), slots.data_ptr(), idx.data_ptr(),
-        metadata.data_ptr(), dst_slot.data_ptr(), base, base + 4 * num_local_experts,
-        base + 8 * num_local_experts, base + 4 * (2 * num_local_experts + num_scaleup_ranks),
-        rows, num_tokens, num_max_tokens_per_rank, num_topk, num_ranks, rank, num_scaleup_ranks,
-        num_local_experts, expert_alignment)
+    fields = dict(
+        rank_prefix_matrix=prefix.data_ptr(), recv_src_idx=src_idx.data_ptr(), recv_topk_idx=recv_idx.data_ptr(),
+        send_rows=slots.data_ptr(), topk_idx=idx.data_ptr(), metadata=metadata.data_ptr(),
+        dst_slot=dst_slot.data_ptr(), counts=base, psum_per_expert=base + 4 * num_local_experts,
+        psum_per_scaleup=base + 8 * num_local_experts, done=base + 4 * (2 * num_local_experts + num_scaleup_ranks),
+        rows=rows, num_tokens=num_tokens, num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk,
+        num_ranks=num_ranks, rank=rank, num_scaleup_ranks=num_scaleup_ranks, num_local_experts=num_local_experts,
+        expert_alignment=expert_alignment)
+    params = pack_params(fields)
     _kernel(dev).launch(blocks, THREADS, shared, current_stream_handle(dev), params)
     counts, psum_expert, psum_scaleup, _ = torch.split_with_sizes(
         small, (num_local_experts, num_local_experts, num_scaleup_ranks, 1))

@@ -1,6 +1,6 @@
 """V2's handle kernel (engines/handle_kernel.py) vs. the torch it replaces (elastic_handle.handle_fields_torch, on
 the CPU), bit for bit, on random V1 dispatch results: padding rows, empty sources, no rows, no tokens, scale-up
-groups, alignments. The outputs are allocated inside the call, so the allocator's free blocks of their sizes are
+groups, alignments, rows that chose no local expert, and more rows than one sweep of the grid. The outputs are allocated inside the call, so the allocator's free blocks of their sizes are
 poisoned first: an element the kernel leaves unwritten shows as 0xABABABAB."""
 from __future__ import annotations
 
@@ -99,3 +99,38 @@ def test_handle_kernel_all_rows_empty_of_choices():
     got = HandleFields(*handle_fields(*(t.cuda() for t in inputs), **kwargs))
     for name, w, g in zip(want._fields, want, got):
         assert torch.equal(g.cpu(), w.to(torch.int32)), name
+
+
+def large_dispatch_result(gen: torch.Generator, num_ranks: int, rank: int, num_topk: int, num_local: int,
+                          num_max: int, padding: int):
+    """dispatch_result's tensors built without a loop per row: as many rows as 16 ranks x 8192 tokens leave a
+    rank without a CPU sync, and a fifth of the real rows with no local choice at all."""
+    sent = torch.randint(num_max // 2, num_max + 1, (num_ranks, num_ranks), generator=gen, dtype=torch.int32)
+    prefix = sent.cumsum(0).to(torch.int32)
+    real = int(prefix[-1, rank])
+    ends = prefix[:, rank].to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    row_ids = torch.arange(real)
+    src_rank = torch.searchsorted(ends, row_ids, right=True)
+    src_idx = torch.cat([(row_ids - starts[src_rank]).to(torch.int32), torch.full((padding,), -1, dtype=torch.int32)])
+    recv_topk = torch.randint(0, num_local, (real, num_topk), generator=gen)
+    recv_topk[torch.rand(real, num_topk, generator=gen) < 0.6] = -1
+    recv_topk[torch.rand(real, generator=gen) < 0.2] = -1
+    recv_topk = torch.cat([recv_topk, torch.full((padding, num_topk), -1, dtype=torch.int64)])
+    send_rows = torch.randint(-1, num_ranks * num_max, (num_max, num_ranks), generator=gen, dtype=torch.int32)
+    topk = torch.randint(-1, num_local * num_ranks, (num_max, num_topk), generator=gen)
+    return prefix, src_idx, recv_topk, send_rows, topk
+
+
+def test_handle_kernel_past_one_grid_sweep():
+    """More rows than MAX_BLOCKS x THREADS (every thread takes several rows), rows with no local choice."""
+    from deepep_portable.engines.handle_kernel import MAX_BLOCKS, THREADS
+
+    gen = torch.Generator().manual_seed(7)
+    inputs = large_dispatch_result(gen, 16, 5, 8, 16, 8192, 1000)
+    assert inputs[2].size(0) > MAX_BLOCKS * THREADS
+    kwargs = dict(rank=5, num_scaleup_ranks=8, num_local_experts=16, num_max_tokens_per_rank=8192, expert_alignment=128)
+    want = handle_fields_torch(*inputs, **kwargs, do_expand=False)
+    got = HandleFields(*handle_fields(*(t.cuda() for t in inputs), **kwargs))
+    for name, w, g in zip(want._fields, want, got):
+        assert torch.equal(g.cpu(), w.to(torch.int32)), f"{name} differs from the torch path"
