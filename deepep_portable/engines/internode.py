@@ -344,7 +344,7 @@ class InternodeEngine(Engine):
 # The shapes the GPU tests and `bench --mode internode` compile (precompiled with the nvshmem backend by
 # `python -m deepep_portable precompile --nvshmem`, so the tests do not spend their time in nvcc): dispatch
 # (payload bytes, scale words, top-k; top-k 0 is also the cached dispatch) and combine (hidden, top-k).
-# The elastic suite's logical nodes (tests/mpi/test_elastic_mpi.py: hidden 256, top-4) are the entries with top-k 4.
+# (512, 0, 4), (256, 2, 4) and (256, 4): the elastic suite's logical nodes (tests/mpi/test_elastic_mpi.py: hidden 256, top-4).
 PRECOMPILE_DISPATCH = [(7168 * 2, 0, 8), (7168, 56, 8), (7168 * 2, 0, 0), (7168, 56, 0), (512, 0, 3), (512, 0, 0),
                        (256, 2, 3), (256, 2, 0), (4096, 0, 4), (4096, 0, 0), (512, 0, 4), (256, 2, 4)]
 PRECOMPILE_COMBINE = [(7168, 8), (7168, 0), (256, 3), (256, 0), (2048, 4), (256, 4)]
