@@ -19,7 +19,8 @@ from . import _validate as check
 from .comm import Comm
 from .config import DEFAULT_NUM_SMS, Config
 from .errors import CommError
-from .event import EventOverlap
+from .event import EventOverlap as V1EventOverlap   # the base class: a previous_event of either kind is accepted
+from .utils.event import EventOverlap               # what ops return: V2's (V1's with V2's additions), as DeepEP V2
 from .failures import collective_op
 from .handles import DispatchHandle, InternodeHandle, LowLatencyHandle
 from .contract import (BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, LowLatencyCombineArgs,
@@ -324,7 +325,7 @@ class Buffer:
         caching allocator across streams when the caller does not wait (async_finish)."""
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True")
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        if previous_event is not None and not isinstance(previous_event, V1EventOverlap):
             raise TypeError("previous_event must be an EventOverlap (e.g. from Buffer.capture())")
         if self._comm_stream is None:
             yield

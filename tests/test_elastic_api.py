@@ -282,6 +282,46 @@ def test_event_overlap_v2_additions():
         assert EventHandle().event is not None
 
 
+def test_v1_ops_return_v2_event_overlaps_and_accept_either(one_rank_group):
+    """As in DeepEP V2, V1's Buffer returns V2's EventOverlap (a V1 EventOverlap with V2's additions), so a caller
+    that checks the type against either class, or registers a hook, works with V1 ops too; a V1 EventOverlap
+    made by hand is still a previous_event."""
+    import deepep_portable
+
+    event = deepep_portable.Buffer.capture()
+    assert type(event) is EventOverlap and isinstance(event, BufferEventOverlap)
+    assert deepep_portable.EventOverlap is EventOverlap and deepep_portable.EventHandle is EventHandle
+    ran = []
+    event.register_hook_after_wait(lambda: ran.append(1))
+    event.current_stream_wait()
+    assert ran == [1]
+    v1 = deepep_portable.Buffer(one_rank_group, 1 << 20, 0, transport="reference", explicitly_destroy=True)
+    try:
+        _, idx, _ = inputs()
+        for previous in (BufferEventOverlap(None), deepep_portable.Buffer.capture()):
+            *_, done = v1.get_dispatch_layout(idx, EXPERTS, previous_event=previous, async_finish=True)
+            assert type(done) is EventOverlap
+        with pytest.raises(TypeError, match="previous_event"):
+            v1.get_dispatch_layout(idx, EXPERTS, previous_event=object(), async_finish=True)
+    finally:
+        v1.destroy()
+
+
+def test_top_level_names_are_deepep_v2s():
+    """DeepEP V2's deep_ep/__init__.py names, all at deepep_portable's top level (`import deepep_portable as
+    deep_ep`), the same objects as in their modules."""
+    import deepep_portable
+    from deepep_portable.buffers import elastic
+
+    v2_top_level = ["Buffer", "ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "get_physical_domain_size",
+                    "get_logical_domain_size", "Config", "topk_idx_t", "__version__"]
+    missing = [n for n in v2_top_level if not hasattr(deepep_portable, n)]
+    assert not missing, f"not at the top level: {missing}"
+    assert deepep_portable.get_logical_domain_size is elastic.get_logical_domain_size
+    assert deepep_portable.get_physical_domain_size is elastic.get_physical_domain_size
+    assert set(v2_top_level) - {"__version__"} <= set(deepep_portable.__all__)
+
+
 # ---- import deep_ep ----------------------------------------------------------------------------------
 def _python(*snippets: str) -> subprocess.CompletedProcess:
     """Run the snippets, one after the other, in a fresh interpreter that sees this checkout."""
