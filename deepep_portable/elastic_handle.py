@@ -105,7 +105,7 @@ def build_handle(buffer_handle, recv_topk_idx: torch.Tensor, topk_idx: torch.Ten
                  num_scaleup_ranks: int, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
                  num_sms: int, do_expand: bool, num_expanded_tokens: int,
                  num_recv_tokens_per_expert_list: List[int], keep_topk_idx: torch.Tensor,
-                 kernel: Optional[Callable[..., tuple]] = None) -> EPHandle:
+                 kernel: Optional[Callable[..., "HandleFields"]] = None) -> EPHandle:
     """V2's handle of a V1 dispatch (`buffer_handle`, with its received top-k `recv_topk_idx`, local expert
     ids or -1). Device work only: no host sync. `kernel`: engines.handle_kernel.handle_fields, which the caller
     (above the engines) passes for CUDA tensors: the plain layout's fields then take one launch (the torch of
@@ -116,7 +116,7 @@ def build_handle(buffer_handle, recv_topk_idx: torch.Tensor, topk_idx: torch.Ten
     kwargs = dict(rank=rank, num_scaleup_ranks=num_scaleup_ranks, num_local_experts=num_local_experts,
                   num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment)
     if kernel is not None and recv_topk_idx.is_cuda and not do_expand:
-        f = HandleFields(*kernel(*args, **kwargs))
+        f = kernel(*args, **kwargs)
     else:
         f = handle_fields_torch(*args, **kwargs, do_expand=do_expand)
     return EPHandle(do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms, keep_topk_idx,

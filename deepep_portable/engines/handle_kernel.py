@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from typing import Tuple
-
 import torch
 
 from .. import jit
 from ..device import device_index
+from ..elastic_handle import HandleFields
 from .launch import current_stream_handle
-
-Fields = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]   # HandleFields' order
 
 SOURCE = "common/kernels/elastic_handle.cu"
 KERNEL = jit.kernel_symbol("deepep_portable::handle::elastic_handle", "HandleParams")
@@ -98,9 +95,9 @@ def _kernel(dev: int):
 
 def handle_fields(rank_prefix_matrix: torch.Tensor, recv_src_idx: torch.Tensor, recv_topk_idx: torch.Tensor,
                   send_rows: torch.Tensor, topk_idx: torch.Tensor, *, rank: int, num_scaleup_ranks: int,
-                  num_local_experts: int, num_max_tokens_per_rank: int, expert_alignment: int) -> Fields:
-    """handle_fields_torch's result for do_expand=False (its HandleFields, in order, as a tuple), on the current
-    stream (inputs as the V1 handle holds them; the prefix matrix, source indices and send rows taken as int32)."""
+                  num_local_experts: int, num_max_tokens_per_rank: int, expert_alignment: int) -> HandleFields:
+    """handle_fields_torch's result for do_expand=False, on the current stream (inputs as the V1 handle holds them;
+    the prefix matrix, source indices and send rows taken as int32)."""
     device = recv_topk_idx.device
     dev = device_index(recv_topk_idx)
     num_ranks = rank_prefix_matrix.size(0)
@@ -131,7 +128,7 @@ def handle_fields(rank_prefix_matrix: torch.Tensor, recv_src_idx: torch.Tensor, 
     _kernel(dev).launch(blocks, THREADS, shared, current_stream_handle(dev), params)
     counts, psum_expert, psum_scaleup, _ = torch.split_with_sizes(
         small, (num_local_experts, num_local_experts, num_scaleup_ranks, 1))
-    return metadata, dst_slot, counts, psum_expert, psum_scaleup
+    return HandleFields(metadata, dst_slot, counts, psum_expert, psum_scaleup)
 
 
 # What `python -m deepep_portable precompile` and CI compile of this kernel.

@@ -358,13 +358,13 @@ def local_findings(facts: Mapping, one_machine: bool = False) -> List[Finding]:
            for e in facts.get("errors", [])]
     out += backend_findings("rank", facts, {})
     nics = machine.get("nics") or []
+    no_nic = (f"no RDMA NIC ({machine.get('infiniband', '/sys/class/infiniband')} "
+              + ("is empty)" if machine.get("infiniband_exists") else "does not exist)"))
     if not nics and one_machine:
-        out.append(Finding(NOTE, "RDMA", f"no RDMA NIC ({machine.get('infiniband', '/sys/class/infiniband')} "
-                           + ("is empty)" if machine.get("infiniband_exists") else "does not exist)")
-                           + ": every rank is on this machine, so none is needed; ranks on separate hosts need one"))
+        out.append(Finding(NOTE, "RDMA", no_nic + ": every rank is on this machine, so none is needed; ranks on "
+                           "separate hosts need one"))
     elif not nics:
-        out.append(Finding(FAIL, "RDMA", f"no RDMA NIC ({machine.get('infiniband', '/sys/class/infiniband')} "
-                           + ("is empty)" if machine.get("infiniband_exists") else "does not exist)"),
+        out.append(Finding(FAIL, "RDMA", no_nic,
                            "install the NIC driver and rdma-core (mlx5_core, ib_uverbs); in a container mount "
                            "/sys/class/infiniband and pass --device=/dev/infiniband. Without a NIC, ranks on different "
                            "hosts can use only the reference transport (TCP)"))
@@ -616,8 +616,9 @@ def format_report(everyone: Sequence[Mapping], nodes: List[List[int]], separate_
 
     section("Findings")
     grouped: Dict[Finding, List[int]] = {}
+    one_machine = len({e["node"] for e in everyone}) == 1   # by node identity: hostnames can repeat across hosts
     for r, e in enumerate(everyone):
-        for f in local_findings(e, one_machine=len({r['node'] for r in everyone}) == 1):   # hostnames can repeat
+        for f in local_findings(e, one_machine=one_machine):
             grouped.setdefault(f, []).append(r)
     counts = {FAIL: 0, WARN: 0, NOTE: 0, OK: 0}
     for f in cross_rank_findings(everyone):
