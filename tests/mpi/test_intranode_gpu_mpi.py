@@ -129,19 +129,28 @@ class GpuChecker(Checker):
 
     def agree(self, ok: bool) -> bool:
         """True on every rank iff `ok` on every rank (a collective: call it on all ranks)."""
-        _, num_ranks = world(self.pg)
-        flags: list = [None] * num_ranks
-        dist.all_gather_object(flags, bool(ok), group=self.pg)
-        return all(flags)
+        return all(self._gather("agree", bool(ok)))
 
     def done(self) -> None:
-        _, num_ranks = world(self.pg)
-        found: list = [None] * num_ranks
-        dist.all_gather_object(found, (self.errors, self.raised), group=self.pg)
+        found = self._gather("done", (self.errors, self.raised))
         if any(raised for _, raised in found):
             _SHARED.broken = True
         report = [f"rank {r}: {e}" for r, (errs, _) in enumerate(found) for e in errs]
         assert not report, "\n".join(report[:40])
+
+    def _gather(self, tag: str, value) -> list:
+        """Every rank's `value`, gathered under `tag`. A rank that is in another collective (an agree() where this
+        rank is in done(), or a library call whose collectives one rank left early by raising) answers under
+        another tag or none: the ranks' checks diverged, and what each rank recorded so far says why."""
+        rank, num_ranks = world(self.pg)
+        found: list = [None] * num_ranks
+        dist.all_gather_object(found, (tag, value), group=self.pg)
+        apart = [r for r, f in enumerate(found) if not (isinstance(f, tuple) and len(f) == 2 and f[0] == tag)]
+        if apart:
+            _SHARED.broken = True
+            raise AssertionError(f"rank {rank} in {tag}(): ranks {apart} were in another collective (the ranks' "
+                                 f"checks diverged); this rank recorded: {self.errors[:10] or 'nothing'}")
+        return [f[1] for f in found]
 
 
 # ---- fixtures ----------------------------------------------------------------------------------------
