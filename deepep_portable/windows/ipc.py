@@ -112,18 +112,29 @@ class IpcWindow(Window):
         self.dev = device_index(ctx.device)
         self.shareable = shareable
         self.legacy_switch = legacy_switch
-        fd = -1
-        if shareable:
-            self.base, self.size, fd = _C.vmm_alloc_shareable(self.dev, nbytes)
-        else:
-            self.base, self.size = _C.mem_alloc(self.dev, nbytes), nbytes
+        fd, self.base, self.size, handle, problem = -1, 0, 0, None, None
         try:
-            _C.memset_d8_async(self.dev, self.base, 0, zero_bytes, 0)
-            _C.stream_synchronize(self.dev, 0)
-            handle = None if shareable else _C.ipc_get_mem_handle(self.dev, self.base)
+            # A failure here (out of memory, most often) is told to the peers in the first exchange below rather
+            # than raised at once: they would wait in that exchange for this rank for good.
+            try:
+                if shareable:
+                    self.base, self.size, fd = _C.vmm_alloc_shareable(self.dev, nbytes)
+                else:
+                    self.base, self.size = _C.mem_alloc(self.dev, nbytes), nbytes
+                _C.memset_d8_async(self.dev, self.base, 0, zero_bytes, 0)
+                _C.stream_synchronize(self.dev, 0)
+                handle = None if shareable else _C.ipc_get_mem_handle(self.dev, self.base)
+            except Exception as e:   # noqa: BLE001 - raised on every rank after the exchange
+                problem = f"rank {ctx.rank}: {type(e).__name__}: {e}"
             me = dict(host=node_identity(), pid=os.getpid(), nonce=os.urandom(16).hex(), nbytes=nbytes,
-                      shareable=shareable, uuid=device_uuid(self.dev), handle=handle)
+                      shareable=shareable, uuid=device_uuid(self.dev), handle=handle, problem=problem)
             peers = ctx.comm.allgather_object(me)
+            problems = [p.get("problem") for p in peers if p.get("problem")]
+            if problems:
+                if self.base:
+                    self._free_own()
+                raise RuntimeError(f"allocating the window of {nbytes} bytes ({size_name}) failed: "
+                                   + "; ".join(problems))
             hosts = {p["host"] for p in peers}
             if len(hosts) != 1:
                 self._free_own()

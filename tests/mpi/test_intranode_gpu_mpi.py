@@ -129,16 +129,16 @@ class GpuChecker(Checker):
 
     def agree(self, ok: bool) -> bool:
         """True on every rank iff `ok` on every rank (a collective: call it on all ranks)."""
-        return all(self._gather("agree", bool(ok)))
+        return all(self.gather("agree", bool(ok)))
 
     def done(self) -> None:
-        found = self._gather("done", (self.errors, self.raised))
+        found = self.gather("done", (self.errors, self.raised))
         if any(raised for _, raised in found):
             _SHARED.broken = True
         report = [f"rank {r}: {e}" for r, (errs, _) in enumerate(found) for e in errs]
         assert not report, "\n".join(report[:40])
 
-    def _gather(self, tag: str, value) -> list:
+    def gather(self, tag: str, value) -> list:
         """Every rank's `value`, gathered under `tag`. A rank that is in another collective (an agree() where this
         rank is in done(), or a library call whose collectives one rank left early by raising) answers under
         another tag or none: the ranks' checks diverged, and what each rank recorded so far says why."""

