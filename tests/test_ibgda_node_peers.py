@@ -41,8 +41,8 @@ class FileNodeMemory:
 
     name = "file mappings (tests)"
 
-    def __init__(self, directory: str, fail_open: bool = False) -> None:
-        self.dir, self.fail_open = directory, fail_open
+    def __init__(self, directory: str, fail_open: bool = False, fail_alloc: bool = False) -> None:
+        self.dir, self.fail_open, self.fail_alloc = directory, fail_open, fail_alloc
         self.maps = {}     # address handed out -> mmap
         self.calls = []
 
@@ -56,6 +56,8 @@ class FileNodeMemory:
         return m, ctypes.addressof(ctypes.c_char.from_buffer(m))
 
     def alloc(self, nbytes: int, align: int):
+        if self.fail_alloc:
+            raise RuntimeError("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (played)")
         path = os.path.join(self.dir, f"window{next(_files)}")
         with open(path, "wb") as f:
             f.truncate(nbytes + align)
@@ -288,6 +290,24 @@ def test_ranks_that_disagree_on_the_option_raise_together(tmp_path):
     for e in raised:
         assert isinstance(e, ValueError) and "allow_nvlink_for_low_latency_mode must be the same" in str(e), e
         assert "rank 0: True, rank 1: False" in str(e)
+    assert all(g.live == [] for g in glues) and all(m.maps == {} for m in memories)
+
+
+def test_a_window_that_one_rank_cannot_allocate(tmp_path):
+    """Rank 2 runs out of memory making its window: it still takes part in the exchange, and every rank raises
+    naming it (none waits for it), having released its own window and queues."""
+    memories = [FileNodeMemory(str(tmp_path), fail_alloc=(r == 2)) for r in range(R)]
+    glues = [None] * R
+
+    def rank_body(r, comm):
+        ctx = _ctx(r, comm)
+        glues[r], prov = _provider(ctx, memories[r])
+        IbgdaWindow(ctx, 1 << 16, channels=1, depth=64, provider=prov)
+
+    _, raised = _run(rank_body)
+    for e in raised:
+        assert isinstance(e, RuntimeError) and "making the window of 65536 bytes (num_rdma_bytes)" in str(e), e
+        assert "rank 2: RuntimeError: cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY" in str(e)
     assert all(g.live == [] for g in glues) and all(m.maps == {} for m in memories)
 
 

@@ -79,15 +79,27 @@ class IbgdaWindow(Window):
         self.load_store = set(self.node) if (maps and nvlink) else set()
         try:
             self.scratch_offset = (nbytes + PAGE - 1) // PAGE * PAGE
-            self.mem = self.provider.alloc_window(self.scratch_offset + 8 * SCRATCH_WORDS)
             self.size = nbytes
-            self.queues = [[] if p in self.load_store else
-                           [self.provider.create_queue(p, ch, depth) for ch in range(self.channels)] for p in range(R)]
-            mine = (self.mem.base, self.mem.rkey, self.mem.public, [[q.qpn for q in row] for row in self.queues],
-                    (nvlink, maps))
+            # A failure here (out of memory, a queue the NIC refused) is told to the peers in the exchange below
+            # rather than raised at once: they would wait in it for this rank for good.
+            problem = None
+            try:
+                self.mem = self.provider.alloc_window(self.scratch_offset + 8 * SCRATCH_WORDS)
+                self.queues = [[] if p in self.load_store else
+                               [self.provider.create_queue(p, ch, depth) for ch in range(self.channels)]
+                               for p in range(R)]
+                mine = (self.mem.base, self.mem.rkey, self.mem.public, [[q.qpn for q in row] for row in self.queues],
+                        (nvlink, maps), None)
+            except Exception as e:   # noqa: BLE001 - raised on every rank after the exchange
+                problem = f"rank {me}: {type(e).__name__}: {e}"
+                mine = (0, 0, None, [], (nvlink, maps), problem)
             everyone = ctx.comm.allgather_object(mine)
+            problems = [e[5] for e in everyone if e[5]]
+            if problems:
+                raise RuntimeError(f"ibgda: making the window of {nbytes} bytes (num_rdma_bytes) and its queues "
+                                   "failed: " + "; ".join(problems))
             _check_queue_pairs(everyone)   # the same verdict on every rank
-            self.peers: List[PeerInfo] = [PeerInfo(r, b, k, pub, qpns[me]) for r, (b, k, pub, qpns, _) in
+            self.peers: List[PeerInfo] = [PeerInfo(r, b, k, pub, qpns[me]) for r, (b, k, pub, qpns, _, _) in
                                           enumerate(everyone)]
             self.provider.connect(self.mem, self.queues, self.peers)
             self.endpoint_structs = (EndpointParams * (R * self.channels))()
