@@ -81,9 +81,19 @@ class NcclGinWindow(Window):
         try:
             self.scratch_offset = (nbytes + ALIGN - 1) // ALIGN * ALIGN
             total = (self.scratch_offset + 8 * SCRATCH_WORDS + ALIGN - 1) // ALIGN * ALIGN
-            _check(host, lib.dgin_mem_alloc(ctypes.byref(self._mem), total), "ncclMemAlloc")
-            _C.memset_d8_async(self.dev, self._mem.value, 0, total, 0)
-            _C.stream_synchronize(self.dev, 0)
+            # A failed allocation (out of memory, most often) is told to the peers before the registration, a
+            # collective of NCCL's in which they would otherwise wait for this rank for good.
+            problem = None
+            try:
+                _check(host, lib.dgin_mem_alloc(ctypes.byref(self._mem), total), "ncclMemAlloc")
+                _C.memset_d8_async(self.dev, self._mem.value, 0, total, 0)
+                _C.stream_synchronize(self.dev, 0)
+            except Exception as e:   # noqa: BLE001 - raised on every rank below
+                problem = f"rank {ctx.rank}: {type(e).__name__}: {e}"
+            problems = [p for p in ctx.comm.allgather_object(problem) if p]
+            if problems:
+                raise RuntimeError(f"nccl_gin: allocating the window of {total} bytes (num_rdma_bytes) failed: "
+                                   + "; ".join(problems))
             flags = WIN_STRICT_ORDERING if self.gin else 0
             _check(host, lib.dgin_window_register(self.comm, self._mem, total, flags,
                                                   ctypes.byref(self._win)), "ncclCommWindowRegister", self.comm)
