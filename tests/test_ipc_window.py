@@ -116,7 +116,7 @@ def test_refuses_mixed_groups_and_frees_its_window(fake, bad, match):
     assert len(fake.freed) == 1 and not fake.opened
 
 
-@pytest.mark.parametrize("failing", ["me", "peer"])
+@pytest.mark.parametrize("failing", ["me", "my handle", "peer"])
 def test_a_failed_allocation_is_told_to_every_rank(fake, monkeypatch, failing):
     """A rank whose allocation fails (out of memory) still takes part in the first exchange and says why; every
     rank then raises naming it, and frees what it allocated (no rank waits in an exchange the other left)."""
@@ -126,6 +126,10 @@ def test_a_failed_allocation_is_told_to_every_rank(fake, monkeypatch, failing):
         def no_memory(dev, n):
             raise RuntimeError("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)")
         monkeypatch.setattr(fake, "mem_alloc", no_memory)
+    elif failing == "my handle":   # allocated, then a later step fails: the allocation is freed
+        def no_handle(dev, ptr):
+            raise RuntimeError("cuIpcGetMemHandle failed: CUDA_ERROR_OUT_OF_MEMORY (played)")
+        monkeypatch.setattr(fake, "ipc_get_mem_handle", no_handle)
     else:
         other = dict(other, handle=None, problem="rank 1: RuntimeError: cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY")
     comm = FakeComm(0, [None, other])
@@ -135,7 +139,7 @@ def test_a_failed_allocation_is_told_to_every_rank(fake, monkeypatch, failing):
     with pytest.raises(RuntimeError, match=r"rank [01]: RuntimeError: cu\w+ failed: CUDA_ERROR_OUT_OF_MEMORY") as info:
         ipc.IpcWindow(ctx_for(comm, 0, 2), 4096, 256, "num_nvl_bytes")
     assert "num_nvl_bytes" in str(info.value) and len(sent) == 1
-    assert (sent[0]["problem"] is not None) == (failing == "me")
+    assert (sent[0]["problem"] is not None) == (failing != "peer")
     assert fake.freed == ([] if failing == "me" else list(fake.allocs)) and not fake.opened
 
 

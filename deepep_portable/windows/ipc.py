@@ -124,10 +124,11 @@ class IpcWindow(Window):
                 _C.memset_d8_async(self.dev, self.base, 0, zero_bytes, 0)
                 _C.stream_synchronize(self.dev, 0)
                 handle = None if shareable else _C.ipc_get_mem_handle(self.dev, self.base)
+                host, uuid = node_identity(), device_uuid(self.dev)
             except Exception as e:   # noqa: BLE001 - raised on every rank after the exchange
-                problem = f"rank {ctx.rank}: {type(e).__name__}: {e}"
-            me = dict(host=node_identity(), pid=os.getpid(), nonce=os.urandom(16).hex(), nbytes=nbytes,
-                      shareable=shareable, uuid=device_uuid(self.dev), handle=handle, problem=problem)
+                problem, host, uuid = f"rank {ctx.rank}: {type(e).__name__}: {e}", None, None
+            me = dict(host=host, pid=os.getpid(), nonce=os.urandom(16).hex(), nbytes=nbytes,
+                      shareable=shareable, uuid=uuid, handle=handle, problem=problem)
             peers = ctx.comm.allgather_object(me)
             problems = [p.get("problem") for p in peers if p.get("problem")]
             if problems:

@@ -691,6 +691,9 @@ def test_combine_whose_outputs_cannot_be_allocated_serves_its_peers(nvl, pg, dev
     ck.done()
 
 
+CONFIG_SMS = 8   # test_eager_combine_matches_the_full_path's Config
+
+
 def test_eager_combine_matches_the_full_path(nvl, pg, device, request, base_seed):
     """The common combine call (nothing to overlap, no bias, x outside the Buffer) takes the eager path
     (IntranodeEngine.combine_eager), with and without top-k weights and with a Config; the same inputs through the full
@@ -706,10 +709,14 @@ def test_eager_combine_matches_the_full_path(nvl, pg, device, request, base_seed
         before = engine.eager_combines
         eager = nvl.combine(recv_x, handle, recv_w)[:2]
         eager_no_w = nvl.combine(recv_x, handle)[0]
-        eager_cfg = nvl.combine(recv_x, handle, recv_w, config=deep_ep.Config(24))[:2]
+        # A budget whose grid is not the default combine's (Buffer.num_sms: 16 or 20 blocks when 8 or 4 ranks share
+        # 132 SMs), and no plan of that grid left from earlier tests: the Config's plan must come from this call.
+        # Plans are keyed (hidden, topk, grid, arch).
+        for key in [k for k in engine._eager_plans if k[2] == engine.grid(CONFIG_SMS)]:
+            del engine._eager_plans[key]
+        eager_cfg = nvl.combine(recv_x, handle, recv_w, config=deep_ep.Config(CONFIG_SMS))[:2]
         taken = engine.eager_combines - before
-        # (hidden, topk, grid, arch): Config(24)'s grid, capped when the GPU's SMs are shared (8 ranks on 132 SMs: 16)
-        config_grid = any(key[2] == engine.grid(24) for key in engine._eager_plans)
+        config_grid = any(key[2] == engine.grid(CONFIG_SMS) for key in engine._eager_plans)
         full_x, full_w, event = nvl.combine(recv_x, handle, recv_w, async_finish=True)
         event.current_stream_wait()
         torch.cuda.synchronize()
@@ -719,7 +726,8 @@ def test_eager_combine_matches_the_full_path(nvl, pg, device, request, base_seed
     if out is not None:
         eager, eager_no_w, eager_cfg, full, taken, after, config_grid = out
         ck.true(taken == 3 and after == 3, f"three eager combines then a full one: {taken} then {after} eager")
-        ck.true(config_grid, f"the combine with Config(24) must take its plan for {engine.grid(24)} blocks")
+        ck.true(config_grid, f"the combine with Config({CONFIG_SMS}) must take its plan for {engine.grid(CONFIG_SMS)} "
+                             f"blocks")
         for what, got in (("eager", eager), ("eager with a Config", eager_cfg)):
             ck.bits(got[0], full[0], f"{what} combined x vs the full path")
             ck.bits(got[1], full[1], f"{what} combined top-k weights vs the full path")

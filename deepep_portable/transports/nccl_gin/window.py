@@ -92,7 +92,7 @@ class NcclGinWindow(Window):
                 problem = f"rank {ctx.rank}: {type(e).__name__}: {e}"
             problems = [p for p in ctx.comm.allgather_object(problem) if p]
             if problems:
-                raise RuntimeError(f"nccl_gin: allocating the window of {total} bytes (num_rdma_bytes) failed: "
+                raise RuntimeError(f"nccl_gin: allocating the window of {nbytes} bytes (num_rdma_bytes) failed: "
                                    + "; ".join(problems))
             flags = WIN_STRICT_ORDERING if self.gin else 0
             _check(host, lib.dgin_window_register(self.comm, self._mem, total, flags,
