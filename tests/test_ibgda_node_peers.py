@@ -311,6 +311,34 @@ def test_a_window_that_one_rank_cannot_allocate(tmp_path):
     assert all(g.live == [] for g in glues) and all(m.maps == {} for m in memories)
 
 
+@pytest.mark.parametrize("failing", [(2,), tuple(range(R))])
+def test_a_provider_that_cannot_be_made(tmp_path, monkeypatch, failing):
+    """The NIC cannot be opened on some ranks (a host's NIC down): they still take part in the exchange and every
+    rank raises naming them; when no rank has one, each raises its own error, as the provider gave it."""
+    from deepep_portable.transports.ibgda import window as ibgda_window
+
+    def no_nic(ctx):
+        raise ValueError("ibgda: no mlx5 device here (played)")
+    monkeypatch.setattr(ibgda_window, "_make_provider", no_nic)
+    memories = [FileNodeMemory(str(tmp_path)) for _ in range(R)]
+    glues = [None] * R
+
+    def rank_body(r, comm):
+        ctx = _ctx(r, comm)
+        prov = None
+        if r not in failing:
+            glues[r], prov = _provider(ctx, memories[r])
+        IbgdaWindow(ctx, 1 << 16, channels=1, depth=64, provider=prov)
+
+    _, raised = _run(rank_body)
+    for e in raised:
+        if len(failing) == R:
+            assert isinstance(e, ValueError) and str(e) == "ibgda: no mlx5 device here (played)", e
+        else:
+            assert isinstance(e, RuntimeError) and "rank 2: ValueError: ibgda: no mlx5 device here" in str(e), e
+    assert all(g is None or g.live == [] for g in glues) and all(m.maps == {} for m in memories)
+
+
 def test_a_mapping_that_fails(tmp_path):
     """A node peer's window that cannot be mapped: with the option on (no queue to it) every rank raises with the
     reason; with it off, the low-latency window goes through the NIC and no rank offers its node by load/store, so

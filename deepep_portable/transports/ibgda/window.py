@@ -68,22 +68,27 @@ class IbgdaWindow(Window):
         self.ctx, self.channels, self.depth = ctx, max(1, int(channels)), depth
         self.cuda = ctx.device.type == "cuda"
         self.dev = device_index(ctx.device) if self.cuda else -1
-        self.base = None
-        self.provider = provider if provider is not None else _make_provider(ctx)
+        self.base, provider_error = None, None
+        try:
+            self.provider = provider if provider is not None else _make_provider(ctx)
+        except Exception as e:   # noqa: BLE001 - told to the peers in the exchange below (e.g. one host's NIC down)
+            self.provider, provider_error = None, e
         R, me = ctx.num_ranks, ctx.rank
         P = ctx.ranks_per_node or R
         self.node = [r for r in range(R) if r // P == me // P]   # my node's ranks, me included
         nvlink = bool(ctx.options.get("allow_nvlink_for_low_latency_mode", True))
-        maps = bool(self.provider.maps_node_peers)
+        maps = self.provider is not None and bool(self.provider.maps_node_peers)
         # Ranks the kernels over transport_params() reach by load/store: no queue is made to them.
         self.load_store = set(self.node) if (maps and nvlink) else set()
         try:
             self.scratch_offset = (nbytes + PAGE - 1) // PAGE * PAGE
             self.size = nbytes
-            # A failure here (out of memory, a queue the NIC refused) is told to the peers in the exchange below
-            # rather than raised at once: they would wait in it for this rank for good.
+            # A failure here (no NIC, out of memory, a queue the NIC refused) is told to the peers in the exchange
+            # below rather than raised at once: they would wait in it for this rank for good.
             problem = None
             try:
+                if provider_error is not None:
+                    raise provider_error
                 self.mem = self.provider.alloc_window(self.scratch_offset + 8 * SCRATCH_WORDS)
                 self.queues = [[] if p in self.load_store else
                                [self.provider.create_queue(p, ch, depth) for ch in range(self.channels)]
@@ -96,6 +101,8 @@ class IbgdaWindow(Window):
             everyone = ctx.comm.allgather_object(mine)
             problems = [e[5] for e in everyone if e[5]]
             if problems:
+                if provider_error is not None and len(problems) == R:
+                    raise provider_error   # every rank alike (no NIC here, a bad option): its own error
                 raise RuntimeError(f"ibgda: making the window of {nbytes} bytes (num_rdma_bytes) and its queues "
                                    "failed: " + "; ".join(problems))
             _check_queue_pairs(everyone)   # the same verdict on every rank
@@ -142,7 +149,8 @@ class IbgdaWindow(Window):
             self.base = self.mem.base
             ctx.comm.barrier()   # every rank's queues are connected before anyone posts
         except BaseException:
-            self.provider.close()
+            if self.provider is not None:
+                self.provider.close()
             raise
 
     node_problem = ""   # why the node's windows are not offered by load/store (a mapping failed somewhere)
