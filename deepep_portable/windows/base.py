@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from .. import jit
 from ..device import sm_count
@@ -68,6 +68,18 @@ class KernelBuild:
 # every op). Weak: a Buffer dropped without destroy() stops counting.
 _live_windows: Dict[int, Dict[int, tuple]] = {}
 _live_counts: Dict[int, int] = {}
+
+
+def rank_problem(rank: int, exc: BaseException) -> str:
+    """A rank's failure while its window is made, as it travels in the window's exchange: every rank then raises
+    with all of them, so no peer waits in a later collective for a rank that left."""
+    return f"rank {rank}: {type(exc).__name__}: {exc}"
+
+
+def agreed_problems(comm, problem: Optional[str]) -> List[str]:
+    """Collective over `comm`: every rank's problem (rank_problem), or None where all went well, the Nones left
+    out; the same list on every rank."""
+    return [p for p in comm.allgather_object(problem) if p]
 
 
 def _recount(dev: int) -> None:

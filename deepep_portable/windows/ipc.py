@@ -24,7 +24,7 @@ import torch
 from ..contract import BufferContext
 from ..device import device_index, device_uuid
 from ..topology import node_identity
-from .base import ERROR_WORDS, MappedWords, Window
+from .base import ERROR_WORDS, MappedWords, Window, agreed_problems, rank_problem
 
 
 def exchange_fds(comm, rank: int, num_ranks: int, fd: int, tag: str, timeout_s: float) -> List[Optional[int]]:
@@ -126,7 +126,7 @@ class IpcWindow(Window):
                 handle = None if shareable else _C.ipc_get_mem_handle(self.dev, self.base)
                 host, uuid = node_identity(), device_uuid(self.dev)
             except Exception as e:   # noqa: BLE001 - raised on every rank after the exchange
-                problem, host, uuid = f"rank {ctx.rank}: {type(e).__name__}: {e}", None, None
+                problem, host, uuid = rank_problem(ctx.rank, e), None, None
             me = dict(host=host, pid=os.getpid(), nonce=os.urandom(16).hex(), nbytes=nbytes,
                       shareable=shareable, uuid=uuid, handle=handle, problem=problem)
             peers = ctx.comm.allgather_object(me)
@@ -188,12 +188,12 @@ class IpcWindow(Window):
                     bases[r] = _C.vmm_import(self.dev, fds[r], self.size)
                     self._opened.append(bases[r])
         except Exception as e:   # noqa: BLE001 - reported on every rank below
-            problem = f"rank {ctx.rank}: {type(e).__name__}: {e}"
+            problem = rank_problem(ctx.rank, e)
         finally:
             for got in fds:
                 if got is not None:
                     os.close(got)
-        problems = [p for p in ctx.comm.allgather_object(problem) if p]
+        problems = agreed_problems(ctx.comm, problem)
         if problems:
             for b in self._opened:
                 _C.vmm_free(self.dev, b, self.size)

@@ -27,7 +27,7 @@ import torch
 
 from ...contract import BufferContext
 from ...device import device_index, device_uuid
-from ...windows.base import ERROR_WORDS, MappedWords, Window
+from ...windows.base import ERROR_WORDS, MappedWords, Window, rank_problem
 from .abi import IBGDA_BUILD, SCRATCH_WORDS, EndpointParams, IbgdaTransportParams
 from .devx import DevxProvider
 from .provider import NicProvider, PeerInfo, installed
@@ -96,7 +96,7 @@ class IbgdaWindow(Window):
                 mine = (self.mem.base, self.mem.rkey, self.mem.public, [[q.qpn for q in row] for row in self.queues],
                         (nvlink, maps), None)
             except Exception as e:   # noqa: BLE001 - raised on every rank after the exchange
-                problem = f"rank {me}: {type(e).__name__}: {e}"
+                problem = rank_problem(me, e)
                 mine = (0, 0, None, [], (nvlink, maps), problem)
             everyone = ctx.comm.allgather_object(mine)
             problems = [e[5] for e in everyone if e[5]]

@@ -23,7 +23,7 @@ from ... import jit
 from ...contract import BufferContext
 from ...device import device_index, device_uuid
 from ...engines.peer_bases import peer_bases
-from ...windows.base import ERROR_WORDS, MappedWords, Window
+from ...windows.base import ERROR_WORDS, MappedWords, Window, agreed_problems, rank_problem
 from .. import libraries
 from .abi import NCCL_GIN_BUILD, SCRATCH_WORDS, NcclGinTransportParams, SignalShadowParams, build_flags
 from .host import HostLib, Request
@@ -89,8 +89,8 @@ class NcclGinWindow(Window):
                 _C.memset_d8_async(self.dev, self._mem.value, 0, total, 0)
                 _C.stream_synchronize(self.dev, 0)
             except Exception as e:   # noqa: BLE001 - raised on every rank below
-                problem = f"rank {ctx.rank}: {type(e).__name__}: {e}"
-            problems = [p for p in ctx.comm.allgather_object(problem) if p]
+                problem = rank_problem(ctx.rank, e)
+            problems = agreed_problems(ctx.comm, problem)
             if problems:
                 raise RuntimeError(f"nccl_gin: allocating the window of {nbytes} bytes (num_rdma_bytes) failed: "
                                    + "; ".join(problems))
