@@ -52,11 +52,15 @@ class FakeDriver:
 
 
 class FakeComm:
-    def __init__(self, rank, peers):
+    """`peers`: what each peer sends in the window's first exchange (a dict); `peer_problems`: what each sends in
+    a later agreement (None: all went well there)."""
+
+    def __init__(self, rank, peers, peer_problems=None):
         self.rank, self.peers, self.barriers = rank, peers, 0
+        self.peer_problems = peer_problems or [None] * len(peers)
 
     def allgather_object(self, me):
-        out = list(self.peers)
+        out = list(self.peers if isinstance(me, dict) else self.peer_problems)
         out[self.rank] = me
         return out
 
@@ -96,12 +100,12 @@ def test_maps_every_peer_but_itself_and_caps_the_grid(fake):
     assert w.bases[0] == 0x9000_0000 + 0x2000 and w.bases[3] == 0x9000_0000 + 0x4000
     assert w.peer_bases.tolist() == w.bases
     assert w.max_blocks == 132 // 3 and w.grid(64) == 44 and w.grid(8) == 8 and w.grid(0) == 1
-    assert w.recorded_error() is None and comm.barriers == 1
+    assert w.recorded_error() is None and comm.barriers == 0   # the last agreement was the barrier
     w.errors.words[0], w.errors.words[3] = 1, 2
     assert w.recorded_error()[0] == 1 and w.recorded_error()[3] == 2
-    base = w.base
+    base, opened = w.base, list(w._opened)
     w.close()
-    assert sorted(fake.closed) == sorted(w._opened) and fake.freed == [base] and comm.barriers == 2
+    assert sorted(fake.closed) == sorted(opened) and fake.freed == [base] and comm.barriers == 1
     w.close()   # idempotent
     assert fake.freed == [base]
 
@@ -141,6 +145,37 @@ def test_a_failed_allocation_is_told_to_every_rank(fake, monkeypatch, failing):
     assert "num_nvl_bytes" in str(info.value) and len(sent) == 1
     assert (sent[0]["problem"] is not None) == (failing != "peer")
     assert fake.freed == ([] if failing == "me" else list(fake.allocs)) and not fake.opened
+
+
+@pytest.mark.parametrize("failing", ["me", "peer"])
+def test_a_peer_handle_that_will_not_open_is_told_to_every_rank(fake, monkeypatch, failing):
+    """Legacy CUDA IPC: opening a peer's handle fails on one rank after the first exchange. Every rank takes part
+    in the window's last agreement (its barrier), closes what it opened, frees its window and raises naming that
+    rank, instead of the others waiting at the barrier for a rank that left."""
+    host = node_identity()
+    peers = [None, peer(host, 4096, "GPU-A", 0x2000), peer(host, 4096, "GPU-A", 0x3000)]
+    problems = [None, None, None]
+    if failing == "me":
+        opened = fake.ipc_open_mem_handle
+
+        def refuse_the_last(dev, handle):
+            if handle == peers[2]["handle"]:
+                raise RuntimeError("cuIpcOpenMemHandle failed: CUDA_ERROR_INVALID_VALUE (played)")
+            return opened(dev, handle)
+        monkeypatch.setattr(fake, "ipc_open_mem_handle", refuse_the_last)
+    else:
+        problems[2] = "rank 2: RuntimeError: cuIpcOpenMemHandle failed: CUDA_ERROR_MAP_FAILED (played)"
+    comm = FakeComm(0, peers, problems)
+    sent = []
+    gather = comm.allgather_object
+    comm.allgather_object = lambda me: sent.append(me) or gather(me)
+    with pytest.raises(RuntimeError, match=r"mapping the peers' windows failed: rank [02]: RuntimeError: "
+                                           r"cuIpcOpenMemHandle failed") as info:
+        ipc.IpcWindow(ctx_for(comm, 0, 3), 4096, 256, "num_nvl_bytes")
+    assert ("rank 0:" in str(info.value)) == (failing == "me") and len(sent) == 2
+    assert (sent[1] is not None) == (failing == "me")
+    assert sorted(fake.closed) == sorted(fake.opened) and len(fake.opened) == (1 if failing == "me" else 2)
+    assert fake.freed == list(fake.allocs) and comm.barriers == 0
 
 
 class _ThreadComm:

@@ -154,22 +154,39 @@ class IpcWindow(Window):
                                     else "every rank must ask for the same kind)"))
             self._cap_blocks(me["uuid"], [p["uuid"] for p in peers])
             self._opened: List[int] = []
+            self.errors: Optional[MappedWords] = None
             bases = [self.base if r == ctx.rank else 0 for r in range(len(peers))]
             if shareable:
                 self._map_shared(peers, fd, bases)
-            else:
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        self._finish(peers, bases)
+
+    def _finish(self, peers: list, bases: List[int]) -> None:
+        """The window's last steps (legacy IPC: opening every peer's handle), then the barrier before any kernel
+        runs: every peer has mapped everyone's zeroed window. The barrier is an agreement, so a step that fails
+        on one rank (a peer's handle that will not open, no memory left for the small tensors) is told to every
+        rank, which unmaps and frees its window and raises naming that rank, instead of waiting for it."""
+        from .. import _C
+
+        ctx, problem = self.ctx, None
+        try:
+            if not self.shareable:
                 for r, p in enumerate(peers):
                     if r != ctx.rank:
                         bases[r] = _C.ipc_open_mem_handle(self.dev, p["handle"])
                         self._opened.append(bases[r])
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        self.bases = bases
-        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=ctx.device)
-        self.errors = MappedWords(self.dev, ERROR_WORDS)
-        _synchronize(self.dev)
-        ctx.comm.barrier()   # every peer mapped everyone's zeroed window before any kernel runs
+            self.bases = bases
+            self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=ctx.device)
+            self.errors = MappedWords(self.dev, ERROR_WORDS)
+            _synchronize(self.dev)
+        except Exception as e:   # noqa: BLE001 - raised on every rank below
+            problem = rank_problem(ctx.rank, e)
+        problems = agreed_problems(ctx.comm, problem)
+        if problems:
+            self._release()
+            raise RuntimeError("mapping the peers' windows failed: " + "; ".join(problems))
 
     def _map_shared(self, peers: list, fd: int, bases: List[int]) -> None:
         """Receive every peer's descriptor and map its window (fills `bases`). Collective, and so are its
@@ -214,18 +231,24 @@ class IpcWindow(Window):
 
     def close(self) -> None:
         """Collective: wait until no peer can still touch this window, then unmap and free."""
-        from .. import _C
-
         if self.base is None:
             return
         _synchronize(self.dev)
         try:
             self.ctx.comm.barrier()
         finally:
-            for b in self._opened:
-                if self.shareable:
-                    _C.vmm_free(self.dev, b, self.size)
-                else:
-                    _C.ipc_close_mem_handle(self.dev, b)
-            self._free_own()
+            self._release()
+
+    def _release(self) -> None:
+        """Unmap every peer's window, free my own and the error record."""
+        from .. import _C
+
+        for b in self._opened:
+            if self.shareable:
+                _C.vmm_free(self.dev, b, self.size)
+            else:
+                _C.ipc_close_mem_handle(self.dev, b)
+        self._opened = []
+        self._free_own()
+        if self.errors is not None:
             self.errors.free()
