@@ -25,6 +25,7 @@
 // NUM_SCALES (4-byte scale words, 0 for BF16), NUM_TOPK (0: no top-k, e.g. a cached dispatch).
 #include <cstdint>
 
+#include "common/kernels/block_scan.cuh"
 #include "common/kernels/common.cuh"
 #include "common/kernels/internode/dispatch_params.cuh"
 #include "common/kernels/internode/protocol.cuh"
@@ -120,8 +121,6 @@ DEEPEP_DEVICE void publish_counts(const InternodeDispatchParams& p, uint64_t n) 
 // One column of is_token_in_rank (a rank, col < R) or of its per-node OR (node col - R), scanned by a
 // whole block in token order: positions, and for nodes the running count at each chunk's end.
 DEEPEP_DEVICE void scan_column(const InternodeDispatchParams& p, int col) {
-    __shared__ int warp_total[kWarps];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const bool is_node = col >= kNumRanks;
     const int m = col - kNumRanks;
     int carry = 0;
@@ -136,17 +135,7 @@ DEEPEP_DEVICE void scan_column(const InternodeDispatchParams& p, int col) {
                     sent = p.is_token_in_rank[t * kNumRanks + m * kRanksPerNode + j];
             }
         }
-        const unsigned int ballot = __ballot_sync(0xffffffffu, sent);
-        if (lane == 0)
-            warp_total[warp] = __popc(ballot);
-        __syncthreads();
-        int before = carry, step_total = 0;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-            before += w < warp ? warp_total[w] : 0;
-            step_total += warp_total[w];
-        }
-        const int pos = before + __popc(ballot & ((1u << lane) - 1u));
+        const int pos = block_running_count<kWarps>(sent, carry);
         if (t < p.num_tokens) {
             if (!is_node) {
                 p.send_pos[t * kNumRanks + col] = sent ? pos : -1;
@@ -156,8 +145,6 @@ DEEPEP_DEVICE void scan_column(const InternodeDispatchParams& p, int col) {
                     p.chunk_end[(t / kChunkTokens) * kNumNodes + m] = pos + (sent ? 1 : 0);
             }
         }
-        carry += step_total;
-        __syncthreads();   // warp_total is rewritten by the next step
     }
 }
 

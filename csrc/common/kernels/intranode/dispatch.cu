@@ -21,6 +21,7 @@
 // parameter.
 #include <cstdint>
 
+#include "common/kernels/block_scan.cuh"
 #include "common/kernels/common.cuh"
 #include "common/kernels/intranode/protocol.cuh"
 #include "common/kernels/signal.cuh"
@@ -119,34 +120,20 @@ DEEPEP_DEVICE PeerBuffers bufs_of(const DispatchParams& p) {
 constexpr int kWarps = kThreads / 32;
 
 // Send positions for destination ranks blockIdx.x, blockIdx.x + gridDim.x, ...: the k-th of my tokens
-// (in source order) that goes to rank r gets slot k of my send list to r. A block-wide scan over the
-// mask column, 512 tokens per step (ballot + popc within a warp, warp totals through shared memory).
+// (in source order) that goes to rank r gets slot k of my send list to r (a block-wide scan over the mask
+// column, 512 tokens per step).
 DEEPEP_DEVICE void scan_send_positions(const DispatchParams& p, int* send_list) {
-    __shared__ int warp_total[kWarps];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int r = blockIdx.x; r < kNumRanks; r += gridDim.x) {
         int carry = 0;   // my tokens before this step that go to r
         for (int64_t base = 0; base < p.num_tokens; base += blockDim.x) {
             const int64_t t = base + threadIdx.x;
             const bool sent = t < p.num_tokens && p.is_token_in_rank[t * kNumRanks + r];
-            const unsigned int ballot = __ballot_sync(0xffffffffu, sent);
-            if (lane == 0)
-                warp_total[warp] = __popc(ballot);
-            __syncthreads();
-            int before = carry, step_total = 0;
-#pragma unroll
-            for (int w = 0; w < kWarps; ++w) {
-                before += w < warp ? warp_total[w] : 0;
-                step_total += warp_total[w];
-            }
-            const int pos = before + __popc(ballot & ((1u << lane) - 1u));
+            const int pos = block_running_count<kWarps>(sent, carry);
             if (t < p.num_tokens) {
                 p.send_pos[t * kNumRanks + r] = sent ? pos : -1;
                 if (sent)
                     send_list[r * p.capacity + pos] = static_cast<int>(t);
             }
-            carry += step_total;
-            __syncthreads();   // warp_total is rewritten by the next step
         }
     }
 }
