@@ -539,3 +539,69 @@ def test_a_rank_with_few_tokens_joins_every_round(monkeypatch):
     ps = [engine.dispatch_t.from_buffer_copy(w.log[4 * k][3]) for k in range(3)]
     assert len(w.log) == 12 and [p.num_tokens for p in ps] == [7, 0, 0]
     assert isinstance(res.handle.transport_state, InternodeRounds) and res.recv_x.shape[0] == 120
+
+
+def test_outputs_that_cannot_be_allocated_after_the_launch_fail_this_rank_alone(monkeypatch):
+    """The dispatch allocates its outputs once the receive count is known, after its first three kernels (the last of
+    them ends the op; no peer waits for this rank's pull, which only reads). A failure there (out of memory) is raised
+    as after the launch: failures.py does not refuse the call, the peers' dispatch completes, this Buffer works on.
+    In rounds that holds only for the last round and the call's merge: before them, the peers wait for this rank's
+    later rounds, so the failure is a refusal of the call (the peers hear of it)."""
+    import torch
+
+    from deepep_portable.contract import CachedDispatchArgs
+    from deepep_portable.engines import internode_rounds
+
+    engine, w = _engine(monkeypatch, recv_rows=40)
+    allocate = engine._dispatch_outputs
+    failing = {"at": None, "calls": 0}
+
+    def outputs(*a):
+        failing["calls"] += 1
+        if failing["calls"] == failing["at"]:
+            raise torch.cuda.OutOfMemoryError("forced: no memory for the dispatch's outputs")
+        return allocate(*a)
+    engine._dispatch_outputs = outputs
+
+    def names():
+        return [n.split("internode")[1].split("E")[0] for n, *_ in w.log]
+
+    def dispatch_failing(at, tokens):
+        w.log.clear()
+        failing.update(at=at, calls=0)
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="forced") as info:
+            engine.dispatch(_round_args(tokens, 8, 1024))
+        return getattr(info.value, "after_launch", False)
+
+    # one op: the first three kernels ran, the pull did not; then the next call works
+    assert dispatch_failing(1, 7) is True
+    assert names() == ["13notify_counts", "11send_tokens", "16forward_arrivals"]
+    failing["at"] = None
+    w.log.clear()
+    res = engine.dispatch(_round_args(7, 8, 1024))
+    assert len(w.log) == 4 and res.recv_x.shape[0] == 40
+
+    # three rounds: the first or the second round's outputs fail -> a refusal; the last round's -> this rank's alone
+    n = engine.tokens_per_round(torch.zeros(1, 1024, dtype=torch.bfloat16), None, 4)
+    assert [dispatch_failing(k, 2 * n + 5) for k in (1, 2, 3)] == [False, False, True]
+    assert len(w.log) == 4 * 3 - 1   # the last round's pull was not launched
+    # the call's merge fails after every round ran -> this rank's alone
+    failing["at"] = None
+    merged = internode_rounds._merged_dispatch
+
+    def no_merge(*a):
+        raise torch.cuda.OutOfMemoryError("forced: no memory for the call's outputs")
+    monkeypatch.setattr(internode_rounds, "_merged_dispatch", no_merge)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="call's outputs") as info:
+        engine.dispatch(_round_args(2 * n + 5, 8, 1024))
+    assert info.value.after_launch is True
+    monkeypatch.setattr(internode_rounds, "_merged_dispatch", merged)
+    res = engine.dispatch(_round_args(2 * n + 5, 8, 1024))
+
+    # a cached dispatch in rounds: the same rule
+    for at, alone in ((1, False), (3, True)):
+        failing.update(at=at, calls=0)
+        with pytest.raises(torch.cuda.OutOfMemoryError) as info:
+            engine.cached_dispatch(CachedDispatchArgs(x=torch.zeros(2 * n + 5, 1024, dtype=torch.bfloat16),
+                                                      x_scales=None, handle=res.handle, num_sms=4))
+        assert getattr(info.value, "after_launch", False) is alone

@@ -16,6 +16,7 @@ Buffer's comm stream; outputs are allocated on the current stream (Buffer._op or
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from .. import internode_layout as IL
 from .. import jit
 from ..contract import BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult
+from ..failures import after_launch
 from ..handles import DispatchHandle, InternodeRounds, InternodeState
 from ..windows.base import MappedWords, Window
 from . import internode_rounds as rounds
@@ -237,13 +239,14 @@ class InternodeEngine(Engine):
             num_recv = rows = self.wait_for_count("dispatch", self.notify)
             self.most_call_tokens = int(self.notify.words[2])
             counts = list(self.notify.words[3:3 + num_experts // R])
-        recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
-        recv_scales = None if x_scales is None else torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
-        recv_idx = recv_w = None
-        if topk:
-            recv_idx = torch.empty(rows, topk, dtype=torch.int64, device=dev)
-            recv_w = torch.empty(rows, topk, dtype=torch.float32, device=dev)
-        recv_src = None if cached else torch.empty(rows, dtype=torch.int32, device=dev)   # a handle field
+        try:
+            recv_x, recv_scales, recv_idx, recv_w, recv_src = self._dispatch_outputs(
+                rows, hidden, x.dtype, x_scales, num_scales, topk, not cached, dev)
+        except BaseException:
+            # The op is this rank's already: forward_arrivals ended it (protocol.cuh), and no peer waits for the pull
+            # below, which only reads. So the failure (out of memory, most often) is this rank's alone: raised here
+            # at once, the Buffer usable, the peers' dispatch complete.
+            raise after_launch(sys.exc_info()[1])
         p.recv_x, p.recv_scales, p.recv_topk_idx, p.recv_topk_weights, p.recv_src_idx = (
             recv_x.data_ptr(), ptr(recv_scales), ptr(recv_idx), ptr(recv_w), ptr(recv_src))
         p.max_recv_rows, p.host_out = rows, 0
@@ -258,6 +261,20 @@ class InternodeEngine(Engine):
             send_rows=send_rows.view(T, R), num_recv_tokens=num_recv, num_recv_rows=rows, num_tokens=T, hidden=hidden,
             buffer_uid=self.ctx.uid, transport_state=state)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts, new_handle)
+
+    @staticmethod
+    def _dispatch_outputs(rows: int, hidden: int, dtype: torch.dtype, x_scales: Optional[torch.Tensor],
+                          num_scales: int, topk: int, with_source: bool, dev: torch.device):
+        """(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx) of `rows` rows, on the current stream.
+        Allocated once the receive count is known, after the op's first kernels are launched."""
+        recv_x = torch.empty(rows, hidden, dtype=dtype, device=dev)
+        recv_scales = None if x_scales is None else torch.empty(rows, num_scales, dtype=x_scales.dtype, device=dev)
+        recv_idx = recv_w = None
+        if topk:
+            recv_idx = torch.empty(rows, topk, dtype=torch.int64, device=dev)
+            recv_w = torch.empty(rows, topk, dtype=torch.float32, device=dev)
+        recv_src = torch.empty(rows, dtype=torch.int32, device=dev) if with_source else None   # a handle field
+        return recv_x, recv_scales, recv_idx, recv_w, recv_src
 
     # ---- combine ----------------------------------------------------------------------------------
     def combine(self, args: CombineArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

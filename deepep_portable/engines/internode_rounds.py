@@ -14,12 +14,14 @@ tensors the kernels wrote, with no host synchronisation, so a cached dispatch in
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from ..contract import CachedDispatchArgs, CombineArgs, DispatchArgs, DispatchResult
+from ..failures import after_launch
 from ..handles import DispatchHandle, InternodeRounds
 
 
@@ -98,24 +100,50 @@ def round_args(args: DispatchArgs, k: int, tokens_per_round: int, no_counts: tor
                    expert_alignment=args.expert_alignment if k == 0 else 1)
 
 
+def round_failed(exc: BaseException, k: int, num_rounds: int) -> None:
+    """Round k of num_rounds raised `exc`. A failure after a round's launch (its outputs could not be allocated) is this
+    rank's alone only in the last round: before it, the peers wait for this rank's later rounds, so the call counts as
+    refused (failures.py tells the peers) instead."""
+    if k < num_rounds - 1:
+        exc.after_launch = False
+
+
 def dispatch(engine, args: DispatchArgs, tokens_per_round: int) -> DispatchResult:
     """A fresh dispatch (its receive count learned by the host): one op when every rank's tokens fit a round, else
     as many rounds as the largest rank needs (the first round's count messages say how many)."""
     call_tokens = args.x.size(0)
     first = args if call_tokens <= tokens_per_round else round_args(args, 0, tokens_per_round, None)
-    result = engine.dispatch_op(first.x, first.x_scales, args.num_sms, fresh=first, call_tokens=call_tokens,
-                                tokens_per_round=tokens_per_round)
+    try:
+        result = engine.dispatch_op(first.x, first.x_scales, args.num_sms, fresh=first, call_tokens=call_tokens,
+                                    tokens_per_round=tokens_per_round)
+    except BaseException as e:
+        round_failed(e, 0, rounds_for(engine.most_call_tokens, tokens_per_round))   # the count came before outputs
+        raise
     num_rounds = rounds_for(engine.most_call_tokens, tokens_per_round)
     if num_rounds == 1:
         return result
-    rank, comm = engine.rank, engine.ctx.comm_stream
-    with torch.cuda.stream(comm):   # read by the comm stream's kernels alone
+    with torch.cuda.stream(engine.ctx.comm_stream):   # read by the comm stream's kernels alone
         no_counts = torch.zeros_like(args.num_tokens_per_expert)
     results = [result]
     for k in range(1, num_rounds):
         part = round_args(args, k, tokens_per_round, no_counts)
-        results.append(engine.dispatch_op(part.x, part.x_scales, args.num_sms, fresh=part, call_tokens=call_tokens,
-                                          tokens_per_round=tokens_per_round))
+        try:
+            results.append(engine.dispatch_op(part.x, part.x_scales, args.num_sms, fresh=part,
+                                              call_tokens=call_tokens, tokens_per_round=tokens_per_round))
+        except BaseException as e:
+            round_failed(e, k, num_rounds)
+            raise
+    try:
+        return _merged_dispatch(engine, args, results, tokens_per_round, call_tokens)
+    except BaseException:
+        raise after_launch(sys.exc_info()[1])   # every round ran: nobody waits for this rank
+
+
+def _merged_dispatch(engine, args: DispatchArgs, results: List[DispatchResult], tokens_per_round: int,
+                     call_tokens: int) -> DispatchResult:
+    """The call's outputs and handle from its rounds' (on the caller's stream, filled on the comm stream)."""
+    rank, comm = engine.rank, engine.ctx.comm_stream
+    result = results[0]
     handles = [r.handle for r in results]
     num_rows = sum(h.num_recv_rows for h in handles)
     dev = args.x.device
@@ -149,12 +177,25 @@ def dispatch(engine, args: DispatchArgs, tokens_per_round: int) -> DispatchResul
 def cached_dispatch(engine, args: CachedDispatchArgs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The rounds of the handle's dispatch again, each with its own handle; no host synchronisation."""
     state: InternodeRounds = args.handle.transport_state
-    n, num_rows, dev = state.tokens_per_round, args.handle.num_recv_rows, args.x.device
     parts = []
     for k, handle in enumerate(state.rounds):
-        span = round_span(k, args.x.size(0), n)
-        parts.append(engine.dispatch_op(args.x[span], None if args.x_scales is None else args.x_scales[span],
-                                        args.num_sms, handle=handle))
+        span = round_span(k, args.x.size(0), state.tokens_per_round)
+        try:
+            parts.append(engine.dispatch_op(args.x[span], None if args.x_scales is None else args.x_scales[span],
+                                            args.num_sms, handle=handle))
+        except BaseException as e:
+            round_failed(e, k, len(state.rounds))
+            raise
+    try:
+        return _merged_cached(engine, args, parts)
+    except BaseException:
+        raise after_launch(sys.exc_info()[1])   # every round ran: nobody waits for this rank
+
+
+def _merged_cached(engine, args: CachedDispatchArgs, parts) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The call's received rows (and scales) from its rounds' (on the caller's stream, filled on the comm stream)."""
+    state: InternodeRounds = args.handle.transport_state
+    num_rows, dev = args.handle.num_recv_rows, args.x.device
     recv_x = torch.empty((num_rows, args.x.size(1)), dtype=args.x.dtype, device=dev)
     recv_scales = None if args.x_scales is None else \
         torch.empty((num_rows, args.x_scales.size(1)), dtype=args.x_scales.dtype, device=dev)

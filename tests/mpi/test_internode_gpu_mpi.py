@@ -274,6 +274,53 @@ def test_op_counter_past_2_32(pg, device, request, base_seed, per_node):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_dispatch_whose_outputs_cannot_be_allocated_fails_that_rank_alone(pg, device, request, base_seed, per_node):
+    """The dispatch allocates its outputs after its first kernels ended the op (no peer waits for a rank's pull).
+    When that allocation fails on one rank (out of memory, forced here), that rank raises it at once, its peers'
+    dispatch gives the same rows as the next one, and the next dispatch works on every rank."""
+    _usable(pg)
+    rank, num_ranks = world(pg)
+    buf = _buffer(pg, per_node)
+    engine = buf.backend.engine("normal")
+    gen = generator(request, base_seed, rank)
+    tokens, hidden, topk = 24, 1024, 4
+    experts = experts_at_least(16, num_ranks)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    idx = make_topk(tokens, topk, experts, gen).to(device)
+    w = torch.rand(tokens, topk, generator=gen).to(device)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    failing = num_ranks - 1
+    ck = Checker(pg)
+
+    def dispatch():
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)[:3]
+
+    def no_memory(*_args):
+        raise torch.cuda.OutOfMemoryError("forced by the test: no memory for the dispatch's outputs")
+
+    first, raised = None, ""
+    if rank == failing:
+        engine._dispatch_outputs = no_memory   # this instance only; removed below
+    try:
+        first = dispatch()
+    except torch.cuda.OutOfMemoryError as e:
+        raised = str(e)
+    finally:
+        engine.__dict__.pop("_dispatch_outputs", None)
+    again = dispatch()
+    torch.cuda.synchronize()
+    if rank == failing:
+        ck.true(first is None and "forced by the test" in raised, f"the failing rank must raise ({raised!r})")
+    else:
+        ck.true(first is not None and not raised, f"a peer of the failing rank must dispatch ({raised!r})")
+        if first is not None:
+            for got, expected, what in zip(first, again, ("recv_x", "recv_topk_idx", "recv_topk_weights")):
+                ck.bits(got, expected, f"{what} beside a failed rank vs the next dispatch")
+    ck.done()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_timeout_names_the_missing_rank(pg, device, request, base_seed, per_node):
     """Rank 0 never calls: every other rank raises CommTimeoutError naming a rank (0 first) within the timeout.
     Last test of the file: that Buffer is unusable afterwards, the shared ones are untouched."""
