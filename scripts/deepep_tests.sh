@@ -5,7 +5,7 @@
 #   usage: bash scripts/deepep_tests.sh DEEPEP_DIR [ranks=8] [runs="intranode ll ll-shrink ll-logfmt"]
 #   run "internode": test_internode.py over INTERNODE_NODES (2) logical nodes of INTERNODE_PER_NODE (8) ranks,
 #   launched once per node as on separate hosts, at its own sizes (num_rdma_bytes 1e9, num_nvl_bytes 2e9:
-#   16 ranks on one GPU outgrow an H100's 80 GB, 4.3-6.2 GB per rank when it ran out: use an H200).
+#   16 ranks on one GPU outgrow an H100's 80 GB, 5.1 GB per rank when it ran out: use an H200).
 #   The file asserts 8 ranks per node (DeepEP's NVLink domain is 8 GPUs); with INTERNODE_PER_NODE other than 8
 #   that assert, and only it, is relaxed in the copy, so shapes such as 4 x 4 run its cases unchanged.
 # The only change is the launch (tests/utils.py): a gloo group instead of NCCL (NCCL refuses two ranks on
