@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import sys
 import warnings
 from typing import List, Optional, Tuple, Union
 
@@ -21,7 +22,7 @@ from .config import DEFAULT_NUM_SMS, Config
 from .errors import CommError
 from .event import EventOverlap as V1EventOverlap   # the base class: a previous_event of either kind is accepted
 from .utils.event import EventOverlap               # what ops return: V2's (V1's with V2's additions), as DeepEP V2
-from .failures import collective_op
+from .failures import after_launch, collective_op
 from .handles import DispatchHandle, InternodeHandle, LowLatencyHandle
 from .contract import (BufferContext, CachedDispatchArgs, CombineArgs, DispatchArgs, LowLatencyCombineArgs,
                        LowLatencyDispatchArgs, Transport)
@@ -338,11 +339,18 @@ class Buffer:
             comm.wait_event(previous_event.event)
         else:
             stream_wait_stream(dev, self._comm_handle, compute)
-        if allocate_on_comm_stream:
-            with torch.cuda.stream(comm):
+        try:
+            if allocate_on_comm_stream:
+                with torch.cuda.stream(comm):
+                    yield
+            else:   # outputs on the current stream (a stream context costs ~10 us here)
                 yield
-        else:   # outputs on the current stream (a stream context costs ~10 us here)
-            yield
+        except BaseException:
+            # What the op enqueued on the comm stream before it raised runs on (kernels that read the caller's
+            # tensors, write outputs freed on the way out): the caller's stream waits for it, so the allocator gives
+            # none of that memory to the caller's next work before the comm stream is done with it.
+            stream_wait_stream(dev, compute, self._comm_handle)
+            raise
         if async_finish:
             tensors = [t for t in _flatten(result) if isinstance(t, torch.Tensor) and t.is_cuda]
             event = torch.cuda.Event()
@@ -478,7 +486,10 @@ class Buffer:
                 on_comm = torch.cuda.stream(self._comm_stream) if self._comm_stream is not None else \
                     contextlib.nullcontext()
                 with on_comm:
-                    handle = InternodeHandle(handle, self.nodes.ranks_per_node, self.rank)
+                    try:
+                        handle = InternodeHandle(handle, self.nodes.ranks_per_node, self.rank)
+                    except BaseException:   # the op ran in full on every rank: nobody waits for this one
+                        raise after_launch(sys.exc_info()[1])
                 result.append(handle)
         out_x = (res.recv_x, res.recv_x_scales) if x_scales is not None else res.recv_x
         return (out_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,

@@ -142,3 +142,22 @@ def test_low_latency_token_bound(one_rank_group, device):
     idx = torch.zeros(4, 2, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match="must be < 16777216"):
         buf.low_latency_dispatch(x, idx, 1 << 24, 8)
+
+
+def test_an_op_that_raises_leaves_the_callers_stream_after_the_comm_stream(monkeypatch):
+    """Buffer._op orders the comm stream after the caller's before the op's body; when the body raises (an output
+    that cannot be allocated after the kernels were enqueued), the caller's stream waits for the comm stream before
+    the error leaves, so memory those kernels read or write is not handed to the caller's next work meanwhile."""
+    import types
+
+    from deepep_portable import buffer as buffer_mod
+
+    log = []
+    monkeypatch.setattr(buffer_mod, "current_stream_handle", lambda dev: 555)
+    monkeypatch.setattr(buffer_mod, "stream_wait_stream", lambda dev, waiter, waited: log.append((waiter, waited)))
+    fake = types.SimpleNamespace(_comm_stream=object(), _comm_handle=777, _device_index=0)
+    with pytest.raises(MemoryError, match="forced"):
+        with deep_ep.Buffer._op(fake, None, False, False, []):
+            assert log == [(777, 555)]   # the comm stream after the caller's
+            raise MemoryError("forced")
+    assert log == [(777, 555), (555, 777)]   # and the caller's after the comm stream, on the way out

@@ -585,6 +585,10 @@ def test_outputs_that_cannot_be_allocated_after_the_launch_fail_this_rank_alone(
     n = engine.tokens_per_round(torch.zeros(1, 1024, dtype=torch.bfloat16), None, 4)
     assert [dispatch_failing(k, 2 * n + 5) for k in (1, 2, 3)] == [False, False, True]
     assert len(w.log) == 4 * 3 - 1   # the last round's pull was not launched
+    # this rank's 7 tokens fit one round, a peer's need three (the count says so): its first round is not the last
+    w.most_call_tokens = 2 * n + 5
+    assert [dispatch_failing(k, 7) for k in (1, 3)] == [False, True]
+    w.most_call_tokens = 0
     # the call's merge fails after every round ran -> this rank's alone
     failing["at"] = None
     merged = internode_rounds._merged_dispatch

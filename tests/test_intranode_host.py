@@ -227,7 +227,8 @@ def test_eager_combine_launches_what_the_full_path_launches(monkeypatch, topk, o
     """On an engine whose launches are recorded: the eager path launches the same kernels, with the same grid, block,
     stream and params bytes (but the fresh output pointers) as the full path; the comm stream waits for the caller's
     before the first and the caller's for the comm stream after the last. When the outputs cannot be allocated, both
-    launch the stage, then a pull of no tokens, and raise."""
+    launch the stage, then a pull of no tokens, and raise (the eager path after the caller's stream waits for the pull,
+    which reads x; the full path's wait is Buffer._op's)."""
     import torch
     from deepep_portable.contract import CombineArgs
     from deepep_portable.handles import DispatchHandle
@@ -266,9 +267,9 @@ def test_eager_combine_launches_what_the_full_path_launches(monkeypatch, topk, o
     assert first[0][6] == first[1][6]   # the stage's params, byte for byte
     waits = [e for e in eager if e[0] == "wait"]
     assert eager[0] == ("wait", 555, 777)
-    assert waits == ([("wait", 555, 777)] if outputs_fail else [("wait", 555, 777), ("wait", 777, 555)])
+    assert waits == [("wait", 555, 777), ("wait", 777, 555)] and eager[-1] == ("wait", 777, 555)
     if not outputs_fail:
-        assert eager[-1] == ("wait", 777, 555) and eng.eager_combines == 1
+        assert eng.eager_combines == 1
         pull = intranode.CombineParams.from_buffer_copy(eager[2][6])
         assert (pull.num_tokens, pull.x_rows) == (tokens, rows) and pull.out != 0
     else:

@@ -460,8 +460,10 @@ class IntranodeEngine(Engine):
         try:
             out, out_w = self._combine_outputs(handle.num_tokens, hidden, topk, self.ctx.device)
         except BaseException:
-            # As the full path: a pull of no tokens still announces READY and gives the peers DONE.
+            # As the full path: a pull of no tokens still announces READY and gives the peers DONE; the caller's stream
+            # waits for it (it reads x) as Buffer._op's does on any exception.
             plan.pull.launch(plan.grid, threads, 0, comm, stage_params)
+            stream_wait_stream(dev, current, comm)
             raise after_launch(sys.exc_info()[1])
         plan.pull.launch(plan.grid, threads, 0, comm,
                          plan.head + _CALL_WORDS.pack(lo, weights, rows, prefix, send_rows, 0, 0, out.data_ptr(),
