@@ -104,8 +104,10 @@ def test_maps_every_peer_but_itself_and_caps_the_grid(fake):
     w.errors.words[0], w.errors.words[3] = 1, 2
     assert w.recorded_error()[0] == 1 and w.recorded_error()[3] == 2
     base, opened = w.base, list(w._opened)
+    assert id(w) in window_base._live_windows[0]   # counted among the open windows (Window.grid) ...
     w.close()
     assert sorted(fake.closed) == sorted(opened) and fake.freed == [base] and comm.barriers == 1
+    assert id(w) not in window_base._live_windows.get(0, {})   # ... until closed, not until collected
     w.close()   # idempotent
     assert fake.freed == [base]
 
@@ -169,9 +171,11 @@ def test_a_peer_handle_that_will_not_open_is_told_to_every_rank(fake, monkeypatc
     sent = []
     gather = comm.allgather_object
     comm.allgather_object = lambda me: sent.append(me) or gather(me)
+    open_before = set(window_base._live_windows.get(0, {}))
     with pytest.raises(RuntimeError, match=r"mapping the peers' windows failed: rank [02]: RuntimeError: "
                                            r"cuIpcOpenMemHandle failed") as info:
         ipc.IpcWindow(ctx_for(comm, 0, 3), 4096, 256, "num_nvl_bytes")
+    assert set(window_base._live_windows.get(0, {})) == open_before   # the failed window counts for no Buffer
     assert ("rank 0:" in str(info.value)) == (failing == "me") and len(sent) == 2
     assert (sent[1] is not None) == (failing == "me")
     assert sorted(fake.closed) == sorted(fake.opened) and len(fake.opened) == (1 if failing == "me" else 2)

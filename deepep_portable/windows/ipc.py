@@ -24,7 +24,7 @@ import torch
 from ..contract import BufferContext
 from ..device import device_index, device_uuid
 from ..topology import node_identity
-from .base import ERROR_WORDS, MappedWords, Window, agreed_problems, rank_problem
+from .base import ERROR_WORDS, MappedWords, Window, _forget, agreed_problems, rank_problem
 
 
 def exchange_fds(comm, rank: int, num_ranks: int, fd: int, tag: str, timeout_s: float) -> List[Optional[int]]:
@@ -212,10 +212,7 @@ class IpcWindow(Window):
                     os.close(got)
         problems = agreed_problems(ctx.comm, problem)
         if problems:
-            for b in self._opened:
-                _C.vmm_free(self.dev, b, self.size)
-            self._opened = []
-            self._free_own()
+            self._release()
             raise RuntimeError("sharing the window as VMM memory by file descriptor failed: " + "; ".join(problems)
                                + (f" ({self.legacy_switch}=0 on every rank uses legacy CUDA IPC instead)"
                                   if self.legacy_switch else ""))
@@ -240,7 +237,8 @@ class IpcWindow(Window):
             self._release()
 
     def _release(self) -> None:
-        """Unmap every peer's window, free my own and the error record."""
+        """Unmap every peer's window, free my own and the error record; the window no longer counts among the
+        process's open ones (Window.grid)."""
         from .. import _C
 
         for b in self._opened:
@@ -252,3 +250,4 @@ class IpcWindow(Window):
         self._free_own()
         if self.errors is not None:
             self.errors.free()
+        _forget(self.dev, id(self))
