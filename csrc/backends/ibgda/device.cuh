@@ -76,7 +76,14 @@ struct IbgdaTransport {
     // Known at run time only (which peers are load/store, the NIC's link layer, the channels the host made):
     // declared conservatively here; the host's record says what this Buffer has.
     static constexpr Capabilities capabilities() {
-        return Capabilities{false, true, true, 1, true, Network::kOther};
+        Capabilities c{};
+        c.peer_load_store = false;
+        c.remote_atomics = true;
+        c.ordered_delivery = true;
+        c.max_channels = 1;
+        c.graph_safe = true;
+        c.network = Network::kOther;
+        return c;
     }
 
     // A network FETCH_ADD costs a round trip per call: the LL dispatch takes its path without it.

@@ -60,7 +60,14 @@ struct NcclGinTransport {
     // Which peers are LSA is known at run time only; channels are GIN contexts; ordering per (context, peer)
     // holds only for strong signals, so ordered_delivery is false.
     static constexpr Capabilities capabilities() {
-        return Capabilities{false, false, false, 1, true, Network::kOther};
+        Capabilities c{};
+        c.peer_load_store = false;
+        c.remote_atomics = false;
+        c.ordered_delivery = false;
+        c.max_channels = 1;
+        c.graph_safe = true;
+        c.network = Network::kOther;
+        return c;
     }
 
     static constexpr bool kCheapFetchAdd = false;   // no fetching atomic over GIN

@@ -20,7 +20,14 @@ namespace deepep_portable::transport {
 struct NvlinkTransport : PeerBuffers {
 
     static constexpr Capabilities capabilities() {
-        return Capabilities{true, false, true, 1, true, Network::kNone};
+        Capabilities c{};
+        c.peer_load_store = true;
+        c.remote_atomics = false;
+        c.ordered_delivery = true;
+        c.max_channels = 1;
+        c.graph_safe = true;
+        c.network = Network::kNone;
+        return c;
     }
 
     // Whether fetch_add is cheap depends on how the windows are mapped (the host says, -D): on the

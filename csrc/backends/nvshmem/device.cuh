@@ -86,7 +86,14 @@ struct NvshmemTransport {
     // remote_atomics: fetch_add is an NVSHMEM AMO for peers behind a network.
     // network: whichever NVSHMEM picked (P2P, IBGDA, IBRC, UCX, libfabric): kOther.
     static constexpr Capabilities capabilities() {
-        return Capabilities{false, true, false, 1, true, Network::kOther};
+        Capabilities c{};
+        c.peer_load_store = false;
+        c.remote_atomics = true;
+        c.ordered_delivery = false;
+        c.max_channels = 1;
+        c.graph_safe = true;
+        c.network = Network::kOther;
+        return c;
     }
 
     // fetch_add is cheap enough to use once per (expert, sender): a system-scope atomic on NVSHMEM's
