@@ -12,13 +12,14 @@ the model's writes meet in host memory: slow, but the device code is the code th
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import mmap
 import os
 import subprocess
 import tempfile
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -68,6 +69,21 @@ def _load(path: str):
     lib.nms_post_write_signal.argtypes = [u64, u64, u64, u32, u64, u64, ctypes.c_double]
     lib.nms_post_write_signal.restype = ctypes.c_int
     return lib
+
+
+@contextlib.contextmanager
+def installed(factory: Optional[Callable] = None):
+    """While inside: the NIC model (or `factory`, a provider factory) is the ibgda backend's provider in this
+    process. The provider found on entry is put back on exit, so a test's own model inside the session's (the
+    MPI suites' conftest installs one for a whole pytest run) leaves the session's in place for the next file."""
+    from deepep_portable.transports.ibgda import provider
+
+    before = provider.installed()
+    provider.install(factory if factory is not None else (lambda ctx: ModelProvider(ctx)))
+    try:
+        yield
+    finally:
+        provider.install(before)
 
 
 class _Mapping:

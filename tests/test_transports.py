@@ -357,6 +357,31 @@ def test_ibgda_probe_with_an_installed_provider(monkeypatch):
     assert probe.probe("ibgda").reason != s.reason
 
 
+def test_a_tests_nic_model_inside_the_sessions_leaves_the_sessions_in_place():
+    """The MPI suites' conftest installs the NIC model for a whole pytest run (DEEPEP_TEST_IBGDA_MODEL=1) and a
+    test may install its own inside it; leaving the inner one puts the session's back, so a file run after it in
+    the same process (verify runs the self-test and the low-latency suite in one) still finds a provider."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ibgda_model
+    from deepep_portable.transports.ibgda import provider
+
+    def session(ctx):
+        return None
+
+    def inner(ctx):
+        return None
+
+    assert provider.installed() is None
+    with ibgda_model.installed(session):
+        with ibgda_model.installed(inner):
+            assert provider.installed() is inner
+        assert provider.installed() is session
+        with ibgda_model.installed():   # the model itself
+            assert provider.installed() not in (None, session)
+        assert provider.installed() is session
+    assert provider.installed() is None
+
+
 def test_ibgda_no_sysfs_dir(tmp_path):
     s = ibgda_probe.probe_ibgda(str(tmp_path / "absent"))
     assert not s.usable

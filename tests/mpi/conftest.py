@@ -91,11 +91,9 @@ def ibgda_nic_model():
         yield
         return
     import ibgda_model
-    from deepep_portable.transports.ibgda import provider
 
-    provider.install(lambda ctx: ibgda_model.ModelProvider(ctx))
-    yield
-    provider.install(None)
+    with ibgda_model.installed():
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -57,14 +57,11 @@ def nic_model():
     """The tests' NIC model installed as the ibgda backend's provider for one test."""
     import sys
 
-    from deepep_portable.transports.ibgda import provider
-
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import ibgda_model
 
-    provider.install(lambda ctx: ibgda_model.ModelProvider(ctx))
-    yield
-    provider.install(None)
+    with ibgda_model.installed():   # the session's model, when DEEPEP_TEST_IBGDA_MODEL=1 installed one, comes back
+        yield
 
 
 @pytest.fixture
