@@ -176,7 +176,12 @@ class Window:
                 if getattr(self, "errors", None) is not None:
                     self.errors.free()
                 self.base = None
-                _forget(getattr(self, "dev", -1), id(self))
+                self._stop_counting()
+
+    def _stop_counting(self) -> None:
+        """This window no longer counts among the process's open ones (grid), from now rather than when it is
+        collected: a closed or failed window may stay referenced for a while (an exception's traceback holds it)."""
+        _forget(getattr(self, "dev", -1), id(self))
 
     def grid(self, num_sms: int) -> int:
         """Blocks per kernel: the caller's SM budget, capped so that every rank sharing this GPU fits at once,

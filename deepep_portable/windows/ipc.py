@@ -24,7 +24,7 @@ import torch
 from ..contract import BufferContext
 from ..device import device_index, device_uuid
 from ..topology import node_identity
-from .base import ERROR_WORDS, MappedWords, Window, _forget, agreed_problems, rank_problem
+from .base import ERROR_WORDS, MappedWords, Window, agreed_problems, rank_problem
 
 
 def exchange_fds(comm, rank: int, num_ranks: int, fd: int, tag: str, timeout_s: float) -> List[Optional[int]]:
@@ -250,4 +250,4 @@ class IpcWindow(Window):
         self._free_own()
         if self.errors is not None:
             self.errors.free()
-        _forget(self.dev, id(self))
+        self._stop_counting()
