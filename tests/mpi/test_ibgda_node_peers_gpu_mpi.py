@@ -116,8 +116,6 @@ def test_low_latency_node_traffic_skips_the_nic(mpi_comm, pg, device, request, b
     from test_low_latency_gpu_mpi import run_pair
     from test_reference_mpi import generator
 
-    from deepep_portable.transports.ibgda import provider
-
     R, me = mpi_comm.Get_size(), mpi_comm.Get_rank()
     problem = None
     if me == 0:
@@ -139,45 +137,44 @@ def test_low_latency_node_traffic_skips_the_nic(mpi_comm, pg, device, request, b
 
     P = _layout(R)
     node = _node(me, P)
-    before, old_sms = provider.installed(), deep_ep.Buffer.num_sms
-    provider.install(lambda ctx: NodeModel(ctx))
-    deep_ep.Buffer.set_num_sms(8)
-    found, buf = [], None
-    try:
-        hidden, experts = 2048, 256 // R * R
-        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(128, hidden, R, experts)
-        buf = deep_ep.Buffer(pg, 0, rdma, low_latency_mode=True, num_qps_per_rank=C, transport="ibgda",
-                             ranks_per_node=P, allow_nvlink_for_low_latency_mode=nvlink, explicitly_destroy=True)
-        ck = GpuChecker(pg)
-        gen = generator(request, base_seed, me)
-        run_pair(buf, pg, gen, device, ck, hidden=hidden, num_tokens=128, mode="bf16", tag="node peers")
-        ck.done()   # collective: every rank's findings, asserted on every rank
-        window = buf.backend.engine("low_latency").window
-        torch.cuda.synchronize(device)
-        posted = [sum(int(_word(q.sq.reserve, device).item()) for q in row) for row in window.queues]
-        queues = [len(row) for row in window.queues]
-        if nvlink:
-            if any(queues[r] for r in node) or any(queues[r] != C for r in range(R) if r not in node):
-                found.append(f"queues per rank {queues} (node {node})")
-            if any(posted[r] == 0 for r in range(R) if r not in node):
-                found.append(f"WQEBBs posted per rank {posted}: another node's rank got none")
-            if buf.capabilities["peer_load_store"]:
-                found.append("capabilities say every peer is load/store over two nodes")
-        else:
-            if queues != [C] * R or any(p == 0 for p in posted):
-                found.append(f"queues {queues}, WQEBBs posted per rank {posted}: every rank through the NIC")
-    except Exception as e:   # noqa: BLE001 - agreed below
-        found.append(f"{type(e).__name__}: {e}")
-    finally:
-        everyone = mpi_comm.allgather(found)
+    old_sms = deep_ep.Buffer.num_sms
+    with ibgda_model.installed(lambda ctx: NodeModel(ctx)):
+        deep_ep.Buffer.set_num_sms(8)
+        found, buf = [], None
         try:
-            if buf is not None and not any(everyone):
-                window = buf.backend.engine("low_latency").window
-                buf.destroy()   # collective
-                if window.provider.problems:
-                    found.append(f"the NIC model saw {window.provider.problems} broken rules")
+            hidden, experts = 2048, 256 // R * R
+            rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(128, hidden, R, experts)
+            buf = deep_ep.Buffer(pg, 0, rdma, low_latency_mode=True, num_qps_per_rank=C, transport="ibgda",
+                                 ranks_per_node=P, allow_nvlink_for_low_latency_mode=nvlink, explicitly_destroy=True)
+            ck = GpuChecker(pg)
+            gen = generator(request, base_seed, me)
+            run_pair(buf, pg, gen, device, ck, hidden=hidden, num_tokens=128, mode="bf16", tag="node peers")
+            ck.done()   # collective: every rank's findings, asserted on every rank
+            window = buf.backend.engine("low_latency").window
+            torch.cuda.synchronize(device)
+            posted = [sum(int(_word(q.sq.reserve, device).item()) for q in row) for row in window.queues]
+            queues = [len(row) for row in window.queues]
+            if nvlink:
+                if any(queues[r] for r in node) or any(queues[r] != C for r in range(R) if r not in node):
+                    found.append(f"queues per rank {queues} (node {node})")
+                if any(posted[r] == 0 for r in range(R) if r not in node):
+                    found.append(f"WQEBBs posted per rank {posted}: another node's rank got none")
+                if buf.capabilities["peer_load_store"]:
+                    found.append("capabilities say every peer is load/store over two nodes")
+            else:
+                if queues != [C] * R or any(p == 0 for p in posted):
+                    found.append(f"queues {queues}, WQEBBs posted per rank {posted}: every rank through the NIC")
+        except Exception as e:   # noqa: BLE001 - agreed below
+            found.append(f"{type(e).__name__}: {e}")
         finally:
-            provider.install(before)
-            deep_ep.Buffer.num_sms = old_sms
+            everyone = mpi_comm.allgather(found)
+            try:
+                if buf is not None and not any(everyone):
+                    window = buf.backend.engine("low_latency").window
+                    buf.destroy()   # collective
+                    if window.provider.problems:
+                        found.append(f"the NIC model saw {window.provider.problems} broken rules")
+            finally:
+                deep_ep.Buffer.num_sms = old_sms
     everyone = mpi_comm.allgather(found)
     assert not any(everyone), [f"rank {r}: {f}" for r, f in enumerate(everyone) if f]
